@@ -1,0 +1,164 @@
+"""MegaTrainConfig: the one policy dataclass behind the engine, the Trainer and the Accelerate plugin.
+
+Mechanism modules take explicit arguments; only this file decides defaults, validates user input and
+knows the names users type (in yaml, in ``MEGATRAIN_*`` env vars, in ``TrainingArguments``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(name: str | torch.dtype, what: str, allowed: tuple[str, ...] = ("float32", "bfloat16")) -> torch.dtype:
+    """Map a user-typed dtype name to a torch dtype, rejecting anything not in ``allowed`` with a clear message."""
+    if isinstance(name, torch.dtype):
+        name = str(name).replace("torch.", "")
+    dtype = _DTYPES.get(str(name).lower())
+    if dtype is None or str(dtype).replace("torch.", "") not in allowed:
+        raise ValueError(f"{what}={name!r} is not supported; use one of {list(allowed)}")
+    return dtype
+
+
+@dataclass
+class MegaTrainConfig:
+    """Policy for streamed full-precision training.
+
+    Attributes:
+        compute_dtype: dtype layer weights are streamed and computed in ("bfloat16" or "float32").
+            Master weights, gradients and AdamW state are always FP32 on the host.
+        micro_batch_size: split each batch into chunks of this many sequences *inside* each layer visit,
+            so a layer's weights cross PCIe once per pass however many micro-batches the step has.
+            0 = no split (the whole batch runs through a layer at once).
+        num_slots: GPU weight slots (>= 2 for double buffering).
+        loss_chunk_tokens: tokens per chunk of the fused linear cross-entropy (bounds [chunk, vocab] logits).
+        layers_path: dotted path to the decoder-layer ``nn.ModuleList`` when it cannot be found automatically,
+            e.g. "model.layers".
+        host_memory_fraction: refuse to build a host store needing more than this fraction of available RAM.
+        pin_memory: pin host buffers (only honoured when CUDA is available).
+        optimizer: CPU optimizer kernel ("adamw": torch fused CPU AdamW).
+        overlap_optimizer: step each layer in a background thread while the next forward streams earlier layers.
+        grad_offload_dtype: dtype gradients cross PCIe in ("float32" exact accumulation, or "bfloat16").
+        save_dtype: dtype of exported standard checkpoints ("float32" default, "bfloat16").
+        skip_nonfinite: skip the optimizer step (state untouched) when the gradient norm is not finite.
+    """
+
+    compute_dtype: str = "bfloat16"
+    micro_batch_size: int = 0
+    num_slots: int = 2
+    loss_chunk_tokens: int = 4096
+    layers_path: str | None = None
+    host_memory_fraction: float = 0.9
+    pin_memory: bool = True
+    optimizer: str = "adamw"
+    overlap_optimizer: bool = True
+    grad_offload_dtype: str = "float32"
+    save_dtype: str = "float32"
+    skip_nonfinite: bool = True
+    extra: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        parse_dtype(self.compute_dtype, "compute_dtype")
+        parse_dtype(self.grad_offload_dtype, "grad_offload_dtype")
+        parse_dtype(self.save_dtype, "save_dtype")
+        if self.optimizer not in ("adamw", "adamw_torch", "adamw_torch_fused"):
+            raise ValueError(f"optimizer={self.optimizer!r} is not supported by hf_megatrain; use 'adamw' "
+                             "(torch fused CPU AdamW over the FP32 master)")
+        if self.num_slots < 2:
+            raise ValueError(f"num_slots={self.num_slots}: need at least 2 GPU slots for double buffering")
+        if self.micro_batch_size < 0:
+            raise ValueError(f"micro_batch_size={self.micro_batch_size} must be >= 0 (0 = no split)")
+        if self.loss_chunk_tokens <= 0:
+            raise ValueError(f"loss_chunk_tokens={self.loss_chunk_tokens} must be > 0")
+        if not 0.0 < self.host_memory_fraction <= 1.0:
+            raise ValueError(f"host_memory_fraction={self.host_memory_fraction} must be in (0, 1]")
+        if self.extra:
+            raise ValueError(f"unknown MegaTrain config keys {sorted(self.extra)}; valid keys: {self.valid_keys()}")
+
+    # -- typed views -------------------------------------------------------------------------------------------------
+    @property
+    def torch_compute_dtype(self) -> torch.dtype:
+        return parse_dtype(self.compute_dtype, "compute_dtype")
+
+    @property
+    def torch_grad_offload_dtype(self) -> torch.dtype:
+        return parse_dtype(self.grad_offload_dtype, "grad_offload_dtype")
+
+    @property
+    def torch_save_dtype(self) -> torch.dtype:
+        return parse_dtype(self.save_dtype, "save_dtype")
+
+    # -- construction from user input --------------------------------------------------------------------------------
+    @classmethod
+    def valid_keys(cls) -> list[str]:
+        return [f.name for f in fields(cls) if f.name != "extra"]
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> "MegaTrainConfig":
+        data = dict(data or {})
+        known = {k: data.pop(k) for k in list(data) if k in cls.valid_keys()}
+        return cls(**known, extra=data)
+
+    @classmethod
+    def from_yaml(cls, path: str) -> "MegaTrainConfig":
+        import yaml  # only needed when a yaml path is given
+
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+        if "megatrain" in data and isinstance(data["megatrain"], dict):  # combined launch yaml
+            data = data["megatrain"]
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_any(cls, value: "MegaTrainConfig | dict | str | None") -> "MegaTrainConfig":
+        if value is None:
+            return cls()
+        if isinstance(value, MegaTrainConfig):
+            return value
+        if isinstance(value, dict):
+            return cls.from_dict(value)
+        if isinstance(value, str):
+            if value.strip().startswith("{"):
+                import json
+
+                return cls.from_dict(json.loads(value))
+            return cls.from_yaml(value)
+        raise TypeError(f"cannot build a MegaTrainConfig from {type(value).__name__}; pass a dict, a yaml path or "
+                        "a MegaTrainConfig")
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None, prefix: str = "MEGATRAIN_") -> dict[str, Any]:
+        """Collect ``MEGATRAIN_<KEY>`` variables as a dict (typed by the field's default). Unknown keys raise."""
+        environ = dict(os.environ if environ is None else environ)
+        out: dict[str, Any] = {}
+        types = {f.name: f for f in fields(cls)}
+        skip = {"MEGATRAIN_CONFIG", "MEGATRAIN_ENABLED"}
+        for key, raw in environ.items():
+            if not key.startswith(prefix) or key in skip:
+                continue
+            name = key[len(prefix):].lower()
+            if name not in types or name == "extra":
+                raise ValueError(f"unknown environment variable {key}; valid: "
+                                 f"{[prefix + k.upper() for k in cls.valid_keys()]}")
+            default = types[name].default
+            if isinstance(default, bool):
+                out[name] = raw.strip().lower() in ("1", "true", "yes", "on")
+            elif isinstance(default, int):
+                out[name] = int(raw)
+            elif isinstance(default, float):
+                out[name] = float(raw)
+            else:
+                out[name] = None if raw == "" else raw
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.pop("extra")
+        return d

@@ -1,0 +1,220 @@
+"""MegaTrainEngine: turns a Hugging Face causal LM into a streamed, host-mastered training model.
+
+``prepare`` moves every trainable weight into the ``HostStore`` (FP32 master), swaps each decoder layer for a
+``StreamedLayer`` proxy run by the ``StreamingExecutor``, and keeps the rest of the model (embeddings, final
+norm, lm_head, rotary tables) resident on the device in compute dtype. ``forward`` runs the HF model's own
+decoder loop (so masks, rotary, per-layer attention types are exactly HF's) and a chunked linear cross-entropy
+head; ``loss.backward()`` streams the layers back. ``create_optimizer`` gives the CPU AdamW over the store.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from .config import MegaTrainConfig
+from .executor import StreamedLayer, StreamingExecutor
+from .host_store import HostStore, Unit
+from .layers import find_layer_stack, group_layers
+from .loss import linear_cross_entropy
+from .optimizer import CPUAdamW
+from .template import LayerTemplate
+
+# transformers.Trainer.get_decay_parameter_names: no decay for biases and norm weights.
+_NO_DECAY = [re.compile(p) for p in (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")]
+
+
+def default_decay_names(model: nn.Module) -> set[str]:
+    """Names Trainer would weight-decay (same rule as ``Trainer.get_decay_parameter_names``)."""
+    out = set()
+    for mname, module in model.named_modules():
+        if isinstance(module, nn.LayerNorm):
+            continue
+        for pname, _ in module.named_parameters(recurse=False):
+            full = f"{mname}.{pname}" if mname else pname
+            if not any(p.search(full.lower()) for p in _NO_DECAY):
+                out.add(full)
+    return out
+
+
+@dataclass
+class MegaTrainOutput:
+    loss: torch.Tensor | None
+    logits: torch.Tensor | None = None
+
+
+class MegaTrainEngine:
+    def __init__(self, model: nn.Module, config: MegaTrainConfig | None = None,
+                 device: torch.device | str | None = None, decay_names: set[str] | None = None) -> None:
+        self.config = config = config or MegaTrainConfig()
+        self.model = model
+        self.device = torch.device(device) if device is not None else (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+        self.compute_dtype = config.torch_compute_dtype
+        pin = config.pin_memory and self.device.type == "cuda"
+        if hasattr(model, "config"):
+            model.config.use_cache = False
+        self.stack = find_layer_stack(model, config.layers_path)
+        layers = self.stack.layers
+        decay = default_decay_names(model) if decay_names is None else set(decay_names)
+
+        # Layouts: one unit per layer, then one resident unit (parameters shared by tying appear once).
+        layer_param_ids = {id(p) for p in layers.parameters()}
+        layouts, streamed = [], []
+        for i, layer in enumerate(layers):
+            prefix = f"{self.stack.path}.{i}."
+            layouts.append([(prefix + n, n, tuple(p.shape), prefix + n in decay)
+                            for n, p in layer.named_parameters() if p.requires_grad])
+            streamed.append(True)
+        resident = [(n, p) for n, p in model.named_parameters() if id(p) not in layer_param_ids and p.requires_grad]
+        layouts.append([(n, n, tuple(p.shape), n in decay) for n, p in resident])
+        streamed.append(False)
+        self.store = HostStore(layouts, compute_dtype=self.compute_dtype, pin=pin,
+                               memory_fraction=config.host_memory_fraction, streamed=streamed)
+        self.layer_units = self.store.units[:-1]
+        self.resident_unit = self.store.units[-1]
+        self.resident_params: dict[str, nn.Parameter] = dict(resident)
+
+        # Layers -> host store + templates + proxies. One layer at a time, so peak memory grows by one layer.
+        kinds = group_layers(layers)
+        templates: dict[int, LayerTemplate] = {}
+        buffers: list[dict[str, torch.Tensor]] = []
+        originals = list(layers)
+        for i, layer in enumerate(originals):
+            unit = self.layer_units[i]
+            if kinds[i] not in templates:
+                templates[kinds[i]] = LayerTemplate(layer, unit.params)
+            if not next(layer.parameters(), torch.empty(0, device='meta')).is_meta:
+                for n, p in layer.named_parameters():
+                    if p.requires_grad:
+                        self.store.load_(f"{self.stack.path}.{i}.{n}", p.detach())
+            buffers.append({n: b.to(self.device) for n, b in layer.named_buffers()})
+        self.executor = StreamingExecutor(
+            self.layer_units, kinds, [templates[k] for k in range(len(templates))], buffers, device=self.device,
+            compute_dtype=self.compute_dtype, grad_offload_dtype=config.torch_grad_offload_dtype,
+            num_slots=config.num_slots, micro_batch_size=config.micro_batch_size, pin=pin)
+        for i, layer in enumerate(originals):
+            layers[i] = StreamedLayer(self.executor, i, layer)
+            layer.to("meta")  # free the original weights now that the store holds them
+        del originals
+
+        # Resident parameters: master on the host, working copy on the device in compute dtype.
+        for name, p in self.resident_params.items():
+            if not p.is_meta:
+                self.store.load_(name, p.detach())
+        self.store.sync_all_compute_()
+        for name, p in self.resident_params.items():
+            p.data = torch.empty(p.shape, dtype=self.compute_dtype, device=self.device)
+        self._push_resident()
+        for mod in model.modules():  # rotary tables and other buffers follow to the device, dtype unchanged
+            for bname, b in list(mod._buffers.items()):
+                if b is not None and not b.is_meta:
+                    mod._buffers[bname] = b.to(self.device)
+        self.optimizer: CPUAdamW | None = None
+
+    # -- parameters ------------------------------------------------------------------------------------------------------
+    def _push_resident(self, unit: Unit | None = None) -> None:
+        """Copy the resident masters (via their streaming copy) into the device working parameters."""
+        u = self.resident_unit
+        for p in u.params:
+            self.resident_params[p.name].data.copy_(u.view(u.compute, p))
+
+    def load_master_(self, name: str, tensor: torch.Tensor) -> None:
+        self.store.load_(name, tensor)
+
+    def sync_device_(self) -> None:
+        """After masters changed outside the optimizer (loading a checkpoint): refresh copies on both sides."""
+        self.store.sync_all_compute_()
+        self._push_resident()
+        self.executor.invalidate()
+
+    def named_master_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF parameter name, FP32 master) for every trainable parameter; tied names appear once."""
+        for unit in self.store.units:
+            for p in unit.params:
+                yield p.name, unit.view(unit.master, p)
+
+    def num_parameters(self) -> int:
+        return self.store.numel
+
+    # -- gradients -------------------------------------------------------------------------------------------------------
+    def finish_backward(self) -> None:
+        """Land all gradients of the backward(s) so far in the host store (FP32 accumulation)."""
+        self.executor.finish()
+        u = self.resident_unit
+        grads = {p.name: self.resident_params[p.name].grad for p in u.params}
+        if all(g is None for g in grads.values()):
+            return
+        for p in u.params:
+            g, dst = grads[p.name], u.view(u.grad, p)
+            if g is None:  # no gradient reached this parameter: it contributes zeros
+                if not u.grad_valid:
+                    dst.zero_()
+                continue
+            if u.grad_valid:
+                dst.add_(g.to(torch.float32))
+            else:
+                dst.copy_(g)
+            self.resident_params[p.name].grad = None
+        u.grad_valid = True
+
+    # -- forward -----------------------------------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, num_items_in_batch: torch.Tensor | int | None = None,
+                return_logits: bool = False, **kwargs: Any) -> MegaTrainOutput:
+        if self.optimizer is not None:
+            self.optimizer.wait_unit(self.resident_unit.index)
+        if self.executor.backward_ran or any(p.grad is not None for p in self.resident_params.values()):
+            self.finish_backward()
+        self.executor.training = self.model.training
+        dev = self.device
+        move = lambda t: t.to(dev, non_blocking=True) if isinstance(t, torch.Tensor) else t  # noqa: E731
+        kwargs = {k: move(v) for k, v in kwargs.items()}
+        base = self._decoder()
+        out = base(input_ids=move(input_ids), attention_mask=move(attention_mask), use_cache=False, **kwargs)
+        hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state  # [B, T, H]
+        head = self.model.get_output_embeddings()
+        softcap = getattr(getattr(self.model, "config", None), "final_logit_softcapping", None)
+        loss = None
+        if labels is not None:
+            loss = linear_cross_entropy(hidden, head.weight, move(labels), bias=getattr(head, "bias", None),
+                                        num_items_in_batch=num_items_in_batch,
+                                        chunk_tokens=self.config.loss_chunk_tokens, softcap=softcap)
+        logits = None
+        if return_logits:
+            logits = head(hidden)
+            if softcap:
+                logits = torch.tanh(logits / softcap) * softcap
+        return MegaTrainOutput(loss=loss, logits=logits)
+
+    __call__ = forward
+
+    def _decoder(self) -> nn.Module:
+        # The module that owns the layer stack (e.g. LlamaModel) runs embeddings -> layers -> final norm.
+        return self.stack.parent
+
+    # -- optimizer ---------------------------------------------------------------------------------------------------------
+    def create_optimizer(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                         weight_decay: float = 0.0, max_grad_norm: float | None = None) -> CPUAdamW:
+        order = [self.resident_unit.index] + [u.index for u in self.layer_units]
+        opt = CPUAdamW(self.store, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                       max_grad_norm=max_grad_norm, unit_order=order, skip_nonfinite=self.config.skip_nonfinite,
+                       overlap=self.config.overlap_optimizer, before_step=self._before_step,
+                       after_unit=self._after_unit)
+        self.optimizer = opt
+        self.executor.wait_for_unit = lambda i: opt.wait_unit(self.layer_units[i].index)
+        return opt
+
+    def _before_step(self) -> None:
+        self.finish_backward()
+        self.executor.invalidate()
+
+    def _after_unit(self, unit: Unit) -> None:
+        if unit is self.resident_unit:
+            self._push_resident()
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()

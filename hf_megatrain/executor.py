@@ -1,0 +1,252 @@
+"""StreamingExecutor: runs decoder layer i from a GPU slot while layer i±1 streams into another.
+
+The HF model's own forward loop still calls ``model.layers[i](hidden, **kwargs)``; each entry is a
+``StreamedLayer`` proxy whose call is one autograd Function. Its forward binds the slot's weights into the
+layer's stateless template and runs under ``no_grad`` (keeping only the boundary activation); its backward
+recomputes the layer with grad, sends the weight gradient to the host and returns the input gradient. Autograd
+calls the backwards in reverse layer order, so prefetching i-1 in the backward of i double-buffers both passes.
+
+Streams (CUDA): H2D prefetch, compute (the current stream), D2H gradient offload; ordered with events:
+
+    h2d:     [load i+1 into slot B] ......... waits slot B's last compute
+    compute: [wait ready A][layer i on A] [wait ready B][layer i+1 on B] ...
+    d2h:                     [grad i -> host] waits the copy of grad i into an offload buffer
+
+On the CPU the same calls run in program order.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .host_store import Unit
+from .layers import copy_plain_attributes
+from .memory import alloc_host
+from .streams import StreamSet
+from .template import LayerTemplate
+
+
+def _batch_slice(obj: Any, a: int, b: int, batch: int) -> Any:
+    """Slice every tensor whose leading dim is the batch; broadcastable (dim 0 == 1) tensors pass unchanged."""
+    if isinstance(obj, torch.Tensor):
+        return obj[a:b] if obj.dim() > 0 and obj.shape[0] == batch else obj
+    if isinstance(obj, tuple):
+        return tuple(_batch_slice(x, a, b, batch) for x in obj)
+    if isinstance(obj, list):
+        return [_batch_slice(x, a, b, batch) for x in obj]
+    if isinstance(obj, dict):
+        return {k: _batch_slice(v, a, b, batch) for k, v in obj.items()}
+    return obj
+
+
+def _first(out: Any) -> torch.Tensor:
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+class StreamingExecutor:
+    def __init__(self, units: list[Unit], kinds: list[int], templates: list[LayerTemplate],
+                 buffers: list[dict[str, torch.Tensor]], *, device: torch.device, compute_dtype: torch.dtype,
+                 grad_offload_dtype: torch.dtype, num_slots: int, micro_batch_size: int, pin: bool) -> None:
+        self.units, self.kinds, self.templates, self.buffers = units, kinds, templates, buffers
+        self.device, self.compute_dtype = device, compute_dtype
+        self.micro_batch_size = micro_batch_size
+        self.streams = StreamSet(device)
+        n = max(u.numel for u in units)
+        self.slots = [torch.empty(n, dtype=compute_dtype, device=device) for _ in range(num_slots)]
+        self.slot_layer = [-1] * num_slots
+        self.slot_ready: list[Any] = [None] * num_slots
+        self.slot_free: list[Any] = [None] * num_slots
+        self.slot_tick = [0] * num_slots
+        self._tick = 0
+        # Weight gradients of one layer visit (compute dtype; autograd accumulates into these views in place),
+        # then cast into one of two offload buffers that the D2H stream drains into host memory.
+        self.grad_param = torch.zeros(n, dtype=compute_dtype, device=device)
+        self.offload = [torch.empty(n, dtype=grad_offload_dtype, device=device) for _ in range(2)]
+        self.staging = [alloc_host(n, grad_offload_dtype, pin) for _ in range(2)]
+        self.offload_done: list[Any] = [None, None]
+        self.pending: list[tuple[Unit, bool] | None] = [None, None]  # (unit, host must add staging)
+        self._next_offload = 0
+        self.training = True
+        self.backward_ran = False
+        # Set by an overlapped optimizer: block until unit i's step (and streaming copy) is done.
+        self.wait_for_unit: Callable[[int], None] | None = None
+        self.h2d_bytes = 0
+        self.d2h_bytes = 0
+        # Any input that requires grad makes autograd call our backward even when the hidden state does not
+        # (frozen embeddings, PEFT): the anchor guarantees that.
+        self.grad_anchor = torch.zeros((), device=device, requires_grad=True)
+
+    # -- weights in ---------------------------------------------------------------------------------------------------
+    def _load(self, index: int, protect: set[int]) -> int:
+        if index in self.slot_layer:
+            return self.slot_layer.index(index)
+        free = [s for s in range(len(self.slots)) if s not in protect]
+        s = min(free, key=lambda k: self.slot_tick[k])
+        if self.wait_for_unit is not None:
+            self.wait_for_unit(index)
+        unit = self.units[index]
+        st = self.streams
+        with st.on(st.h2d):
+            st.wait(st.h2d, self.slot_free[s])
+            self.slots[s][:unit.numel].copy_(unit.compute, non_blocking=True)
+            self.slot_ready[s] = st.record(st.h2d)
+        self.slot_layer[s] = index
+        self.h2d_bytes += unit.numel * self.slots[s].element_size()
+        return s
+
+    def _acquire(self, index: int, step: int) -> int:
+        """Make layer ``index`` resident, prefetch the next layers in pass direction ``step`` (+1 / -1)."""
+        s = self._load(index, protect=set())
+        self._tick += 1
+        self.slot_tick[s] = self._tick
+        protect = {s}
+        for k in range(1, len(self.slots)):
+            j = index + k * step
+            if not 0 <= j < len(self.units):
+                break
+            protect.add(self._load(j, protect))
+        self.streams.wait(self.streams.compute, self.slot_ready[s])
+        return s
+
+    def invalidate(self) -> None:
+        """Forget slot contents (the optimizer changed the weights)."""
+        self.slot_layer = [-1] * len(self.slots)
+
+    # -- compute ------------------------------------------------------------------------------------------------------
+    def _chunks(self, batch: int) -> list[tuple[int, int]]:
+        m = self.micro_batch_size
+        if m <= 0 or m >= batch:
+            return [(0, batch)]
+        return [(a, min(a + m, batch)) for a in range(0, batch, m)]
+
+    def forward_layer(self, index: int, hidden: torch.Tensor, call: tuple[tuple, dict]) -> torch.Tensor:
+        s = self._acquire(index, +1)
+        tmpl = self.templates[self.kinds[index]]
+        params = tmpl.bind(self.slots[s])
+        args, kwargs = call
+        batch = hidden.shape[0]
+        chunks = self._chunks(batch)
+        with torch.no_grad():
+            if len(chunks) == 1:
+                out = _first(tmpl(params, self.buffers[index], self.training, (hidden, *args), kwargs))
+            else:
+                out = torch.cat([_first(tmpl(params, self.buffers[index], self.training,
+                                             (hidden[a:b], *_batch_slice(args, a, b, batch)),
+                                             _batch_slice(kwargs, a, b, batch))) for a, b in chunks])
+        self.slot_free[s] = self.streams.record(self.streams.compute)
+        return out
+
+    def backward_layer(self, index: int, hidden: torch.Tensor, call: tuple[tuple, dict],
+                       grad_out: torch.Tensor) -> torch.Tensor | None:
+        self.backward_ran = True
+        s = self._acquire(index, -1)
+        tmpl = self.templates[self.kinds[index]]
+        unit = self.units[index]
+        n = unit.numel
+        params = tmpl.bind(self.slots[s], requires_grad=True)
+        grads = tmpl.bind(self.grad_param)
+        for name, p in params.items():
+            p.grad = grads[name]
+        k = self._next_offload
+        self._next_offload ^= 1
+        st = self.streams
+        st.wait(st.compute, self.offload_done[k])  # offload buffer k drained by its previous D2H
+        off = self.offload[k][:n]
+        args, kwargs = call
+        batch = hidden.shape[0]
+        chunks = self._chunks(batch)
+        want_input_grad = hidden.requires_grad
+        grad_in = torch.empty_like(hidden) if want_input_grad and len(chunks) > 1 else None
+        for c, (a, b) in enumerate(chunks):
+            self.grad_param[:n].zero_()
+            h = hidden[a:b].detach().requires_grad_(want_input_grad)
+            sub_args = _batch_slice(args, a, b, batch) if len(chunks) > 1 else args
+            sub_kwargs = _batch_slice(kwargs, a, b, batch) if len(chunks) > 1 else kwargs
+            with torch.enable_grad():
+                out = _first(tmpl(params, self.buffers[index], self.training, (h, *sub_args), sub_kwargs))
+            inputs = ([h] if want_input_grad else []) + list(params.values())
+            torch.autograd.backward(out, grad_out[a:b], inputs=inputs)
+            if want_input_grad:
+                if grad_in is None:
+                    grad_in = h.grad
+                else:
+                    grad_in[a:b] = h.grad
+            if c == 0:
+                off.copy_(self.grad_param[:n])
+            else:
+                off.add_(self.grad_param[:n])
+        self.slot_free[s] = st.record(st.compute)
+        self._offload(k, unit, st.record(st.compute))
+        return grad_in
+
+    # -- gradients out --------------------------------------------------------------------------------------------------
+    def _offload(self, k: int, unit: Unit, ready: Any) -> None:
+        self._drain(k)
+        off = self.offload[k][:unit.numel]
+        direct = not unit.grad_valid and off.dtype == unit.grad.dtype
+        dst = unit.grad if direct else self.staging[k][:unit.numel]
+        st = self.streams
+        with st.on(st.d2h):
+            st.wait(st.d2h, ready)
+            dst.copy_(off, non_blocking=True)
+            self.offload_done[k] = st.record(st.d2h)
+        self.d2h_bytes += off.numel() * off.element_size()
+        self.pending[k] = (unit, not direct)
+
+    def _drain(self, k: int) -> None:
+        item = self.pending[k]
+        if item is None:
+            return
+        self.streams.synchronize(self.offload_done[k])
+        unit, via_staging = item
+        if via_staging:
+            src = self.staging[k][:unit.numel]
+            if unit.grad_valid:
+                unit.grad.add_(src)
+            else:
+                unit.grad.copy_(src)
+        unit.grad_valid = True
+        self.pending[k] = None
+
+    def finish(self) -> None:
+        """Land every in-flight gradient in host memory and let the host touch weights again."""
+        for k in (0, 1):
+            self._drain(k)
+        if self.streams.is_cuda:
+            self.streams.h2d.synchronize()
+        self.backward_ran = False
+
+
+class _StreamedLayerFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, executor: StreamingExecutor, index: int, call: tuple, anchor: torch.Tensor,  # type: ignore[override]
+                hidden: torch.Tensor) -> torch.Tensor:
+        ctx.executor, ctx.index, ctx.call = executor, index, call
+        ctx.save_for_backward(hidden)
+        return executor.forward_layer(index, hidden, call)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
+        (hidden,) = ctx.saved_tensors
+        grad_in = ctx.executor.backward_layer(ctx.index, hidden, ctx.call, grad_out)
+        return None, None, None, None, grad_in
+
+
+class StreamedLayer(nn.Module):
+    """Stands in for decoder layer ``index`` inside the HF model; owns no weights."""
+
+    def __init__(self, executor: StreamingExecutor, index: int, original: nn.Module) -> None:
+        super().__init__()
+        copy_plain_attributes(original, self)
+        self.index = index
+        self._executor = [executor]  # a list keeps it out of the module tree
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        ex = self._executor[0]
+        call = (args, kwargs)
+        if torch.is_grad_enabled():
+            return _StreamedLayerFunction.apply(ex, self.index, call, ex.grad_anchor, hidden_states)
+        return ex.forward_layer(self.index, hidden_states, call)

@@ -1,0 +1,125 @@
+"""HostStore: the FP32 truth of every trainable parameter, in flat per-unit host buffers.
+
+A *unit* is what moves as one: each decoder layer is a unit, and all resident parameters (embeddings, final
+norm, lm_head) form one more. Per unit the store holds, each as one flat buffer:
+
+    master      fp32  [numel]  the weights (truth)
+    grad        fp32  [numel]  gradient accumulated over the step's micro-batches
+    exp_avg     fp32  [numel]  AdamW m
+    exp_avg_sq  fp32  [numel]  AdamW v
+    compute     bf16  [numel]  pinned streaming copy (absent in fp32 compute: the master is streamed)
+
+= 18 host bytes per parameter in bf16 compute (16 in fp32 compute). Flat buffers make every host->GPU transfer
+one copy per unit and let the optimizer run one fused kernel call per unit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from .memory import alloc_host, check_host_memory
+
+
+@dataclass
+class ParamSlice:
+    """One parameter inside a unit's flat buffers."""
+
+    name: str  # full model name, e.g. "model.layers.3.mlp.up_proj.weight"
+    local: str  # name inside the unit's module, e.g. "mlp.up_proj.weight"
+    shape: tuple[int, ...]
+    offset: int
+    numel: int
+    decay: bool = True  # weight decay applies (Trainer's rule: not biases/norms)
+
+
+@dataclass
+class Unit:
+    index: int
+    params: list[ParamSlice]
+    numel: int
+    master: torch.Tensor
+    grad: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    compute: torch.Tensor
+    streamed: bool = True
+    grad_valid: bool = False  # grad holds this step's data (else it must be overwritten, not added to)
+    by_name: dict[str, ParamSlice] = field(default_factory=dict)
+
+    def view(self, flat: torch.Tensor, p: ParamSlice) -> torch.Tensor:
+        return flat[p.offset:p.offset + p.numel].view(p.shape)
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {p.local: self.view(flat, p) for p in self.params}
+
+
+def bytes_per_param(compute_dtype: torch.dtype) -> int:
+    """Host bytes per trainable parameter the store allocates."""
+    return 16 + (0 if compute_dtype == torch.float32 else torch.empty((), dtype=compute_dtype).element_size())
+
+
+class HostStore:
+    """Flat host buffers for every unit. Built from a layout, so it can be filled from a live model or shard by
+    shard from a checkpoint without ever holding a second full copy."""
+
+    def __init__(self, layouts: list[list[tuple[str, str, tuple[int, ...], bool]]], *, compute_dtype: torch.dtype,
+                 pin: bool, memory_fraction: float = 0.9, streamed: list[bool] | None = None) -> None:
+        self.compute_dtype = compute_dtype
+        total = sum(math.prod(s) for layout in layouts for _, _, s, _ in layout)
+        self.numel = total
+        check_host_memory(total * bytes_per_param(compute_dtype), memory_fraction,
+                          what=f"the host store for {total / 1e6:.1f}M parameters "
+                               f"({bytes_per_param(compute_dtype)} bytes each)")
+        self.units: list[Unit] = []
+        self.by_name: dict[str, tuple[Unit, ParamSlice]] = {}
+        for i, layout in enumerate(layouts):
+            params, off = [], 0
+            for name, local, shape, decay in layout:
+                n = math.prod(shape)
+                params.append(ParamSlice(name, local, tuple(shape), off, n, decay))
+                off += n
+            master = alloc_host(off, torch.float32, pin)
+            compute = master if compute_dtype == torch.float32 else alloc_host(off, compute_dtype, pin)
+            unit = Unit(i, params, off, master, alloc_host(off, torch.float32, pin),
+                        torch.zeros(off, dtype=torch.float32), torch.zeros(off, dtype=torch.float32), compute,
+                        streamed=True if streamed is None else streamed[i])
+            unit.by_name = {p.name: p for p in params}
+            for p in params:
+                self.by_name[p.name] = (unit, p)
+            self.units.append(unit)
+
+    @property
+    def nbytes(self) -> int:
+        seen, total = set(), 0
+        for u in self.units:
+            for t in (u.master, u.grad, u.exp_avg, u.exp_avg_sq, u.compute):
+                if t.data_ptr() not in seen:
+                    seen.add(t.data_ptr())
+                    total += t.numel() * t.element_size()
+        return total
+
+    def load_(self, name: str, tensor: torch.Tensor) -> None:
+        """Copy one parameter (any dtype/device) into its FP32 master slice."""
+        unit, p = self.by_name[name]
+        if tuple(tensor.shape) != p.shape:
+            raise ValueError(f"parameter {name}: checkpoint shape {tuple(tensor.shape)} != model shape {p.shape}")
+        unit.view(unit.master, p).copy_(tensor)
+
+    def sync_compute_(self, unit: Unit) -> None:
+        """Refresh the streaming copy from the master (no-op in fp32 compute, where they are one buffer)."""
+        if unit.compute is not unit.master:
+            unit.compute.copy_(unit.master)
+
+    def sync_all_compute_(self) -> None:
+        for u in self.units:
+            self.sync_compute_(u)
+
+    def master_tensor(self, name: str) -> torch.Tensor:
+        unit, p = self.by_name[name]
+        return unit.view(unit.master, p)
+
+    def names(self) -> list[str]:
+        return list(self.by_name)

@@ -1,0 +1,107 @@
+"""Find a model's decoder-layer stack and group its layers by structure.
+
+hf_megatrain streams the repeated decoder layers and keeps everything else (embeddings, final norm, lm_head,
+rotary tables) resident. Where the model's own structure tells us which ``nn.ModuleList`` holds the layers we
+use it; no per-family table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+_SCALARS = (int, float, str, bool, type(None))
+# Attributes that differ per layer but do not change what a training forward computes.
+_IGNORED_ATTRS = {"layer_idx", "training"}
+
+
+@dataclass(frozen=True)
+class LayerStack:
+    """Where the decoder layers live: ``parent.<attr>`` is the ``nn.ModuleList``; ``path`` is its dotted name."""
+
+    parent: nn.Module
+    attr: str
+    path: str
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return getattr(self.parent, self.attr)
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def find_layer_stack(model: nn.Module, layers_path: str | None = None) -> LayerStack:
+    """Return the decoder-layer stack of ``model``.
+
+    With ``layers_path`` ("model.layers") that exact ModuleList is used. Otherwise the ModuleList holding the most
+    parameters whose children share a class name is chosen (the decoder stack dominates any HF decoder-only LM).
+    """
+    if layers_path:
+        parent_path, _, attr = layers_path.rpartition(".")
+        try:
+            parent = model.get_submodule(parent_path) if parent_path else model
+            target = getattr(parent, attr)
+        except AttributeError as e:
+            raise ValueError(f"layers_path={layers_path!r} does not exist in {type(model).__name__}") from e
+        if not isinstance(target, nn.ModuleList):
+            raise ValueError(f"layers_path={layers_path!r} is a {type(target).__name__}, not an nn.ModuleList")
+        return LayerStack(parent, attr, layers_path)
+
+    best: tuple[int, str] | None = None
+    total = max(_numel(model), 1)
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) == 0:
+            continue
+        classes = {type(m).__name__ for m in module}
+        if len(classes) != 1 or not any(True for _ in module[0].parameters()):
+            continue
+        size = _numel(module)
+        if best is None or size > best[0]:
+            best = (size, name)
+    # The stack must be a real part of the model (meta models have numel too, so this also works on meta).
+    if best is None or best[0] < 0.05 * total:
+        raise ValueError(
+            f"hf_megatrain could not find the decoder-layer stack of {type(model).__name__}: no nn.ModuleList of "
+            "identical-class layers holds a large share of the parameters. Point hf_megatrain at it with "
+            "MegaTrainConfig(layers_path='model.layers') (the dotted path of the nn.ModuleList of decoder layers).")
+    parent_path, _, attr = best[1].rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    return LayerStack(parent, attr, best[1])
+
+
+def _attr_signature(module: nn.Module) -> tuple:
+    items = []
+    for mname, sub in module.named_modules():
+        for k, v in sorted(vars(sub).items()):
+            if k.startswith("_") or k in _IGNORED_ATTRS:
+                continue
+            if isinstance(v, _SCALARS) or (isinstance(v, (tuple, list)) and all(isinstance(x, _SCALARS) for x in v)):
+                items.append((mname, k, repr(v)))
+    return tuple(items)
+
+
+def layer_signature(layer: nn.Module) -> tuple:
+    """Structure key: layers with equal keys can share one stateless template."""
+    params = tuple((n, tuple(p.shape), str(p.dtype)) for n, p in layer.named_parameters())
+    buffers = tuple((n, tuple(b.shape), str(b.dtype)) for n, b in layer.named_buffers())
+    return (type(layer).__qualname__, params, buffers, _attr_signature(layer))
+
+
+def group_layers(layers: nn.ModuleList) -> list[int]:
+    """Return ``kind[i]`` for each layer: layers of equal structure share a kind (and a template)."""
+    kinds: dict[tuple, int] = {}
+    out = []
+    for layer in layers:
+        out.append(kinds.setdefault(layer_signature(layer), len(kinds)))
+    return out
+
+
+def copy_plain_attributes(src: nn.Module, dst: nn.Module) -> None:
+    """Copy public scalar attributes (``attention_type``, ``layer_idx``...) the HF loop may read off a layer."""
+    for k, v in vars(src).items():
+        if not k.startswith("_") and k != "training" and not isinstance(v, (nn.Module, torch.Tensor)):
+            setattr(dst, k, v)

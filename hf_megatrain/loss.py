@@ -1,0 +1,87 @@
+"""Causal-LM loss without ever materialising the full [tokens, vocab] logits.
+
+The forward walks the tokens in chunks of ``chunk_tokens``; for each chunk it forms the logits, the loss terms
+and, when gradients are needed, the chunk's gradients w.r.t. the hidden states and the lm_head weight, which it
+keeps. The backward only scales them by the incoming gradient. Peak extra memory is one [chunk, vocab] block.
+
+Semantics follow transformers' ``ForCausalLMLoss``: labels shifted left by one, ``-100`` ignored, logits upcast
+to fp32, sum / ``num_items_in_batch`` when given (Trainer's normalisation across gradient accumulation), mean
+over counted tokens otherwise. Gemma-style final logit soft-capping is applied when ``softcap`` is set.
+"""
+
+from __future__ import annotations
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """[B, T] labels -> [B, T] targets where position t predicts token t+1 (last position ignored)."""
+    return torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+
+
+def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, softcap: float | None):
+    z = torch.nn.functional.linear(h, weight, bias)  # [n, V] compute dtype, like the HF lm_head
+    if softcap:
+        z = torch.tanh(z / softcap) * softcap
+    return z
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, normalizer, chunk, softcap):  # type: ignore[override]
+        # hidden [N, H], weight [V, H], bias [V] | None, targets [N]
+        need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_h = torch.empty_like(hidden) if need_grad else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grad else None
+        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_grad and bias is not None else None
+        for a in range(0, hidden.shape[0], chunk):
+            t = targets[a:a + chunk]
+            if not need_grad:
+                z = _logits(hidden[a:a + chunk], weight, bias, softcap).float()
+                total += torch.nn.functional.cross_entropy(z, t, ignore_index=IGNORE_INDEX, reduction="sum")
+                continue
+            # Per chunk, autograd over exactly the ops HF's loss runs (so fp32 results match it bit for bit
+            # when one chunk covers the batch); the graph dies with the chunk.
+            with torch.enable_grad():
+                h = hidden[a:a + chunk].detach().requires_grad_()
+                w = weight.detach().requires_grad_()
+                b = bias.detach().requires_grad_() if bias is not None else None
+                z = _logits(h, w, b, softcap).float()  # [n, V]
+                part = torch.nn.functional.cross_entropy(z, t, ignore_index=IGNORE_INDEX, reduction="sum")
+                grads = torch.autograd.grad(part / normalizer, [h, w] + ([b] if b is not None else []))
+            total += part.detach()
+            grad_h[a:a + chunk] = grads[0]
+            grad_w.add_(grads[1])
+            if grad_b is not None:
+                grad_b.add_(grads[2])
+        ctx.save_for_backward(grad_h, grad_w, grad_b)
+        ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
+        return total / normalizer
+
+    @staticmethod
+    def backward(ctx, grad_loss):  # type: ignore[override]
+        grad_h, grad_w, grad_b = ctx.saved_tensors
+        scale = grad_loss.to(torch.float32)
+        gh = grad_h * scale.to(grad_h.dtype) if grad_h is not None else None
+        gw = (grad_w * scale).to(ctx.dtypes[0]) if grad_w is not None else None
+        gb = (grad_b * scale).to(ctx.dtypes[1]) if grad_b is not None else None
+        return gh, gw, gb, None, None, None, None
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
+                         bias: torch.Tensor | None = None, num_items_in_batch: torch.Tensor | int | None = None,
+                         chunk_tokens: int = 4096, softcap: float | None = None,
+                         shift: bool = True) -> torch.Tensor:
+    """Loss of ``lm_head(hidden)`` against ``labels`` ([B, T] hidden [B, T, H]); see the module docstring."""
+    targets = shift_labels(labels) if shift else labels
+    targets = targets.reshape(-1).to(hidden.device)
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    if num_items_in_batch is None:
+        normalizer = float((targets != IGNORE_INDEX).sum().item())
+    else:
+        normalizer = float(num_items_in_batch.item() if torch.is_tensor(num_items_in_batch) else num_items_in_batch)
+    normalizer = max(normalizer, 1e-12) if num_items_in_batch is not None else max(normalizer, 1.0)
+    return _LinearCrossEntropy.apply(flat, weight, bias, targets, normalizer, chunk_tokens, softcap)

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Install hf_megatrain and its test/example extras into the active Python environment.
+# torch is pinned: on CPU-only machines with a local wheel cache this takes the CPU build in seconds;
+# on a GPU box the same pin installs the CUDA build from PyPI.
+set -euo pipefail
+python -m pip install -q "torch==2.13.0"
+python -m pip install -q -e ".[test,examples]"

@@ -48,6 +48,9 @@ class MegaTrainConfig:
         grad_offload_dtype: dtype gradients cross PCIe in ("float32" exact accumulation, or "bfloat16").
         save_dtype: dtype of exported standard checkpoints ("float32" default, "bfloat16").
         skip_nonfinite: skip the optimizer step (state untouched) when the gradient norm is not finite.
+        resident_placement: where the FP32 master and AdamW state of the resident parts (embeddings, final norm,
+            lm_head) live: "device" (stepped on the GPU; no PCIe traffic for them), "host", or "auto" (device
+            when it takes at most ``resident_device_fraction`` of free GPU memory).
     """
 
     compute_dtype: str = "bfloat16"
@@ -62,6 +65,8 @@ class MegaTrainConfig:
     grad_offload_dtype: str = "float32"
     save_dtype: str = "float32"
     skip_nonfinite: bool = True
+    resident_placement: str = "auto"
+    resident_device_fraction: float = 0.5
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -79,6 +84,8 @@ class MegaTrainConfig:
             raise ValueError(f"loss_chunk_tokens={self.loss_chunk_tokens} must be > 0")
         if not 0.0 < self.host_memory_fraction <= 1.0:
             raise ValueError(f"host_memory_fraction={self.host_memory_fraction} must be in (0, 1]")
+        if self.resident_placement not in ("auto", "device", "host"):
+            raise ValueError(f"resident_placement={self.resident_placement!r}; use 'auto', 'device' or 'host'")
         if self.extra:
             raise ValueError(f"unknown MegaTrain config keys {sorted(self.extra)}; valid keys: {self.valid_keys()}")
 

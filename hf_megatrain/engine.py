@@ -73,8 +73,11 @@ class MegaTrainEngine:
         resident = [(n, p) for n, p in model.named_parameters() if id(p) not in layer_param_ids and p.requires_grad]
         layouts.append([(n, n, tuple(p.shape), n in decay) for n, p in resident])
         streamed.append(False)
+        resident_numel = sum(p.numel() for _, p in resident)
+        self.resident_on_device = self._resident_on_device(resident_numel)
+        devices = [None] * (len(layouts) - 1) + [self.device if self.resident_on_device else None]
         self.store = HostStore(layouts, compute_dtype=self.compute_dtype, pin=pin,
-                               memory_fraction=config.host_memory_fraction, streamed=streamed)
+                               memory_fraction=config.host_memory_fraction, streamed=streamed, devices=devices)
         self.layer_units = self.store.units[:-1]
         self.resident_unit = self.store.units[-1]
         self.resident_params: dict[str, nn.Parameter] = dict(resident)
@@ -102,13 +105,20 @@ class MegaTrainEngine:
             layer.to("meta")  # free the original weights now that the store holds them
         del originals
 
-        # Resident parameters: master on the host, working copy on the device in compute dtype.
+        # Resident parameters: FP32 master (host or device) + a working copy in compute dtype on the device.
+        # On the device the working parameters are views into the unit's compute buffer, so the optimizer's
+        # master -> compute refresh updates them in place.
         for name, p in self.resident_params.items():
             if not p.is_meta:
                 self.store.load_(name, p.detach())
         self.store.sync_all_compute_()
-        for name, p in self.resident_params.items():
-            p.data = torch.empty(p.shape, dtype=self.compute_dtype, device=self.device)
+        u = self.resident_unit
+        for sl in u.params:
+            param = self.resident_params[sl.name]
+            if self.resident_on_device:
+                param.data = u.view(u.compute, sl)
+            else:
+                param.data = torch.empty(sl.shape, dtype=self.compute_dtype, device=self.device)
         self._push_resident()
         for mod in model.modules():  # rotary tables and other buffers follow to the device, dtype unchanged
             for bname, b in list(mod._buffers.items()):
@@ -117,9 +127,21 @@ class MegaTrainEngine:
         self.optimizer: CPUAdamW | None = None
 
     # -- parameters ------------------------------------------------------------------------------------------------------
+    def _resident_on_device(self, numel: int) -> bool:
+        place = self.config.resident_placement
+        if place == "host" or self.device.type != "cuda":
+            return self.device.type == "cpu" and place != "host"
+        if place == "device":
+            return True
+        per_param = 16 + (2 if self.compute_dtype != torch.float32 else 0)
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return numel * per_param <= self.config.resident_device_fraction * free
+
     def _push_resident(self, unit: Unit | None = None) -> None:
         """Copy the resident masters (via their streaming copy) into the device working parameters."""
         u = self.resident_unit
+        if self.resident_on_device:
+            return  # the working parameters are views of the unit's compute buffer
         for p in u.params:
             self.resident_params[p.name].data.copy_(u.view(u.compute, p))
 
@@ -214,7 +236,7 @@ class MegaTrainEngine:
         self.executor.invalidate()
 
     def _after_unit(self, unit: Unit) -> None:
-        if unit is self.resident_unit:
+        if unit is self.resident_unit and not self.resident_on_device:
             self._push_resident()
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()

@@ -123,6 +123,15 @@ class StreamingExecutor:
         return [(a, min(a + m, batch)) for a in range(0, batch, m)]
 
     def forward_layer(self, index: int, hidden: torch.Tensor, call: tuple[tuple, dict]) -> torch.Tensor:
+        with torch.profiler.record_function("megatrain.forward"):
+            return self._forward_layer(index, hidden, call)
+
+    def backward_layer(self, index: int, hidden: torch.Tensor, call: tuple[tuple, dict],
+                       grad_out: torch.Tensor) -> torch.Tensor | None:
+        with torch.profiler.record_function("megatrain.backward"):
+            return self._backward_layer(index, hidden, call, grad_out)
+
+    def _forward_layer(self, index: int, hidden: torch.Tensor, call: tuple[tuple, dict]) -> torch.Tensor:
         s = self._acquire(index, +1)
         tmpl = self.templates[self.kinds[index]]
         params = tmpl.bind(self.slots[s])
@@ -139,8 +148,8 @@ class StreamingExecutor:
         self.slot_free[s] = self.streams.record(self.streams.compute)
         return out
 
-    def backward_layer(self, index: int, hidden: torch.Tensor, call: tuple[tuple, dict],
-                       grad_out: torch.Tensor) -> torch.Tensor | None:
+    def _backward_layer(self, index: int, hidden: torch.Tensor, call: tuple[tuple, dict],
+                        grad_out: torch.Tensor) -> torch.Tensor | None:
         self.backward_ran = True
         s = self._acquire(index, -1)
         tmpl = self.templates[self.kinds[index]]

@@ -66,12 +66,17 @@ class HostStore:
     shard from a checkpoint without ever holding a second full copy."""
 
     def __init__(self, layouts: list[list[tuple[str, str, tuple[int, ...], bool]]], *, compute_dtype: torch.dtype,
-                 pin: bool, memory_fraction: float = 0.9, streamed: list[bool] | None = None) -> None:
+                 pin: bool, memory_fraction: float = 0.9, streamed: list[bool] | None = None,
+                 devices: list[torch.device | None] | None = None) -> None:
+        """``devices[i]`` places unit i's buffers on an accelerator instead of the host (resident parts whose
+        optimizer runs on the GPU); ``None`` = host."""
         self.compute_dtype = compute_dtype
-        total = sum(math.prod(s) for layout in layouts for _, _, s, _ in layout)
-        self.numel = total
-        check_host_memory(total * bytes_per_param(compute_dtype), memory_fraction,
-                          what=f"the host store for {total / 1e6:.1f}M parameters "
+        devices = devices or [None] * len(layouts)
+        sizes = [sum(math.prod(s) for _, _, s, _ in layout) for layout in layouts]
+        self.numel = sum(sizes)
+        host_numel = sum(n for n, d in zip(sizes, devices) if d is None or d.type == "cpu")
+        check_host_memory(host_numel * bytes_per_param(compute_dtype), memory_fraction,
+                          what=f"the host store for {host_numel / 1e6:.1f}M parameters "
                                f"({bytes_per_param(compute_dtype)} bytes each)")
         self.units: list[Unit] = []
         self.by_name: dict[str, tuple[Unit, ParamSlice]] = {}
@@ -81,10 +86,15 @@ class HostStore:
                 n = math.prod(shape)
                 params.append(ParamSlice(name, local, tuple(shape), off, n, decay))
                 off += n
-            master = alloc_host(off, torch.float32, pin)
-            compute = master if compute_dtype == torch.float32 else alloc_host(off, compute_dtype, pin)
-            unit = Unit(i, params, off, master, alloc_host(off, torch.float32, pin),
-                        torch.zeros(off, dtype=torch.float32), torch.zeros(off, dtype=torch.float32), compute,
+            dev = devices[i]
+            if dev is None or dev.type == "cpu":
+                alloc = lambda n, dt, pinned=pin: alloc_host(n, dt, pinned)  # noqa: E731
+            else:
+                alloc = lambda n, dt, pinned=False: torch.empty(n, dtype=dt, device=dev)  # noqa: E731
+            master = alloc(off, torch.float32)
+            compute = master if compute_dtype == torch.float32 else alloc(off, compute_dtype)
+            unit = Unit(i, params, off, master, alloc(off, torch.float32),
+                        alloc(off, torch.float32, False).zero_(), alloc(off, torch.float32, False).zero_(), compute,
                         streamed=True if streamed is None else streamed[i])
             unit.by_name = {p.name: p for p in params}
             for p in params:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from typing import Callable, Iterable
 
 import torch
@@ -66,8 +67,10 @@ class CPUAdamW(torch.optim.Optimizer):
         self.overlap = overlap
         self.before_step = before_step
         self.after_unit = after_unit
-        self.unit_steps = torch.zeros(len(store.units), dtype=torch.float32)  # AdamW step count per unit
+        # AdamW step count per unit, on the unit's device (the fused CUDA kernel reads it there).
+        self._steps = [torch.zeros(1, dtype=torch.float32, device=u.master.device) for u in store.units]
         self.skipped_steps = 0
+        self.last_step_seconds = 0.0  # wall time of the last step's unit updates (worker thread when overlapped)
         self.last_grad_norm: float | None = None
         self._done = [threading.Event() for _ in store.units]
         for e in self._done:
@@ -78,7 +81,7 @@ class CPUAdamW(torch.optim.Optimizer):
     # -- gradient norm -------------------------------------------------------------------------------------------------
     def grad_norm(self) -> float:
         """Global L2 norm of all gradients (fp64 accumulation of per-unit fp32 norms, like clip_grad_norm_)."""
-        norms = torch.stack([torch.linalg.vector_norm(u.grad) for u in self.store.units])
+        norms = torch.stack([torch.linalg.vector_norm(u.grad).cpu() for u in self.store.units])
         return float(torch.linalg.vector_norm(norms))
 
     # -- step --------------------------------------------------------------------------------------------------------------
@@ -105,7 +108,7 @@ class CPUAdamW(torch.optim.Optimizer):
             scale = min(coef, 1.0)
         hyper = [dict(lr=float(g["lr"]), betas=g["betas"], eps=g["eps"], weight_decay=g["weight_decay"])
                  for g in self.param_groups]
-        grad_scale = torch.tensor(1.0 / scale, dtype=torch.float32) if scale < 1.0 else None
+        grad_scale = 1.0 / scale if scale < 1.0 else None
         if self.overlap:
             for e in self._done:
                 e.clear()
@@ -115,25 +118,29 @@ class CPUAdamW(torch.optim.Optimizer):
             self._run(hyper, grad_scale)
         return loss
 
-    def _run(self, hyper: list[dict], grad_scale: torch.Tensor | None) -> None:
+    def _run(self, hyper: list[dict], grad_scale: float | None) -> None:
+        t0 = time.perf_counter()
         try:
             for i in self.unit_order:
                 self._step_unit(self.store.units[i], hyper, grad_scale)
                 self._done[i].set()
+            self.last_step_seconds = time.perf_counter() - t0
         except BaseException as e:  # surfaced by wait()
             self._error = e
             for ev in self._done:
                 ev.set()
 
-    def _step_unit(self, unit: Unit, hyper: list[dict], grad_scale: torch.Tensor | None) -> None:
-        self.unit_steps[unit.index] += 1
-        step = self.unit_steps[unit.index:unit.index + 1]
+    def _step_unit(self, unit: Unit, hyper: list[dict], grad_scale: float | None) -> None:
+        step = self._steps[unit.index]
+        step += 1
+        scale_t = None if grad_scale is None else torch.full((), grad_scale, dtype=torch.float32,
+                                                             device=unit.master.device)
         for g, params, grads, exp_avgs, exp_avg_sqs in self._unit_lists[unit.index]:
             h = hyper[self._group_of[g]]
             torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], [step] * len(params),
                                 lr=h["lr"], beta1=h["betas"][0], beta2=h["betas"][1],
                                 weight_decay=h["weight_decay"], eps=h["eps"], amsgrad=False, maximize=False,
-                                grad_scale=grad_scale, found_inf=None)
+                                grad_scale=scale_t, found_inf=None)
         unit.grad_valid = False
         self.store.sync_compute_(unit)
         if self.after_unit is not None:
@@ -165,7 +172,7 @@ class CPUAdamW(torch.optim.Optimizer):
     # -- state (per unit flat buffers, see checkpoint.py) -------------------------------------------------------------
     def state_tensors(self) -> dict[str, torch.Tensor]:
         self.wait()
-        out = {"unit_steps": self.unit_steps.clone()}
+        out = {"unit_steps": self.unit_steps}
         for u in self.store.units:
             out[f"exp_avg.{u.index}"] = u.exp_avg
             out[f"exp_avg_sq.{u.index}"] = u.exp_avg_sq
@@ -173,13 +180,19 @@ class CPUAdamW(torch.optim.Optimizer):
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         self.wait()
-        self.unit_steps.copy_(tensors["unit_steps"])
+        for st, v in zip(self._steps, tensors["unit_steps"]):
+            st.fill_(float(v))
         for u in self.store.units:
             for key, dst in ((f"exp_avg.{u.index}", u.exp_avg), (f"exp_avg_sq.{u.index}", u.exp_avg_sq)):
                 src = tensors[key]
                 if src.shape != dst.shape:
                     raise ValueError(f"optimizer state {key}: shape {tuple(src.shape)} != {tuple(dst.shape)}")
                 dst.copy_(src)
+
+    @property
+    def unit_steps(self) -> torch.Tensor:
+        """AdamW step count per unit (host tensor)."""
+        return torch.cat([s.cpu() for s in self._steps])
 
     def hyper_state(self) -> dict:
         """Scheduler-visible state (LRs etc.), JSON-serialisable."""

@@ -1,0 +1,204 @@
+"""MegaTrainPlugin: hf_megatrain for hand-written Accelerate training loops.
+
+In the style of accelerate's ``DeepSpeedPlugin``: a dataclass whose fields fall back to the environment the
+launcher sets (``MEGATRAIN_CONFIG`` = yaml written by ``megatrain launch``, ``MEGATRAIN_<KEY>`` = single keys),
+and one call that hands back what the loop drives::
+
+    plugin = MegaTrainPlugin()                                  # or MegaTrainPlugin({"compute_dtype": "float32"})
+    model, optimizer = plugin.prepare(model, lr=3e-4, weight_decay=0.1, max_grad_norm=1.0)
+    loader, scheduler = accelerator.prepare(loader, scheduler)  # model/optimizer may be passed too: see below
+    for batch in loader:
+        loss = model(**batch).loss
+        accelerator.backward(loss)
+        optimizer.step(); scheduler.step(); optimizer.zero_grad()
+    model.save_pretrained("out")                                # standard HF checkpoint (FP32 masters)
+
+Why the returned model is *not* an ``nn.Module``: the engine already placed every weight (FP32 masters in host
+memory, resident parts on the GPU in compute dtype); ``accelerator.prepare`` moves, casts and wraps modules,
+which must not happen here. Accelerate passes objects it does not recognise through untouched, so
+``accelerator.prepare(model, ...)`` is harmless. The optimizer is a real ``torch.optim.Optimizer`` (CPU AdamW
+over the host masters): LR schedulers drive it, and ``accelerator.prepare`` may wrap it.
+
+Gradient clipping belongs in ``prepare(max_grad_norm=...)``: it is folded into the fused AdamW kernel for free.
+``accelerator.clip_grad_norm_(model.parameters(), max_norm)`` also works (``parameters()`` lands the gradients
+on the host and yields the FP32 masters with their ``.grad``), at the cost of one extra pass over all gradients.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+
+from .config import MegaTrainConfig
+from .engine import MegaTrainEngine, MegaTrainOutput
+from .optimizer import CPUAdamW
+
+
+def _config_dict(value: Any) -> dict[str, Any]:
+    """The keys a user actually set (dict, JSON string, yaml path, combined launch yaml, MegaTrainConfig)."""
+    if value is None:
+        return {}
+    if isinstance(value, MegaTrainConfig):
+        return value.to_dict()
+    if isinstance(value, dict):
+        return dict(value)
+    if isinstance(value, (str, os.PathLike)):
+        text = str(value)
+        if text.strip().startswith("{"):
+            return json.loads(text)
+        import yaml
+
+        if not os.path.isfile(text):
+            raise FileNotFoundError(f"MegaTrain config file {text!r} does not exist")
+        with open(text) as f:
+            data = yaml.safe_load(f) or {}
+        if isinstance(data.get("megatrain"), dict):  # a combined accelerate + megatrain yaml
+            data = data["megatrain"]
+        return data
+    raise TypeError(f"megatrain_config must be a MegaTrainConfig, dict, JSON string or yaml path, "
+                    f"not {type(value).__name__}")
+
+
+@dataclass
+class MegaTrainPlugin:
+    """Streamed full-precision training for a custom Accelerate loop.
+
+    Args:
+        megatrain_config (`MegaTrainConfig`, `dict`, `str`, *optional*):
+            The policy (see ``MegaTrainConfig``): an object, a dict, a JSON string or a yaml path (a combined
+            ``megatrain launch`` yaml works too: its ``megatrain:`` section is used). Precedence, lowest first:
+            defaults < file in env ``MEGATRAIN_CONFIG`` < env ``MEGATRAIN_<KEY>`` < this argument.
+        device (`str` or `torch.device`, *optional*):
+            Device the layers stream to. Defaults to the current CUDA device, else CPU.
+    """
+
+    megatrain_config: Any = field(
+        default=None,
+        metadata={"help": "MegaTrainConfig, dict, JSON string or yaml path. Keys not given here are read from the "
+                          "file in MEGATRAIN_CONFIG, then from MEGATRAIN_<KEY> environment variables."})
+    device: Any = field(
+        default=None, metadata={"help": "Device the layers stream to; default: current CUDA device, else CPU."})
+    config: MegaTrainConfig = field(init=False, repr=True)
+
+    def __post_init__(self) -> None:
+        merged = _config_dict(os.environ.get("MEGATRAIN_CONFIG") or None)
+        merged.update(MegaTrainConfig.from_env())
+        merged.update(_config_dict(self.megatrain_config))
+        self.config = MegaTrainConfig.from_dict(merged)
+        self.engine: MegaTrainEngine | None = None
+
+    def prepare(self, model: torch.nn.Module, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                eps: float = 1e-8, weight_decay: float = 0.0, max_grad_norm: float | None = None,
+                decay_names: set[str] | None = None) -> tuple["MegaTrainModel", CPUAdamW]:
+        """Convert ``model`` in place and build its CPU AdamW.
+
+        Weight decay follows Trainer's rule (not biases / norm weights) unless ``decay_names`` is given.
+        Returns ``(model, optimizer)``: drive them like an HF model and a torch optimizer.
+        """
+        if self.engine is not None:
+            raise RuntimeError("MegaTrainPlugin.prepare was already called; create one plugin per model")
+        engine = MegaTrainEngine(model, self.config, device=self.device, decay_names=decay_names)
+        optimizer = engine.create_optimizer(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                            max_grad_norm=max_grad_norm)
+        self.engine = engine
+        return MegaTrainModel(engine), optimizer
+
+
+class MegaTrainModel:
+    """The streamed model as a training loop sees it: ``model(**batch).loss``, ``train()``/``eval()``,
+    ``parameters()`` (FP32 masters), ``state_dict()`` and ``save_pretrained()``."""
+
+    def __init__(self, engine: MegaTrainEngine) -> None:
+        self.engine = engine
+        self.hf_model = engine.model
+        # The optimizer's master views carry ``.grad`` (views of the host gradient buffers): hand those out.
+        opt = engine.optimizer
+        by_ptr = {(p.data_ptr(), tuple(p.shape)): p for g in opt.param_groups for p in g["params"]} if opt else {}
+        self._masters: dict[str, torch.Tensor] = {}
+        for name, master in engine.named_master_tensors():
+            self._masters[name] = by_ptr.get((master.data_ptr(), tuple(master.shape)), master)
+
+    # -- calling --------------------------------------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> MegaTrainOutput:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, input_ids: torch.Tensor | None = None, **kwargs: Any) -> MegaTrainOutput:
+        return self.engine(input_ids=input_ids, **kwargs)
+
+    def train(self, mode: bool = True) -> "MegaTrainModel":
+        self.hf_model.train(mode)
+        return self
+
+    def eval(self) -> "MegaTrainModel":
+        return self.train(False)
+
+    @property
+    def training(self) -> bool:
+        return self.hf_model.training
+
+    @property
+    def config(self):
+        return self.hf_model.config
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    # -- parameters / gradients ------------------------------------------------------------------------------------------
+    def _land_gradients(self) -> None:
+        if self.engine.optimizer is not None:
+            self.engine.optimizer.wait()
+        self.engine.finish_backward()
+        units = self.engine.store.units
+        if any(u.grad_valid for u in units):  # a backward ran: units it did not reach have zero gradient
+            for u in units:
+                if not u.grad_valid:
+                    u.grad.zero_()
+                    u.grad_valid = True
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, FP32 master) of every trainable parameter, gradients landed in ``.grad`` (tied names once)."""
+        self._land_gradients()
+        yield from self._masters.items()
+
+    def parameters(self) -> Iterator[torch.Tensor]:
+        for _, p in self.named_parameters():
+            yield p
+
+    def num_parameters(self) -> int:
+        return self.engine.num_parameters()
+
+    # -- export ----------------------------------------------------------------------------------------------------------
+    def state_dict(self, dtype: torch.dtype | str | None = None) -> dict[str, torch.Tensor]:
+        """Standalone host tensors: trainable masters (cast to ``dtype``, default FP32) and frozen parameters."""
+        from .config import parse_dtype
+
+        dt = parse_dtype(dtype, "dtype") if dtype is not None else torch.float32
+        if self.engine.optimizer is not None:
+            self.engine.optimizer.wait()
+        out = {n: t.detach().to("cpu", dt, copy=True) for n, t in self.engine.named_master_tensors()}
+        for n, p in self.hf_model.named_parameters():  # frozen (not streamed) parameters keep their values
+            if n not in out and not p.is_meta and n not in self.engine.store.by_name:
+                out[n] = p.detach().to("cpu", dt, copy=True)
+        return out
+
+    def save_pretrained(self, save_directory: str, dtype: torch.dtype | str | None = None, **kwargs: Any) -> None:
+        """Write a standard HF checkpoint (safetensors + config) loadable with plain ``from_pretrained``."""
+        dtype = dtype if dtype is not None else self.engine.config.save_dtype
+        sd = self.state_dict(dtype)
+        self.hf_model.save_pretrained(save_directory, state_dict=sd, **kwargs)
+        # config.json records the dtype of the saved weights (what from_pretrained(dtype="auto") picks).
+        cfg = self.hf_model.config
+        from .config import parse_dtype
+
+        saved = str(parse_dtype(dtype, "dtype")).replace("torch.", "")
+        if getattr(cfg, "dtype", None) != saved:
+            try:
+                cfg.dtype = saved
+                cfg.save_pretrained(save_directory)
+            except Exception:  # older configs without a dtype attribute: weights are still correct
+                pass

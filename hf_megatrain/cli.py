@@ -1,0 +1,185 @@
+"""The ``megatrain`` command: one yaml for both accelerate and hf_megatrain, then accelerate's own launcher.
+
+    megatrain launch --config megatrain_combined.yaml train.py [script args]
+    megatrain estimate [planner args]
+
+``launch`` reads ONE yaml holding the standard ``accelerate config`` keys plus a ``megatrain:`` section. The
+section is validated up front (unknown keys fail before any process starts), written to a temp yaml whose
+path the training process receives as ``MEGATRAIN_CONFIG`` (read by ``MegaTrainTrainingArguments`` and
+``MegaTrainPlugin``), and the rest is written to a temp accelerate config handed to ``accelerate launch``
+(``accelerate.commands.launch``, run in-process) together with every other argument, unchanged. So anything
+``accelerate launch`` accepts still works, and ``accelerate launch --config_file`` users lose nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+from .config import MegaTrainConfig
+
+SECTION = "megatrain"
+# Filled in when the accelerate part leaves them out: single process, precision left to hf_megatrain.
+_ACCELERATE_DEFAULTS = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "NO", "mixed_precision": "no",
+                        "num_processes": 1}
+
+
+class ConfigError(ValueError):
+    """A combined yaml that cannot be used; the message says what to change."""
+
+
+def _split_config_arg(argv: list[str]) -> tuple[str | None, list[str]]:
+    """Take ``--config PATH`` (or ``--config_file``) from the launcher arguments, i.e. before the script."""
+    path, rest, i = None, [], 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok.endswith(".py") or tok in ("-m", "--module", "--"):  # the script and its own args start here
+            rest.extend(argv[i:])
+            break
+        if tok in ("--config", "--config_file", "--config-file"):
+            if i + 1 >= len(argv):
+                raise ConfigError(f"{tok} needs a yaml path")
+            path, i = argv[i + 1], i + 2
+            continue
+        for flag in ("--config=", "--config_file=", "--config-file="):
+            if tok.startswith(flag):
+                path = tok[len(flag):]
+                break
+        else:
+            rest.append(tok)
+        i += 1
+    return path, rest
+
+
+def split_combined(path: str) -> tuple[dict[str, Any], MegaTrainConfig, dict[str, Any]]:
+    """Read a combined yaml -> (accelerate part, validated MegaTrainConfig, megatrain section as written)."""
+    import yaml
+
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} does not exist")
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of accelerate keys plus a '{SECTION}:' section")
+    section = data.pop(SECTION, None) or {}
+    if not isinstance(section, dict):
+        raise ConfigError(f"{path}: '{SECTION}:' must be a mapping of MegaTrainConfig keys, "
+                          f"valid keys: {MegaTrainConfig.valid_keys()}")
+    try:
+        config = MegaTrainConfig.from_dict(section)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{path}: invalid '{SECTION}:' section: {e}") from e
+
+    accel = {**_ACCELERATE_DEFAULTS, **data} if data.get("compute_environment", "LOCAL_MACHINE") == "LOCAL_MACHINE" \
+        else data
+    _check_accelerate_keys(path, accel)
+    return accel, config, section
+
+
+def _check_accelerate_keys(path: str, accel: dict[str, Any]) -> None:
+    """Name a stray top-level key here, rather than letting accelerate fail on a temp file the user never saw."""
+    try:
+        from accelerate.commands.config.config_args import ClusterConfig
+    except ImportError:  # accelerate moved things around: let accelerate itself validate
+        return
+    if accel.get("compute_environment", "LOCAL_MACHINE") != "LOCAL_MACHINE":
+        return
+    known = set(ClusterConfig.__dataclass_fields__) | {"fp16", "dynamo_backend"}
+    unknown = sorted(set(accel) - known)
+    if unknown:
+        raise ConfigError(f"{path}: unknown top-level keys {unknown}: a combined yaml holds accelerate config keys "
+                          f"({sorted(known)}) plus a '{SECTION}:' section with MegaTrainConfig keys "
+                          f"({MegaTrainConfig.valid_keys()}). Move hf_megatrain keys under '{SECTION}:'.")
+
+
+def launch(argv: list[str]) -> int:
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        print("\nEverything besides --config is passed to `accelerate launch` unchanged; its help follows.\n")
+    path, rest = _split_config_arg(argv)
+    from accelerate.commands.launch import launch_command, launch_command_parser
+
+    if path is None:  # nothing to split: behave exactly like `accelerate launch`
+        return _run_accelerate(launch_command_parser, launch_command, rest)
+    accel, config, section = split_combined(path)
+    import yaml
+
+    with tempfile.TemporaryDirectory(prefix="megatrain_launch_") as tmp:
+        accel_path = os.path.join(tmp, "accelerate.yaml")
+        mt_path = os.path.join(tmp, "megatrain.yaml")
+        with open(accel_path, "w") as f:
+            yaml.safe_dump(accel, f)
+        with open(mt_path, "w") as f:
+            yaml.safe_dump(section, f)
+        os.environ["MEGATRAIN_CONFIG"] = mt_path  # accelerate's launchers copy os.environ into the child
+        print(f"[megatrain] {path}: accelerate part -> {accel_path}; megatrain section -> MEGATRAIN_CONFIG={mt_path} "
+              f"({config.to_dict() if section else 'defaults'})", file=sys.stderr, flush=True)
+        return _run_accelerate(launch_command_parser, launch_command, ["--config_file", accel_path, *rest])
+
+
+def _run_accelerate(parser_fn, launch_fn, args: list[str]) -> int:
+    args_ns = parser_fn().parse_args(args)
+    try:
+        launch_fn(args_ns)
+    except subprocess.CalledProcessError as e:  # the training process failed: its traceback is already printed
+        return e.returncode or 1
+    return 0
+
+
+def estimate(argv: list[str]) -> int:
+    try:
+        planner = importlib.import_module(f"{__package__}.planner")  # lazy: optional, may import transformers
+    except ModuleNotFoundError as e:
+        if e.name != f"{__package__}.planner":
+            raise
+        print("megatrain estimate: this hf_megatrain install has no memory/throughput planner "
+              "(hf_megatrain/planner.py is missing). Upgrade hf_megatrain to use it.", file=sys.stderr)
+        return 1
+    result = planner.main(argv)
+    return int(result) if isinstance(result, int) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(
+        prog="megatrain", description="hf_megatrain: full-precision training of LLMs larger than GPU memory.",
+        epilog="megatrain launch --config megatrain_combined.yaml train.py [script args]\n"
+               "megatrain estimate --help",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("command", choices=["launch", "estimate", "keys"],
+                   help="launch: accelerate launch with one combined yaml; estimate: memory/time planner; "
+                        "keys: list the valid megatrain: section keys")
+    p.add_argument("--version", action="version", version=f"hf_megatrain {_version()}")
+    if not argv or argv[0] in ("-h", "--help", "--version"):
+        p.parse_args(argv or ["--help"])
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    try:
+        if cmd == "launch":
+            return launch(rest)
+        if cmd == "estimate":
+            return estimate(rest)
+        if cmd == "keys":
+            for k, v in MegaTrainConfig().to_dict().items():
+                print(f"{k}: {v!r}")
+            return 0
+    except ConfigError as e:
+        print(f"megatrain {cmd}: error: {e}", file=sys.stderr)
+        return 2
+    p.parse_args([cmd])  # unknown command: argparse prints the choices and exits 2
+    return 2
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+if __name__ == "__main__":
+    sys.exit(main())

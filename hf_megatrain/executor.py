@@ -17,6 +17,7 @@ On the CPU the same calls run in program order.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
 import torch
@@ -73,6 +74,7 @@ class StreamingExecutor:
         self.backward_ran = False
         # Set by an overlapped optimizer: block until unit i's step (and streaming copy) is done.
         self.wait_for_unit: Callable[[int], None] | None = None
+        self.wait_optimizer_s = 0.0  # host time the streamed passes spent waiting for the CPU optimizer
         self.h2d_bytes = 0
         self.d2h_bytes = 0
         # Any input that requires grad makes autograd call our backward even when the hidden state does not
@@ -86,7 +88,9 @@ class StreamingExecutor:
         free = [s for s in range(len(self.slots)) if s not in protect]
         s = min(free, key=lambda k: self.slot_tick[k])
         if self.wait_for_unit is not None:
+            t0 = time.perf_counter()
             self.wait_for_unit(index)
+            self.wait_optimizer_s += time.perf_counter() - t0
         unit = self.units[index]
         st = self.streams
         with st.on(st.h2d):
@@ -188,12 +192,17 @@ class StreamingExecutor:
             else:
                 off.add_(self.grad_param[:n])
         self.slot_free[s] = st.record(st.compute)
-        self._offload(k, unit, st.record(st.compute))
+        # Fold the gradient-norm reduction into the gradient's departure (first visit of this step only).
+        sq = off.float().square().sum() if not unit.grad_valid and all(
+            self.pending[j] is None or self.pending[j][0] is not unit for j in (0, 1)) else None
+        self._offload(k, unit, st.record(st.compute), sq)
         return grad_in
 
     # -- gradients out --------------------------------------------------------------------------------------------------
-    def _offload(self, k: int, unit: Unit, ready: Any) -> None:
+    def _offload(self, k: int, unit: Unit, ready: Any, sq: torch.Tensor | None) -> None:
         self._drain(k)
+        first = not unit.grad_valid and sq is not None
+        unit.grad_sq = sq if first else None
         off = self.offload[k][:unit.numel]
         direct = not unit.grad_valid and off.dtype == unit.grad.dtype
         dst = unit.grad if direct else self.staging[k][:unit.numel]

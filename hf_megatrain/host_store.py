@@ -47,6 +47,9 @@ class Unit:
     compute: torch.Tensor
     streamed: bool = True
     grad_valid: bool = False  # grad holds this step's data (else it must be overwritten, not added to)
+    # Squared gradient norm computed on the device as the gradient left it (valid when the step's gradient came
+    # from a single layer visit), so the global norm needs no extra pass over host memory.
+    grad_sq: torch.Tensor | None = None
     by_name: dict[str, ParamSlice] = field(default_factory=dict)
 
     def view(self, flat: torch.Tensor, p: ParamSlice) -> torch.Tensor:

@@ -70,7 +70,8 @@ class CPUAdamW(torch.optim.Optimizer):
         # AdamW step count per unit, on the unit's device (the fused CUDA kernel reads it there).
         self._steps = [torch.zeros(1, dtype=torch.float32, device=u.master.device) for u in store.units]
         self.skipped_steps = 0
-        self.last_step_seconds = 0.0  # wall time of the last step's unit updates (worker thread when overlapped)
+        self.last_step_seconds = 0.0
+        self.last_norm_seconds = 0.0  # wall time of the last step's unit updates (worker thread when overlapped)
         self.last_grad_norm: float | None = None
         self._done = [threading.Event() for _ in store.units]
         for e in self._done:
@@ -81,7 +82,8 @@ class CPUAdamW(torch.optim.Optimizer):
     # -- gradient norm -------------------------------------------------------------------------------------------------
     def grad_norm(self) -> float:
         """Global L2 norm of all gradients (fp64 accumulation of per-unit fp32 norms, like clip_grad_norm_)."""
-        norms = torch.stack([torch.linalg.vector_norm(u.grad).cpu() for u in self.store.units])
+        norms = torch.stack([(u.grad_sq.sqrt() if u.grad_sq is not None else torch.linalg.vector_norm(u.grad)).cpu()
+                             for u in self.store.units])
         return float(torch.linalg.vector_norm(norms))
 
     # -- step --------------------------------------------------------------------------------------------------------------
@@ -94,7 +96,10 @@ class CPUAdamW(torch.optim.Optimizer):
         for u in self.store.units:
             if not u.grad_valid:  # no backward touched this unit since the last step: its gradient is zero
                 u.grad.zero_()
+                u.grad_sq = None
+        t0 = time.perf_counter()
         norm = self.grad_norm()
+        self.last_norm_seconds = time.perf_counter() - t0
         self.last_grad_norm = norm
         if not math.isfinite(norm) and self.skip_nonfinite:
             self.skipped_steps += 1
@@ -142,6 +147,7 @@ class CPUAdamW(torch.optim.Optimizer):
                                 weight_decay=h["weight_decay"], eps=h["eps"], amsgrad=False, maximize=False,
                                 grad_scale=scale_t, found_inf=None)
         unit.grad_valid = False
+        unit.grad_sq = None
         self.store.sync_compute_(unit)
         if self.after_unit is not None:
             self.after_unit(unit)
@@ -149,6 +155,7 @@ class CPUAdamW(torch.optim.Optimizer):
     def _invalidate_grads(self) -> None:
         for u in self.store.units:
             u.grad_valid = False
+            u.grad_sq = None
 
     def wait_unit(self, index: int) -> None:
         self._done[index].wait()

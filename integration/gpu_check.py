@@ -88,7 +88,11 @@ def build_qwen2_14b_width(layers: int):
                       tie_word_embeddings=False, attn_implementation="sdpa")
     torch.manual_seed(0)
     t = time.time()
-    model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+    torch.set_default_dtype(torch.bfloat16)  # initialise directly in bf16: half the bytes, twice as fast
+    try:
+        model = Qwen2ForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(torch.float32)
     return model, time.time() - t
 
 
@@ -103,7 +107,7 @@ def part_overlap(layers: int, sizes: list[int], steps: int, warmup: int, out_dir
     seq = 2048
     for batch in sizes:
         gen = torch.Generator().manual_seed(0)
-        times, opt_s, norms = [], [], []
+        times, opt_s, norms, phases = [], [], [], []
         torch.cuda.reset_peak_memory_stats()
         for i in range(warmup + steps + 1):
             ids = torch.randint(0, 152064, (batch, seq), generator=gen)
@@ -114,15 +118,22 @@ def part_overlap(layers: int, sizes: list[int], steps: int, warmup: int, out_dir
                 prof.__enter__()
             torch.cuda.synchronize()
             t0 = time.perf_counter()
+            w0 = engine.executor.wait_optimizer_s
             loss = engine(input_ids=ids, labels=ids).loss
+            torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            w1 = engine.executor.wait_optimizer_s
             loss.backward()
+            torch.cuda.synchronize()
+            t2 = time.perf_counter()
             opt.step()
             opt.zero_grad()
-            if prof is None:
-                # Overlapped optimizer: the step ends when the next forward may start; time to next call.
-                pass
+            t3 = time.perf_counter()
             torch.cuda.synchronize()
             dt = time.perf_counter() - t0
+            phases.append({"forward_s": t1 - t0, "forward_wait_optimizer_s": w1 - w0, "backward_s": t2 - t1,
+                           "step_call_s": t3 - t2, "norm_s": opt.last_norm_seconds,
+                           "prev_optimizer_worker_s": opt.last_step_seconds})
             if prof is not None:
                 opt.wait()
                 torch.cuda.synchronize()
@@ -144,10 +155,11 @@ def part_overlap(layers: int, sizes: list[int], steps: int, warmup: int, out_dir
         r.update({"tokens_per_step": tokens, "step_s": times, "median_step_s": med, "tokens_per_s": tokens / med,
                   "model_tflops": 6 * n_params * tokens / med / 1e12,
                   "mfu": 6 * n_params * tokens / med / 1e12 / PEAK_TFLOPS,
-                  "cpu_optimizer_s": opt_s[-1], "grad_norms": norms[-3:],
+                  "cpu_optimizer_s": opt_s[-1], "grad_norms": norms[-3:], "phases": phases[-3:],
+                  "torch_threads": torch.get_num_threads(),
                   "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30})
         print(f"batch {batch}: {tokens / med:,.0f} tok/s, step {med:.3f}s, MFU {r['mfu']:.1%}, "
-              f"opt {opt_s[-1]:.3f}s, trace {json.dumps(r['trace'])[:600]}", flush=True)
+              f"opt {opt_s[-1]:.3f}s, phases {phases[-2]}, trace {json.dumps(r['trace'])[:600]}", flush=True)
     import resource
 
     res["peak_host_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20

@@ -1,0 +1,405 @@
+"""MegaTrainTrainer: ``transformers.Trainer`` running the streamed engine, unchanged for the user.
+
+Trainer keeps its loop (gradient accumulation, loss normalisation, LR schedulers, logging, callbacks, evaluation,
+checkpoint rotation, best-model tracking, Hub pushes); this subclass swaps the few places where a model larger
+than GPU memory cannot be treated like a module:
+
+- the model is converted by ``MegaTrainEngine`` before Trainer sees it, and never moved by Trainer;
+- the loss comes from the engine (same ``num_items_in_batch`` semantics as the HF model, so Trainer's scaling
+  applies untouched); evaluation asks the engine for logits only when metrics need them;
+- the optimizer is the engine's ``CPUAdamW``; gradient clipping happens inside its step (Trainer's own clip would
+  only see the resident parameters), and the norm it measured is what gets logged as ``grad_norm``;
+- checkpoints are written from the FP32 master without a ``state_dict`` and committed atomically
+  (``checkpoint.py``); resuming restores masters, AdamW moments and step counts exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+from transformers import Trainer, TrainingArguments
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME
+from transformers.trainer_callback import ExportableState
+from transformers.trainer_pt_utils import nested_detach
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+from . import checkpoint as ckpt
+from .config import MegaTrainConfig, parse_dtype
+from .engine import MegaTrainEngine
+from .layers import find_layer_stack
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_OPTIM = ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw")
+ENGINE_ATTR = "megatrain_engine"  # set on the converted HF model so integrations can find its engine
+
+
+@dataclass
+class MegaTrainTrainingArguments(TrainingArguments):
+    """``TrainingArguments`` plus the MegaTrain switches (see ``MegaTrainConfig`` for the policy keys)."""
+
+    megatrain: bool = field(default=True, metadata={"help": "Train with hf_megatrain's streamed engine."})
+    megatrain_config: dict | str | None = field(
+        default=None, metadata={"help": "MegaTrainConfig as a dict, a JSON string or a yaml path. Defaults to the "
+                                        "MEGATRAIN_CONFIG env var; MEGATRAIN_<KEY> env vars override keys."})
+    megatrain_save_dtype: str = field(
+        default="float32", metadata={"help": "dtype of exported weights: float32 or bfloat16 (a non-default value "
+                                             "overrides the config's save_dtype)."})
+    megatrain_max_shard_size: str = field(
+        default=ckpt.DEFAULT_MAX_SHARD_SIZE, metadata={"help": "Largest safetensors shard written, e.g. '5GB'."})
+
+    def __post_init__(self) -> None:
+        if self.megatrain:
+            # Checked before TrainingArguments builds a DeepSpeed/FSDP setup from these arguments.
+            if self.deepspeed:
+                raise ValueError("megatrain=True cannot be combined with deepspeed: hf_megatrain already keeps "
+                                 "weights, gradients and optimizer state in host memory. Remove `deepspeed=` "
+                                 "(or set megatrain=False to train with DeepSpeed).")
+            if self.fsdp not in (None, "", False, []):
+                raise ValueError("megatrain=True cannot be combined with fsdp: hf_megatrain trains on one GPU with "
+                                 "host-resident state. Remove `fsdp=` (or set megatrain=False to use FSDP).")
+            optim = str(getattr(self.optim, "value", self.optim))
+            if optim not in SUPPORTED_OPTIM:
+                raise ValueError(f"optim={optim!r} is not supported with megatrain=True; hf_megatrain runs AdamW "
+                                 f"on the FP32 host master. Use one of {list(SUPPORTED_OPTIM[:3])}.")
+            for flag in ("fp16", "fp16_full_eval", "bf16_full_eval"):
+                if getattr(self, flag):
+                    raise ValueError(f"{flag}=True is not used with megatrain=True: masters stay FP32 and layers "
+                                     "compute in megatrain_config['compute_dtype'] ('bfloat16' or 'float32'). "
+                                     f"Remove {flag}.")
+            if self.label_smoothing_factor:
+                raise ValueError("label_smoothing_factor is not supported with megatrain=True (the loss is a fused "
+                                 "chunked cross-entropy); set it to 0.")
+            if self.torch_compile:
+                raise ValueError("torch_compile=True is not supported with megatrain=True; remove it.")
+        super().__post_init__()
+        if self.megatrain:
+            self.megatrain_resolved_config()  # validate now: unknown keys / bad dtypes fail at argument time
+
+    def megatrain_resolved_config(self) -> MegaTrainConfig:
+        """Config from ``megatrain_config`` (or env MEGATRAIN_CONFIG), then MEGATRAIN_* env keys, then
+        ``megatrain_save_dtype``."""
+        source = self.megatrain_config if self.megatrain_config is not None else os.environ.get("MEGATRAIN_CONFIG")
+        if isinstance(source, str) and not source.strip().startswith("{") and not os.path.isfile(source):
+            raise ValueError(f"megatrain_config={source!r} is neither a JSON object nor an existing yaml file")
+        values = MegaTrainConfig.from_any(source or None).to_dict()
+        env = MegaTrainConfig.from_env()
+        values.update(env)
+        save = str(parse_dtype(self.megatrain_save_dtype, "megatrain_save_dtype")).replace("torch.", "")
+        config_chose = values["save_dtype"] not in ("float32", "fp32") or "save_dtype" in env
+        if save != "float32" or not config_chose:
+            values["save_dtype"] = save
+        return MegaTrainConfig.from_dict(values)
+
+    @property
+    def place_model_on_device(self) -> bool | None:  # the engine placed what lives on the device already
+        return False if self.megatrain else super().place_model_on_device
+
+
+def _materialize_resident(model: nn.Module, layers_path: str | None) -> None:
+    """Give the meta parameters outside the decoder stack real (empty) host storage, keeping ties."""
+    layer_ids = {id(p) for p in find_layer_stack(model, layers_path).layers.parameters()}
+    new: dict[int, nn.Parameter] = {}
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is None or not p.is_meta or id(p) in layer_ids:
+                continue
+            if id(p) not in new:
+                new[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=torch.float32), requires_grad=p.requires_grad)
+            mod._parameters[name] = new[id(p)]
+
+
+def _extra_sink(engine: MegaTrainEngine):
+    """Load checkpoint tensors the store does not hold (frozen params, persistent buffers) into the model."""
+    model = engine.model
+    targets = dict(model.named_buffers())
+    targets.update({n: p for n, p in model.named_parameters() if n not in engine.store.by_name})
+    resident = {id(p) for p in engine.resident_params.values()}
+
+    def sink(name: str, tensor: torch.Tensor) -> bool:
+        t = targets.get(name)
+        if t is None:
+            return False
+        if id(t) not in resident and not t.is_meta:  # a tied alias of a master is already loaded
+            with torch.no_grad():
+                t.copy_(tensor)
+        return True
+
+    return sink
+
+
+def from_pretrained_streamed(model_id_or_path: str, config: MegaTrainConfig | dict | str | None = None,
+                             device: torch.device | str | None = None, decay_names: set[str] | None = None,
+                             **hf_kwargs: Any) -> MegaTrainEngine:
+    """Build a ``MegaTrainEngine`` for a pretrained causal LM without ever materialising the model in RAM.
+
+    The HF skeleton is built with parameters on the meta device (buffers such as rotary tables are computed for
+    real), the engine allocates its host store, and the masters are filled shard by shard from the safetensors
+    files (memory-mapped). Peak host memory is the store plus one chunk of one tensor."""
+    from accelerate import init_empty_weights
+
+    config = MegaTrainConfig.from_any(config)
+    path = model_id_or_path
+    if not os.path.isdir(path):
+        from huggingface_hub import snapshot_download
+
+        path = snapshot_download(model_id_or_path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"],
+                                 revision=hf_kwargs.get("revision"), token=hf_kwargs.get("token"))
+    model_keys = ("attn_implementation", "trust_remote_code")
+    cfg = transformers.AutoConfig.from_pretrained(path, **{k: v for k, v in hf_kwargs.items()
+                                                           if k not in ("dtype", "torch_dtype", "attn_implementation")})
+    with init_empty_weights(include_buffers=False):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, **{k: v for k, v in hf_kwargs.items()
+                                                                      if k in model_keys})
+    if os.path.isfile(os.path.join(path, "generation_config.json")):
+        model.generation_config = transformers.GenerationConfig.from_pretrained(path)
+    _materialize_resident(model, config.layers_path)
+    engine = MegaTrainEngine(model, config, device=device, decay_names=decay_names)
+    unused = ckpt.load_pretrained_into_engine(engine, path, prefix=ckpt.WEIGHTS_PREFIX, extra_sink=_extra_sink(engine))
+    if unused:
+        logger.warning("hf_megatrain: %d checkpoint tensors not used by the model, e.g. %s", len(unused), unused[:5])
+    return engine
+
+
+class MegaTrainTrainer(Trainer):
+    """``transformers.Trainer`` with the model run by ``MegaTrainEngine`` (see the module docstring)."""
+
+    def __init__(self, model: nn.Module | MegaTrainEngine | None = None, args: TrainingArguments | None = None,
+                 *pargs: Any, **kwargs: Any) -> None:
+        if args is not None and not isinstance(args, MegaTrainTrainingArguments):
+            raise TypeError("MegaTrainTrainer needs MegaTrainTrainingArguments (a TrainingArguments subclass with "
+                            f"the megatrain switches), got {type(args).__name__}")
+        self._mt = args is not None and args.megatrain
+        self.engine: MegaTrainEngine | None = None
+        if self._mt:
+            if args.world_size > 1:
+                raise ValueError(f"hf_megatrain trains on one GPU; this run has world_size={args.world_size}. "
+                                 "Launch a single process (no torchrun/accelerate multi-process).")
+            self._mt_config = args.megatrain_resolved_config()
+            optimizers = kwargs.get("optimizers", (None, None))
+            if optimizers[0] is not None or kwargs.get("optimizer_cls_and_kwargs") is not None:
+                raise ValueError("with megatrain=True the optimizer is hf_megatrain's CPU AdamW over the FP32 master; "
+                                 "do not pass `optimizers` / `optimizer_cls_and_kwargs` (set learning_rate, "
+                                 "adam_beta1/2, adam_epsilon, weight_decay, max_grad_norm instead)")
+            if args.gradient_checkpointing:
+                logger.warning("hf_megatrain: gradient_checkpointing ignored; the streamed backward already "
+                               "recomputes every layer")
+                args.gradient_checkpointing = False
+            if model is not None:
+                model = self._mt_convert(model, args)
+        super().__init__(model, args, *pargs, **kwargs)
+        if self._mt and self.args.n_gpu > 1:
+            self.args._n_gpu = 1  # one GPU; never DataParallel
+
+    # -- model --------------------------------------------------------------------------------------------------------
+    def _mt_convert(self, model: nn.Module | MegaTrainEngine, args: MegaTrainTrainingArguments) -> nn.Module:
+        if isinstance(model, MegaTrainEngine):
+            engine = model
+        elif isinstance(getattr(model, ENGINE_ATTR, None), MegaTrainEngine):
+            engine = getattr(model, ENGINE_ATTR)
+        else:
+            decay = set(self.get_decay_parameter_names(model))  # Trainer's rule, on the unconverted model
+            engine = MegaTrainEngine(model, self._mt_config, device=args.device, decay_names=decay)
+        if engine.device != args.device:
+            raise ValueError(f"the engine runs on {engine.device} but TrainingArguments.device is {args.device}")
+        self.engine = engine
+        setattr(engine.model, ENGINE_ATTR, engine)
+        return engine.model
+
+    def call_model_init(self, trial: Any = None) -> nn.Module:
+        model = super().call_model_init(trial)
+        return self._mt_convert(model, self.args) if self._mt else model
+
+    def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
+        if not self._mt:
+            super()._move_model_to_device(model, device)
+
+    def floating_point_ops(self, inputs: dict[str, Any]) -> int:
+        if not self._mt:
+            return super().floating_point_ops(inputs)
+        main = getattr(self.engine.model, "main_input_name", "input_ids")
+        if main not in inputs:
+            return 0
+        emb = self.engine.model.get_input_embeddings().weight.numel()  # Trainer excludes embeddings
+        return 6 * inputs[main].numel() * (self.engine.num_parameters() - emb)
+
+    # -- optimizer ----------------------------------------------------------------------------------------------------
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        if not self._mt:
+            return super().create_optimizer(model)
+        if self.optimizer is None:
+            a = self.args
+            self.optimizer = self.engine.create_optimizer(
+                lr=a.learning_rate, betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_epsilon,
+                weight_decay=a.weight_decay, max_grad_norm=a.max_grad_norm if a.max_grad_norm > 0 else None)
+        return self.optimizer
+
+    def _clip_grad_norm(self, model: nn.Module) -> Any:
+        # CPUAdamW.step clips with the exact global norm; Trainer's clip would only see resident parameters.
+        return None if self._mt else super()._clip_grad_norm(model)
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
+        return None if self._mt else super()._get_grad_norm(model, grad_norm)
+
+    def _maybe_log_save_evaluate(self, tr_loss, grad_norm, *args: Any, **kwargs: Any) -> None:
+        if self._mt and self.engine.optimizer is not None and self.engine.optimizer.last_grad_norm is not None:
+            grad_norm = self.engine.optimizer.last_grad_norm  # measured inside the step that just ran
+        super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
+
+    # -- loss / evaluation --------------------------------------------------------------------------------------------
+    def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: torch.Tensor | int | None = None):
+        if not self._mt:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        labels = inputs.pop("labels") if self.compute_loss_func is not None and "labels" in inputs else None
+        kwargs = dict(inputs)
+        if self.model_accepts_loss_kwargs and num_items_in_batch is not None:
+            kwargs["num_items_in_batch"] = num_items_in_batch
+        want_logits = getattr(self, "_mt_want_logits", None)
+        if want_logits is None:
+            want_logits = return_outputs or self.compute_loss_func is not None
+        out = self.engine(**kwargs, return_logits=want_logits)
+        outputs = CausalLMOutputWithPast(loss=out.loss, logits=out.logits)
+        if self.compute_loss_func is not None:
+            loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
+        elif out.loss is None:
+            raise ValueError(f"the batch has no `labels` (keys: {sorted(inputs)}); hf_megatrain computes the "
+                             "causal-LM loss from `labels` (use DataCollatorForLanguageModeling(mlm=False))")
+        else:
+            loss = out.loss
+        if self.args.average_tokens_across_devices and num_items_in_batch is not None and (
+                self.model_accepts_loss_kwargs or self.compute_loss_func):
+            loss = loss * self.accelerator.num_processes  # as Trainer does (1 here)
+        return (loss, outputs) if return_outputs else loss
+
+    def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
+                        ignore_keys: list[str] | None = None):
+        if not self._mt:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        has_labels = bool(self.label_names) and all(inputs.get(k) is not None for k in self.label_names)
+        inputs = self._prepare_inputs(inputs)
+        labels = None
+        if has_labels:
+            labels = nested_detach(tuple(inputs.get(n) for n in self.label_names))
+            labels = labels[0] if len(labels) == 1 else labels
+        with torch.no_grad():
+            if has_labels:
+                num_items = self._get_num_items_in_batch([inputs], self.args.device)
+                self._mt_want_logits = not prediction_loss_only
+                try:
+                    loss, outputs = self.compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items)
+                finally:
+                    self._mt_want_logits = None
+                loss = loss.detach().mean()
+                logits = outputs.logits
+            else:
+                loss, logits = None, self.engine(**inputs, return_logits=True).logits
+        if prediction_loss_only:
+            return loss, None, None
+        return loss, nested_detach(logits), labels
+
+    # -- saving -------------------------------------------------------------------------------------------------------
+    def _mt_extra_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """Frozen parameters and persistent buffers (what ``save_pretrained`` would add besides the masters)."""
+        model, store = self.engine.model, self.engine.store
+        resident = {t.data_ptr() for t in self.engine.resident_params.values()}
+        skip = set(getattr(model, "_keys_to_ignore_on_save", None) or [])
+        return [(k, t) for k, t in model.state_dict().items()
+                if k not in store.by_name and k not in skip and not t.is_meta and t.data_ptr() not in resident]
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        if not self._mt:
+            return super()._save(output_dir, state_dict)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        logger.info("Saving model checkpoint to %s", output_dir)
+        ckpt.save_pretrained_streamed(self.engine, output_dir, dtype=self._mt_config.torch_save_dtype,
+                                      max_shard_size=self.args.megatrain_max_shard_size,
+                                      extra=self._mt_extra_tensors())
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        elif getattr(self.data_collator, "tokenizer", None) is not None:
+            self.data_collator.tokenizer.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+
+    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        if not self._mt:
+            return super()._save_checkpoint(model, trial)
+        folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        if self.hp_search_backend is None and trial is None:
+            self.store_flos()
+        run_dir = self._get_output_dir(trial=trial)
+        output_dir = os.path.join(run_dir, folder)
+        if self.state.best_global_step:
+            best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
+            if self.state.best_global_step == self.state.global_step or os.path.exists(best):
+                self.state.best_model_checkpoint = best
+        if self.args.should_save:
+            ckpt.remove_stale_temp_dirs(run_dir)
+            with ckpt.atomic_directory(output_dir) as tmp:
+                self._save(tmp)
+                if not self.args.save_only_model:
+                    ckpt.save_training_state(self.engine, tmp, master=self._mt_config.save_dtype != "float32")
+                    with open(os.path.join(tmp, SCHEDULER_NAME), "wb") as f:
+                        torch.save(self.lr_scheduler.state_dict(), f)
+                    self._save_rng_state(tmp)
+                for cb in [c for c in self.callback_handler.callbacks + [self.control]
+                           if isinstance(c, ExportableState)]:
+                    name = cb.__class__.__name__
+                    if isinstance(self.state.stateful_callbacks[name], list):
+                        self.state.stateful_callbacks[name].append(cb.state())
+                    else:
+                        self.state.stateful_callbacks[name] = cb.state()
+                self.state.save_to_json(os.path.join(tmp, TRAINER_STATE_NAME))
+                ckpt.write_manifest(tmp)
+        if self.args.push_to_hub:
+            self._push_from_checkpoint(output_dir)
+        if self.args.should_save:
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+
+    # -- loading ------------------------------------------------------------------------------------------------------
+    def _mt_load_weights(self, path: str) -> None:
+        cfg_path = os.path.join(path, "config.json")
+        if ckpt.weight_files(path, ckpt.MASTER_PREFIX) is None and os.path.isfile(cfg_path):
+            with open(cfg_path) as f:
+                saved = json.load(f).get("dtype")
+            if saved not in (None, "float32"):
+                logger.warning("hf_megatrain: %s holds %s weights and no FP32 master; training continues from "
+                               "rounded weights", path, saved)
+        unused = ckpt.load_pretrained_into_engine(self.engine, path, extra_sink=_extra_sink(self.engine))
+        if unused:
+            logger.warning("hf_megatrain: checkpoint tensors not used by the model: %s", unused[:5])
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        if not self._mt:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        ckpt.verify_checkpoint(resume_from_checkpoint)  # everything checked before any state is touched
+        self._mt_load_weights(resume_from_checkpoint)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if not self._mt:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        if not ckpt.load_training_state(self.engine, checkpoint):
+            logger.warning("hf_megatrain: %s has no optimizer state; AdamW starts fresh", checkpoint)
+            return
+        sched = os.path.join(checkpoint, SCHEDULER_NAME)
+        if os.path.isfile(sched):
+            self.lr_scheduler.load_state_dict(torch.load(sched, weights_only=True))
+
+    def _load_best_model(self) -> None:
+        if not self._mt:
+            return super()._load_best_model()
+        logger.info("Loading best model from %s (score: %s).", self.state.best_model_checkpoint,
+                    self.state.best_metric)
+        ckpt.verify_checkpoint(self.state.best_model_checkpoint, training_state=False)
+        self._mt_load_weights(self.state.best_model_checkpoint)

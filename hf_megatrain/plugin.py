@@ -70,24 +70,25 @@ class MegaTrainPlugin:
     Args:
         megatrain_config (`MegaTrainConfig`, `dict`, `str`, *optional*):
             The policy (see ``MegaTrainConfig``): an object, a dict, a JSON string or a yaml path (a combined
-            ``megatrain launch`` yaml works too: its ``megatrain:`` section is used). Precedence, lowest first:
-            defaults < file in env ``MEGATRAIN_CONFIG`` < env ``MEGATRAIN_<KEY>`` < this argument.
+            ``megatrain launch`` yaml works too: its ``megatrain:`` section is used). Defaults to the file in env
+            ``MEGATRAIN_CONFIG``; env ``MEGATRAIN_<KEY>`` variables override single keys (the same rule as
+            ``MegaTrainTrainingArguments``).
         device (`str` or `torch.device`, *optional*):
             Device the layers stream to. Defaults to the current CUDA device, else CPU.
     """
 
     megatrain_config: Any = field(
         default=None,
-        metadata={"help": "MegaTrainConfig, dict, JSON string or yaml path. Keys not given here are read from the "
-                          "file in MEGATRAIN_CONFIG, then from MEGATRAIN_<KEY> environment variables."})
+        metadata={"help": "MegaTrainConfig, dict, JSON string or yaml path. Defaults to the MEGATRAIN_CONFIG env "
+                          "var; MEGATRAIN_<KEY> env vars override keys."})
     device: Any = field(
         default=None, metadata={"help": "Device the layers stream to; default: current CUDA device, else CPU."})
     config: MegaTrainConfig = field(init=False, repr=True)
 
     def __post_init__(self) -> None:
-        merged = _config_dict(os.environ.get("MEGATRAIN_CONFIG") or None)
+        source = self.megatrain_config if self.megatrain_config is not None else os.environ.get("MEGATRAIN_CONFIG")
+        merged = _config_dict(source or None)
         merged.update(MegaTrainConfig.from_env())
-        merged.update(_config_dict(self.megatrain_config))
         self.config = MegaTrainConfig.from_dict(merged)
         self.engine: MegaTrainEngine | None = None
 

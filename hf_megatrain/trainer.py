@@ -159,6 +159,7 @@ def from_pretrained_streamed(model_id_or_path: str, config: MegaTrainConfig | di
     with init_empty_weights(include_buffers=False):
         model = transformers.AutoModelForCausalLM.from_config(cfg, **{k: v for k, v in hf_kwargs.items()
                                                                       if k in model_keys})
+    model.tie_weights()  # accelerate's meta init skips the tying the constructor would do
     if os.path.isfile(os.path.join(path, "generation_config.json")):
         model.generation_config = transformers.GenerationConfig.from_pretrained(path)
     _materialize_resident(model, config.layers_path)

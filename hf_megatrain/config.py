@@ -51,6 +51,9 @@ class MegaTrainConfig:
         resident_placement: where the FP32 master and AdamW state of the resident parts (embeddings, final norm,
             lm_head) live: "device" (stepped on the GPU; no PCIe traffic for them), "host", or "auto" (device
             when it takes at most ``resident_device_fraction`` of free GPU memory).
+        device_step_layers: how many streamed layers run AdamW on the GPU (state streamed through PCIe) while the
+            CPU steps the others at the same time; -1 = auto (every other layer on CUDA, as GPU memory allows;
+            none on CPU-only machines).
     """
 
     compute_dtype: str = "bfloat16"
@@ -66,6 +69,7 @@ class MegaTrainConfig:
     save_dtype: str = "float32"
     skip_nonfinite: bool = True
     resident_placement: str = "auto"
+    device_step_layers: int = -1
     resident_device_fraction: float = 0.5
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -84,6 +88,9 @@ class MegaTrainConfig:
             raise ValueError(f"loss_chunk_tokens={self.loss_chunk_tokens} must be > 0")
         if not 0.0 < self.host_memory_fraction <= 1.0:
             raise ValueError(f"host_memory_fraction={self.host_memory_fraction} must be in (0, 1]")
+        if self.device_step_layers < -1:
+            raise ValueError(f"device_step_layers={self.device_step_layers}: use -1 (auto), 0 (all on the CPU) "
+                             "or a number of layers")
         if self.resident_placement not in ("auto", "device", "host"):
             raise ValueError(f"resident_placement={self.resident_placement!r}; use 'auto', 'device' or 'host'")
         if self.extra:

@@ -17,7 +17,9 @@ import torch
 from torch import nn
 
 from .config import MegaTrainConfig
+from .device_stepper import DeviceStepper
 from .executor import StreamedLayer, StreamingExecutor
+from .families import ModelHead, check_supported
 from .host_store import HostStore, Unit
 from .layers import find_layer_stack, group_layers
 from .loss import linear_cross_entropy
@@ -59,6 +61,7 @@ class MegaTrainEngine:
         if hasattr(model, "config"):
             model.config.use_cache = False
         self.stack = find_layer_stack(model, config.layers_path)
+        check_supported(model, self.stack)
         layers = self.stack.layers
         decay = default_decay_names(model) if decay_names is None else set(decay_names)
 
@@ -124,6 +127,8 @@ class MegaTrainEngine:
             for bname, b in list(mod._buffers.items()):
                 if b is not None and not b.is_meta:
                     mod._buffers[bname] = b.to(self.device)
+        chosen = self._device_step_units()
+        self.device_stepper = DeviceStepper(chosen, self.device, self.compute_dtype) if chosen else None
         self.optimizer: CPUAdamW | None = None
 
     # -- parameters ------------------------------------------------------------------------------------------------------
@@ -197,20 +202,20 @@ class MegaTrainEngine:
         move = lambda t: t.to(dev, non_blocking=True) if isinstance(t, torch.Tensor) else t  # noqa: E731
         kwargs = {k: move(v) for k, v in kwargs.items()}
         base = self._decoder()
-        out = base(input_ids=move(input_ids), attention_mask=move(attention_mask), use_cache=False, **kwargs)
+        # Family extras of the HF head (soft-capping, logit scaling, MoE router aux loss): families.py.
+        extras = self.__dict__.get("_head") or self.__dict__.setdefault(
+            "_head", ModelHead(self.model, self.stack, self.executor))
+        attention_mask = move(attention_mask)
+        with extras.capture(kwargs) as router_logits:
+            out = base(input_ids=move(input_ids), attention_mask=attention_mask, use_cache=False, **kwargs)
         hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state  # [B, T, H]
         head = self.model.get_output_embeddings()
-        softcap = getattr(getattr(self.model, "config", None), "final_logit_softcapping", None)
         loss = None
         if labels is not None:
-            loss = linear_cross_entropy(hidden, head.weight, move(labels), bias=getattr(head, "bias", None),
-                                        num_items_in_batch=num_items_in_batch,
-                                        chunk_tokens=self.config.loss_chunk_tokens, softcap=softcap)
-        logits = None
-        if return_logits:
-            logits = head(hidden)
-            if softcap:
-                logits = torch.tanh(logits / softcap) * softcap
+            loss = extras.loss(hidden, head, move(labels), chunk_tokens=self.config.loss_chunk_tokens,
+                               num_items_in_batch=num_items_in_batch, router_logits=router_logits,
+                               attention_mask=attention_mask)
+        logits = extras.logits(hidden, head) if return_logits else None
         return MegaTrainOutput(loss=loss, logits=logits)
 
     __call__ = forward
@@ -226,10 +231,26 @@ class MegaTrainEngine:
         opt = CPUAdamW(self.store, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                        max_grad_norm=max_grad_norm, unit_order=order, skip_nonfinite=self.config.skip_nonfinite,
                        overlap=self.config.overlap_optimizer, before_step=self._before_step,
-                       after_unit=self._after_unit)
+                       after_unit=self._after_unit, device_stepper=self.device_stepper)
         self.optimizer = opt
         self.executor.wait_for_unit = lambda i: opt.wait_unit(self.layer_units[i].index)
         return opt
+
+    def _device_step_units(self) -> list[Unit]:
+        """Streamed layers whose AdamW runs on the GPU (see device_stepper.py): every other layer, so the CPU and
+        GPU workers alternate in the order the next forward consumes layers."""
+        k, units = self.config.device_step_layers, self.layer_units
+        if k == -1:
+            if self.device.type != "cuda":
+                return []
+            n = max(u.numel for u in units)
+            per_layer, fixed = 4 * n, 2 * (12 + torch.empty((), dtype=self.compute_dtype).element_size()) * n
+            free, _ = torch.cuda.mem_get_info(self.device)
+            k = len(units) // 2
+            while k > 0 and k * per_layer + fixed > 0.3 * free:
+                k -= 1
+        order = list(range(1, len(units), 2)) + list(range(0, len(units), 2))
+        return [units[i] for i in sorted(order[:min(k, len(units))])]
 
     def _before_step(self) -> None:
         self.finish_backward()

@@ -80,6 +80,10 @@ class StreamingExecutor:
         # Any input that requires grad makes autograd call our backward even when the hidden state does not
         # (frozen embeddings, PEFT): the anchor guarantees that.
         self.grad_anchor = torch.zeros((), device=device, requires_grad=True)
+        # Optional side-output tap (families.RouterTap): collects tensors a layer forward produces besides its
+        # hidden state (MoE router logits); they become extra outputs of the layer's autograd Function, so a
+        # loss term on them (the router aux loss) sends its gradient into that layer's recompute.
+        self.tap: Any = None
 
     # -- weights in ---------------------------------------------------------------------------------------------------
     def _load(self, index: int, protect: set[int]) -> int:
@@ -131,9 +135,9 @@ class StreamingExecutor:
             return self._forward_layer(index, hidden, call)
 
     def backward_layer(self, index: int, hidden: torch.Tensor, call: tuple[tuple, dict],
-                       grad_out: torch.Tensor) -> torch.Tensor | None:
+                       grad_out: torch.Tensor, side_grads: tuple = ()) -> torch.Tensor | None:
         with torch.profiler.record_function("megatrain.backward"):
-            return self._backward_layer(index, hidden, call, grad_out)
+            return self._backward_layer(index, hidden, call, grad_out, side_grads)
 
     def _forward_layer(self, index: int, hidden: torch.Tensor, call: tuple[tuple, dict]) -> torch.Tensor:
         s = self._acquire(index, +1)
@@ -153,7 +157,7 @@ class StreamingExecutor:
         return out
 
     def _backward_layer(self, index: int, hidden: torch.Tensor, call: tuple[tuple, dict],
-                        grad_out: torch.Tensor) -> torch.Tensor | None:
+                        grad_out: torch.Tensor, side_grads: tuple = ()) -> torch.Tensor | None:
         self.backward_ran = True
         s = self._acquire(index, -1)
         tmpl = self.templates[self.kinds[index]]
@@ -178,10 +182,20 @@ class StreamingExecutor:
             h = hidden[a:b].detach().requires_grad_(want_input_grad)
             sub_args = _batch_slice(args, a, b, batch) if len(chunks) > 1 else args
             sub_kwargs = _batch_slice(kwargs, a, b, batch) if len(chunks) > 1 else kwargs
+            tap = self.tap if any(g is not None for g in side_grads) else None
             with torch.enable_grad():
+                if tap is not None:
+                    tap.start()
                 out = _first(tmpl(params, self.buffers[index], self.training, (h, *sub_args), sub_kwargs))
+                side = tap.stop() if tap is not None else []
             inputs = ([h] if want_input_grad else []) + list(params.values())
-            torch.autograd.backward(out, grad_out[a:b], inputs=inputs)
+            outs, gouts = [out], [grad_out[a:b]]
+            for t, g in zip(side, side_grads):  # side outputs are batch-major rows: slice this chunk's rows
+                if g is not None:
+                    r = g.shape[0] // batch
+                    outs.append(t)
+                    gouts.append(g[a * r:b * r])
+            torch.autograd.backward(outs, gouts, inputs=inputs)
             if want_input_grad:
                 if grad_in is None:
                     grad_in = h.grad
@@ -193,9 +207,20 @@ class StreamingExecutor:
                 off.add_(self.grad_param[:n])
         self.slot_free[s] = st.record(st.compute)
         # Fold the gradient-norm reduction into the gradient's departure (first visit of this step only).
-        sq = off.float().square().sum() if not unit.grad_valid and all(
-            self.pending[j] is None or self.pending[j][0] is not unit for j in (0, 1)) else None
-        self._offload(k, unit, st.record(st.compute), sq)
+        first = not unit.grad_valid and all(self.pending[j] is None or self.pending[j][0] is not unit
+                                            for j in (0, 1))
+        sq = torch.linalg.vector_norm(off, dtype=torch.float32).square() if first else None
+        if unit.grad_device is not None:
+            # AdamW of this unit runs on the GPU (DeviceStepper): its gradient stays here, FP32-accumulated.
+            if unit.grad_valid:
+                unit.grad_device.add_(off)
+            else:
+                unit.grad_device.copy_(off)
+            unit.grad_sq = sq
+            unit.grad_valid = True
+            self.offload_done[k] = st.record(st.compute)
+        else:
+            self._offload(k, unit, st.record(st.compute), sq)
         return grad_in
 
     # -- gradients out --------------------------------------------------------------------------------------------------
@@ -241,15 +266,24 @@ class StreamingExecutor:
 class _StreamedLayerFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, executor: StreamingExecutor, index: int, call: tuple, anchor: torch.Tensor,  # type: ignore[override]
-                hidden: torch.Tensor) -> torch.Tensor:
+                hidden: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         ctx.executor, ctx.index, ctx.call = executor, index, call
         ctx.save_for_backward(hidden)
-        return executor.forward_layer(index, hidden, call)
+        tap = executor.tap if executor.tap is not None and executor.tap.active else None
+        if tap is None:
+            return executor.forward_layer(index, hidden, call)
+        tap.start()
+        out = executor.forward_layer(index, hidden, call)
+        side = tap.stop()
+        ctx.set_materialize_grads(False)  # an unused side output (no aux loss) costs no gradient
+        return (out, *side)
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, grad_out: torch.Tensor | None, *side_grads: torch.Tensor | None):  # type: ignore[override]
         (hidden,) = ctx.saved_tensors
-        grad_in = ctx.executor.backward_layer(ctx.index, hidden, ctx.call, grad_out)
+        if grad_out is None:
+            grad_out = torch.zeros_like(hidden)
+        grad_in = ctx.executor.backward_layer(ctx.index, hidden, ctx.call, grad_out, side_grads)
         return None, None, None, None, grad_in
 
 
@@ -265,6 +299,16 @@ class StreamedLayer(nn.Module):
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         ex = self._executor[0]
         call = (args, kwargs)
+        tap = ex.tap if ex.tap is not None and ex.tap.active else None
         if torch.is_grad_enabled():
-            return _StreamedLayerFunction.apply(ex, self.index, call, ex.grad_anchor, hidden_states)
-        return ex.forward_layer(self.index, hidden_states, call)
+            out = _StreamedLayerFunction.apply(ex, self.index, call, ex.grad_anchor, hidden_states)
+            if tap is None:
+                return out
+            tap.record(out[1:])
+            return out[0]
+        if tap is not None:
+            tap.start()
+        out = ex.forward_layer(self.index, hidden_states, call)
+        if tap is not None:
+            tap.record(tap.stop())
+        return out

@@ -50,6 +50,8 @@ class Unit:
     # Squared gradient norm computed on the device as the gradient left it (valid when the step's gradient came
     # from a single layer visit), so the global norm needs no extra pass over host memory.
     grad_sq: torch.Tensor | None = None
+    # Set for units whose AdamW runs on the GPU (DeviceStepper): their FP32 gradient accumulates there instead.
+    grad_device: torch.Tensor | None = None
     by_name: dict[str, ParamSlice] = field(default_factory=dict)
 
     def view(self, flat: torch.Tensor, p: ParamSlice) -> torch.Tensor:

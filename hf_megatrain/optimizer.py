@@ -1,14 +1,15 @@
 """CPUAdamW: AdamW over the host store's FP32 master, one fused kernel call per unit.
 
 A real ``torch.optim.Optimizer``: ``param_groups`` hold the master views (group 0 decayed, group 1 not, as
-Trainer splits them), so LR schedulers drive it unchanged. The kernel is torch's fused CPU AdamW
-(``aten::_fused_adamw_``); global gradient-norm clipping is folded into it as ``grad_scale`` (the kernel divides
-each gradient by it) instead of a separate pass that rewrites the gradients, and a non-finite norm skips the step
-with master weights and moments untouched.
+Trainer splits them), so LR schedulers drive it unchanged. The kernel is torch's fused AdamW
+(``aten::_fused_adamw_``, CPU or CUDA by where the unit lives); global gradient-norm clipping is folded into it as
+``grad_scale`` (the kernel divides each gradient by it) instead of a separate pass that rewrites the gradients,
+and a non-finite norm skips the step with master weights and moments untouched.
 
-With ``overlap=True``, ``step()`` computes the norm, snapshots the hyper-parameters and returns; a worker thread
-then steps units in the order the next forward consumes them (resident first, then layer 0, 1, ...) and the
-executor waits per layer for its unit only. The math is identical: every unit uses the same norm and LR.
+With ``overlap=True``, ``step()`` computes the norm, snapshots the hyper-parameters and returns; worker threads
+then step units in the order the next forward consumes them (resident first, then layer 0, 1, ...) and the
+executor waits per layer for its unit only. Units handed to a ``DeviceStepper`` are stepped on the GPU by a
+second worker at the same time. The math is identical: every unit uses the same norm, LR and kernel.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from typing import Callable, Iterable
 
 import torch
 
-from .host_store import HostStore, Unit
+from .device_stepper import DeviceStepper
+from .host_store import HostStore, ParamSlice, Unit
 
 logger = logging.getLogger(__name__)
 
@@ -31,31 +33,29 @@ class CPUAdamW(torch.optim.Optimizer):
                  eps: float = 1e-8, weight_decay: float = 0.0, max_grad_norm: float | None = None,
                  unit_order: list[int] | None = None, skip_nonfinite: bool = True, overlap: bool = False,
                  before_step: Callable[[], None] | None = None,
-                 after_unit: Callable[[Unit], None] | None = None) -> None:
+                 after_unit: Callable[[Unit], None] | None = None,
+                 device_stepper: DeviceStepper | None = None) -> None:
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"invalid AdamW hyper-parameters lr={lr} betas={betas} eps={eps} "
                              f"weight_decay={weight_decay}")
         self.store = store
         decay, no_decay = [], []
-        # unit index -> [(group index, masters, grads, exp_avgs, exp_avg_sqs)]
-        self._unit_lists: dict[int, list[tuple[int, list, list, list, list]]] = {}
+        # unit index -> [(0 = decayed | 1 = not, slices)]: the kernel runs on views of whichever flat buffers
+        # hold the unit's state at step time (host, or the device stepper's).
+        self._unit_groups: dict[int, list[tuple[int, list[ParamSlice]]]] = {}
         for unit in store.units:
-            per_group: dict[int, tuple[list, list, list, list]] = {}
+            per_group: dict[int, list[ParamSlice]] = {}
             for p in unit.params:
                 g = 0 if p.decay else 1
                 view = unit.view(unit.master, p)
                 view.grad = unit.view(unit.grad, p)
                 (decay if g == 0 else no_decay).append(view)
-                lists = per_group.setdefault(g, ([], [], [], []))
-                lists[0].append(view)
-                lists[1].append(view.grad)
-                lists[2].append(unit.view(unit.exp_avg, p))
-                lists[3].append(unit.view(unit.exp_avg_sq, p))
-            self._unit_lists[unit.index] = [(g, *lists) for g, lists in sorted(per_group.items())]
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+                per_group.setdefault(g, []).append(p)
+            self._unit_groups[unit.index] = sorted(per_group.items())
         if not decay and not no_decay:
             raise ValueError("CPUAdamW: the host store holds no trainable parameters")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         self._group_of = {}  # 0 = decayed, 1 = not decayed -> index into self.param_groups
         for g, group in enumerate(groups):
             if group["params"]:
@@ -67,23 +67,28 @@ class CPUAdamW(torch.optim.Optimizer):
         self.overlap = overlap
         self.before_step = before_step
         self.after_unit = after_unit
-        # AdamW step count per unit, on the unit's device (the fused CUDA kernel reads it there).
-        self._steps = [torch.zeros(1, dtype=torch.float32, device=u.master.device) for u in store.units]
+        self.device_stepper = device_stepper
+        self._on_device = {u.index for u in device_stepper.units} if device_stepper else set()
+        self._counts = [0] * len(store.units)  # AdamW step count per unit
         self.skipped_steps = 0
-        self.last_step_seconds = 0.0
-        self.last_norm_seconds = 0.0  # wall time of the last step's unit updates (worker thread when overlapped)
+        self.last_step_seconds = 0.0  # wall time of the last step's unit updates (worker threads when overlapped)
+        self.last_norm_seconds = 0.0
         self.last_grad_norm: float | None = None
         self._done = [threading.Event() for _ in store.units]
         for e in self._done:
             e.set()
-        self._worker: threading.Thread | None = None
+        self._workers: list[threading.Thread] = []
         self._error: BaseException | None = None
 
     # -- gradient norm -------------------------------------------------------------------------------------------------
+    @staticmethod
+    def _grad(u: Unit) -> torch.Tensor:
+        return u.grad_device if u.grad_device is not None else u.grad
+
     def grad_norm(self) -> float:
-        """Global L2 norm of all gradients (fp64 accumulation of per-unit fp32 norms, like clip_grad_norm_)."""
-        norms = torch.stack([(u.grad_sq.sqrt() if u.grad_sq is not None else torch.linalg.vector_norm(u.grad)).cpu()
-                             for u in self.store.units])
+        """Global L2 norm of all gradients (per-unit norms, then the norm of norms, like clip_grad_norm_)."""
+        norms = torch.stack([(u.grad_sq.sqrt() if u.grad_sq is not None else
+                              torch.linalg.vector_norm(self._grad(u))).cpu() for u in self.store.units])
         return float(torch.linalg.vector_norm(norms))
 
     # -- step --------------------------------------------------------------------------------------------------------------
@@ -95,7 +100,7 @@ class CPUAdamW(torch.optim.Optimizer):
             self.before_step()  # land in-flight gradients
         for u in self.store.units:
             if not u.grad_valid:  # no backward touched this unit since the last step: its gradient is zero
-                u.grad.zero_()
+                self._grad(u).zero_()
                 u.grad_sq = None
         t0 = time.perf_counter()
         norm = self.grad_norm()
@@ -109,74 +114,100 @@ class CPUAdamW(torch.optim.Optimizer):
             return loss
         scale = 1.0
         if self.max_grad_norm is not None and self.max_grad_norm > 0:
-            coef = self.max_grad_norm / (norm + 1e-6)
-            scale = min(coef, 1.0)
+            scale = min(self.max_grad_norm / (norm + 1e-6), 1.0)
         hyper = [dict(lr=float(g["lr"]), betas=g["betas"], eps=g["eps"], weight_decay=g["weight_decay"])
                  for g in self.param_groups]
         grad_scale = 1.0 / scale if scale < 1.0 else None
+        host = [i for i in self.unit_order if i not in self._on_device]
+        dev = [i for i in self.unit_order if i in self._on_device]
+        jobs = [(self._run_host, host)] + ([(self._run_device, dev)] if dev else [])
+        t0 = time.perf_counter()
+        self.last_step_seconds = 0.0
         if self.overlap:
             for e in self._done:
                 e.clear()
-            self._worker = threading.Thread(target=self._run, args=(hyper, grad_scale), daemon=True)
-            self._worker.start()
+            self._workers = [threading.Thread(target=self._guard, args=(fn, order, hyper, grad_scale, t0),
+                                              daemon=True) for fn, order in jobs]
+            for w in self._workers:
+                w.start()
         else:
-            self._run(hyper, grad_scale)
+            for fn, order in jobs:
+                self._guard(fn, order, hyper, grad_scale, t0)
         return loss
 
-    def _run(self, hyper: list[dict], grad_scale: float | None) -> None:
-        t0 = time.perf_counter()
+    def _guard(self, fn: Callable, order: list[int], hyper: list[dict], grad_scale: float | None,
+               t0: float) -> None:
         try:
-            for i in self.unit_order:
-                self._step_unit(self.store.units[i], hyper, grad_scale)
-                self._done[i].set()
-            self.last_step_seconds = time.perf_counter() - t0
+            fn(order, hyper, grad_scale)
+            self.last_step_seconds = max(self.last_step_seconds, time.perf_counter() - t0)
         except BaseException as e:  # surfaced by wait()
             self._error = e
             for ev in self._done:
                 ev.set()
 
-    def _step_unit(self, unit: Unit, hyper: list[dict], grad_scale: float | None) -> None:
-        step = self._steps[unit.index]
-        step += 1
-        scale_t = None if grad_scale is None else torch.full((), grad_scale, dtype=torch.float32,
-                                                             device=unit.master.device)
-        for g, params, grads, exp_avgs, exp_avg_sqs in self._unit_lists[unit.index]:
+    def _run_host(self, order: list[int], hyper: list[dict], grad_scale: float | None) -> None:
+        for i in order:
+            u = self.store.units[i]
+            self._kernel(u, [u.master, u.grad, u.exp_avg, u.exp_avg_sq], hyper, grad_scale)
+            self.store.sync_compute_(u)
+            self._finish_unit(u)
+
+    def _run_device(self, order: list[int], hyper: list[dict], grad_scale: float | None) -> None:
+        assert self.device_stepper is not None
+        self.device_stepper.run([self.store.units[i] for i in order],
+                                lambda u, flats: self._kernel(u, flats, hyper, grad_scale), self._finish_unit)
+
+    def _kernel(self, unit: Unit, flats: list[torch.Tensor], hyper: list[dict], grad_scale: float | None) -> None:
+        """One fused AdamW update of ``unit`` on flat [master, grad, exp_avg, exp_avg_sq] buffers."""
+        self._counts[unit.index] += 1
+        device = flats[0].device
+        step = torch.full((1,), float(self._counts[unit.index]), dtype=torch.float32, device=device)
+        scale_t = None if grad_scale is None else torch.full((), grad_scale, dtype=torch.float32, device=device)
+        for g, slices in self._unit_groups[unit.index]:
             h = hyper[self._group_of[g]]
-            torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], [step] * len(params),
-                                lr=h["lr"], beta1=h["betas"][0], beta2=h["betas"][1],
-                                weight_decay=h["weight_decay"], eps=h["eps"], amsgrad=False, maximize=False,
-                                grad_scale=scale_t, found_inf=None)
+            master, grad, m, v = ([f[p.offset:p.offset + p.numel] for p in slices] for f in flats)
+            torch._fused_adamw_(master, grad, m, v, [], [step] * len(slices), lr=h["lr"], beta1=h["betas"][0],
+                                beta2=h["betas"][1], weight_decay=h["weight_decay"], eps=h["eps"], amsgrad=False,
+                                maximize=False, grad_scale=scale_t, found_inf=None)
+
+    def _finish_unit(self, unit: Unit) -> None:
         unit.grad_valid = False
         unit.grad_sq = None
-        self.store.sync_compute_(unit)
         if self.after_unit is not None:
             self.after_unit(unit)
+        self._done[unit.index].set()
 
     def _invalidate_grads(self) -> None:
         for u in self.store.units:
             u.grad_valid = False
             u.grad_sq = None
 
-    def wait_unit(self, index: int) -> None:
-        self._done[index].wait()
+    def _raise_pending(self) -> None:
         if self._error is not None:
             err, self._error = self._error, None
-            raise RuntimeError("hf_megatrain: the CPU optimizer step failed") from err
+            raise RuntimeError("hf_megatrain: the optimizer step failed") from err
+
+    def wait_unit(self, index: int) -> None:
+        self._done[index].wait()
+        self._raise_pending()
 
     def wait(self) -> None:
         """Block until the last (possibly overlapped) step has finished every unit."""
-        if self._worker is not None:
-            self._worker.join()
-            self._worker = None
-        if self._error is not None:
-            err, self._error = self._error, None
-            raise RuntimeError("hf_megatrain: the CPU optimizer step failed") from err
+        for w in self._workers:
+            w.join()
+        self._workers = []
+        self._raise_pending()
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]
         # Gradients are overwritten by the first backward of the next step; nothing to clear.
         self._invalidate_grads()
 
     # -- state (per unit flat buffers, see checkpoint.py) -------------------------------------------------------------
+    @property
+    def unit_steps(self) -> torch.Tensor:
+        """AdamW step count per unit."""
+        return torch.tensor(self._counts, dtype=torch.float32)
+
     def state_tensors(self) -> dict[str, torch.Tensor]:
         self.wait()
         out = {"unit_steps": self.unit_steps}
@@ -187,19 +218,13 @@ class CPUAdamW(torch.optim.Optimizer):
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         self.wait()
-        for st, v in zip(self._steps, tensors["unit_steps"]):
-            st.fill_(float(v))
+        self._counts = [int(v) for v in tensors["unit_steps"].tolist()]
         for u in self.store.units:
             for key, dst in ((f"exp_avg.{u.index}", u.exp_avg), (f"exp_avg_sq.{u.index}", u.exp_avg_sq)):
                 src = tensors[key]
                 if src.shape != dst.shape:
                     raise ValueError(f"optimizer state {key}: shape {tuple(src.shape)} != {tuple(dst.shape)}")
                 dst.copy_(src)
-
-    @property
-    def unit_steps(self) -> torch.Tensor:
-        """AdamW step count per unit (host tensor)."""
-        return torch.cat([s.cpu() for s in self._steps])
 
     def hyper_state(self) -> dict:
         """Scheduler-visible state (LRs etc.), JSON-serialisable."""

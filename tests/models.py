@@ -8,21 +8,52 @@ import transformers
 COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64)
 
+# Per-family extras on top of COMMON, chosen so each family's distinctive feature is *active* at seq 12:
+# head_dim 8 (defaults are 128-256), sliding windows (4) shorter than the sequence, soft-caps small enough that
+# tanh bends (tiny random logits are ~0.1), and MoE with 2 of 4 experts per token plus the router aux loss.
+_MOE = dict(num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.02)
+_FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=8)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(pad_token_id=0)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+               dict(head_dim=8, query_pre_attn_scalar=8, sliding_window=4, final_logit_softcapping=0.5,
+                    attn_logit_softcapping=2.0, num_hidden_layers=4, attn_implementation="eager")),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               dict(head_dim=8, query_pre_attn_scalar=8, sliding_window=4, final_logit_softcapping=0.5,
+                    num_hidden_layers=4, attn_implementation="eager",
+                    layer_types=["sliding_attention", "full_attention"] * 2)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, intermediate_size=32, **_MOE)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(head_dim=8, num_experts=4, moe_intermediate_size=16, norm_topk_prob=True,
+                       mlp_only_layers=[1], **_MOE)),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                dict(head_dim=8, num_local_experts=4, intermediate_size=32, sliding_window=4, num_hidden_layers=4,
+                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                     attn_implementation="eager", **_MOE)),
+}
+FAMILIES = tuple(_FAMILIES)
+
 
 def tiny(family: str, tie: bool = False, **over) -> transformers.PreTrainedModel:
     """Build a tiny random ``<family>ForCausalLM`` in fp32 (eager attention where SDPA would differ)."""
-    cls_cfg = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-    }[family]
-    cfg = cls_cfg[0](**{**COMMON, "tie_word_embeddings": tie, **over})
+    if family not in _FAMILIES:
+        raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
+    cfg_name, model_name, extra = _FAMILIES[family]
+    kw = {**COMMON, "tie_word_embeddings": tie, **extra, **over}
+    attn = kw.pop("attn_implementation", None)
+    cfg = getattr(transformers, cfg_name)(**kw)
+    if attn is not None:
+        cfg._attn_implementation = attn
     torch.manual_seed(1234)
-    model = cls_cfg[1](cfg).float()
+    model = getattr(transformers, model_name)(cfg).float()
     # Fine-tuning starts from trained weights, not zero biases: give biases a trained-like spread so their
     # relative error after a few AdamW steps measures the implementation, not the size of the first step.
+    # (gpt-oss attention sinks and router biases start at zero too: same treatment.)
     with torch.no_grad():
         for n, p in model.named_parameters():
-            if n.endswith("bias"):
+            if n.endswith("bias") or n.endswith("sinks"):
                 p.normal_(0.0, 0.02)
     return model

@@ -77,7 +77,8 @@ def run_parity(model, *, steps=3, ga=2, batch=2, seq=12, lr=1e-3, wd=0.1, max_gr
             if float(p.grad.norm()) < 1e-6 * float(total):
                 null_grad.add(n)
                 continue
-            worst["grad"] = max(worst["grad"], rel(unit.view(unit.grad, ps), p.grad))
+            grad = unit.grad_device if unit.grad_device is not None else unit.grad  # GPU-stepped units keep it there
+            worst["grad"] = max(worst["grad"], rel(unit.view(grad, ps).cpu(), p.grad))
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_grad_norm) if max_grad_norm else None
         ropt.step()
         ropt.zero_grad()

@@ -32,3 +32,11 @@ def test_parity_clipping_inactive_and_no_decay():
 def test_parity_three_slots_four_layers():
     cfg = MegaTrainConfig(compute_dtype="float32", num_slots=3)
     run_parity(tiny("mistral", num_hidden_layers=4), config=cfg)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_parity_with_device_stepped_layers(overlap):
+    """Half the layers run AdamW through the DeviceStepper path (on the CPU here), concurrently with the rest."""
+    cfg = MegaTrainConfig(compute_dtype="float32", device_step_layers=2, overlap_optimizer=overlap)
+    worst, engine, _ = run_parity(tiny("llama", num_hidden_layers=4), config=cfg)
+    assert [u.grad_device is not None for u in engine.layer_units] == [False, True, False, True]

@@ -1,0 +1,234 @@
+"""What a family's ``*ForCausalLM.forward`` does after the decoder, read off the model (no per-family table).
+
+hf_megatrain replaces the HF head with a chunked loss over streamed layers, so the head-side differences
+between families must be applied here, exactly as HF applies them:
+
+- final logit soft-capping (Gemma 2/3: ``config.final_logit_softcapping``), passed to the chunked loss;
+- logit scaling (Cohere ``logit_scale`` multiplies, Granite ``logits_scaling`` divides), applied to the hidden
+  state before the bias-free lm_head (``lm_head(h) * s == lm_head(h * s)``);
+- the mixture-of-experts router auxiliary loss: when ``output_router_logits`` is set and labels are given, HF
+  adds ``router_aux_loss_coef * load_balancing_loss_func(router_logits, num_experts, top_k, attention_mask)``.
+
+Router logits: HF records them with forward hooks on the router modules (``_can_record_outputs``). Our layers
+run as stateless templates inside one autograd Function per layer, so ``RouterTap`` hooks the *templates'*
+router modules instead. In the forward it collects each layer's logits, which the layer's Function returns as
+extra outputs (executor.py); the aux loss on them backpropagates into that Function, whose backward recomputes
+the layer and back-propagates ``[hidden, router_logits]`` together. Same function of the same logits,
+differentiated by autograd: the gradient is exact, router weights included.
+
+``check_supported`` rejects models whose forward is not "decoder -> lm_head" (encoder-only MLM heads,
+encoder-decoders) before the engine converts anything.
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from .layers import LayerStack
+from .loss import linear_cross_entropy
+
+
+# -- supported models -----------------------------------------------------------------------------------------------
+def check_supported(model: nn.Module, stack: LayerStack) -> None:
+    """Raise a clear error unless ``model`` is a decoder-only LM whose forward is ``stack.parent`` -> lm_head."""
+    name = type(model).__name__
+    cfg = getattr(model, "config", None)
+    hint = ("hf_megatrain trains decoder-only causal LMs (Llama, Qwen2/3, Mistral, Gemma 2/3, Phi-3, Mixtral, "
+            "Qwen3-MoE, gpt-oss, ... loaded with AutoModelForCausalLM).")
+    if getattr(cfg, "is_encoder_decoder", False):
+        raise ValueError(f"{name} is an encoder-decoder model, which hf_megatrain does not support. {hint}")
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
+        raise ValueError(f"{name} has no output embeddings (lm_head) to train a language-model loss on. {hint}")
+    # The engine runs the module that owns the layer stack, then the output embeddings. Any trainable weight
+    # outside both (BERT's MLM transform, its embeddings outside the encoder, a value head) would be skipped.
+    inside = {id(p) for p in stack.parent.parameters()} | {id(p) for p in head.parameters()}
+    outside = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in inside]
+    if outside:
+        shown = ", ".join(outside[:4]) + (", ..." if len(outside) > 4 else "")
+        raise ValueError(
+            f"{name} is not supported: hf_megatrain computes the loss as lm_head({stack.path.rpartition('.')[0] or 'model'}"
+            f"(input_ids)), but {len(outside)} trainable parameter(s) sit outside that path ({shown}); this is not "
+            f"a plain decoder-only causal LM (encoder-only / masked-LM head?). {hint}")
+
+
+# -- router logits ----------------------------------------------------------------------------------------------------
+def _recorder_specs(base: nn.Module) -> list[tuple[type | None, str | None, str | None, int]]:
+    """(class, class-name suffix, layer name, output index) of every module HF records ``router_logits`` from."""
+    specs = (getattr(base, "_can_record_outputs", None) or {}).get("router_logits")
+    if specs is None:
+        return []
+    out = []
+    for s in specs if isinstance(specs, list) else [specs]:
+        if isinstance(s, type):
+            out.append((s, None, None, 1))  # HF's default index for non-hidden-state keys
+        elif isinstance(s, str):
+            out.append((None, s, None, 1))
+        else:  # OutputRecorder
+            out.append((s.target_class, s.class_name, s.layer_name, s.index))
+    return out
+
+
+class RouterTap:
+    """Collects router logits from the layer templates' router modules while ``start``ed (see module docstring)."""
+
+    def __init__(self, templates: list[Any], specs: list[tuple[type | None, str | None, str | None, int]]) -> None:
+        self.active = False  # read by the executor: layer Functions return side outputs only when active
+        self._collecting: dict[Any, list[torch.Tensor]] | None = None
+        self._recorded: list[torch.Tensor] = []
+        self.num_sites = 0
+        for t, tmpl in enumerate(templates):
+            for mname, mod in tmpl.module.named_modules():
+                for cls, cls_name, layer_name, index in specs:
+                    hit = (cls is not None and isinstance(mod, cls)) or (
+                        cls_name is not None and type(mod).__name__.endswith(cls_name))
+                    if hit and (layer_name is None or f".{layer_name.strip('.')}." in f".{mname}."):
+                        mod.register_forward_hook(self._hook((t, mname), index))
+                        self.num_sites += 1
+                        break
+
+    def _hook(self, key: Any, index: int) -> Callable:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if self._collecting is not None:
+                self._collecting.setdefault(key, []).append(output[index] if isinstance(output, tuple) else output)
+        return hook
+
+    # Executor side: bracket one layer visit (forward or recompute); chunks of one visit are concatenated, so
+    # each site yields [batch * seq, num_experts] rows in batch order, like one unsplit call.
+    def start(self) -> None:
+        self._collecting = {}
+
+    def stop(self) -> list[torch.Tensor]:
+        got, self._collecting = self._collecting or {}, None
+        return [v[0] if len(v) == 1 else torch.cat(v) for v in got.values()]
+
+    def record(self, tensors: Any) -> None:
+        self._recorded.extend(tensors)
+
+    @contextmanager
+    def capturing(self) -> Iterator[list[torch.Tensor]]:
+        """Activate for one model forward; yields the list that fills with every layer's logits in layer order."""
+        self._recorded = out = []
+        self.active = True
+        try:
+            yield out
+        finally:
+            self.active = False
+            self._recorded = []
+
+
+def load_balancing_loss(gate_logits: tuple[torch.Tensor, ...], num_experts: int, top_k: int,
+                        attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Switch-Transformer load-balancing loss, as transformers' ``load_balancing_loss_func`` (fallback only)."""
+    dev = gate_logits[0].device
+    tokens = torch.zeros(num_experts, dtype=torch.float32, device=dev)
+    probs = torch.zeros(num_experts, dtype=torch.float32, device=dev)
+    rows: Any = 0.0
+    mask = attention_mask.reshape(-1).to(dev, torch.float32) if attention_mask is not None else None
+    for g in gate_logits:
+        w = torch.softmax(g.to(dev), dim=-1)
+        _, sel = torch.topk(w, top_k, dim=-1)
+        if mask is None:
+            tokens = tokens + torch.bincount(sel.reshape(-1), minlength=num_experts).float()
+            probs = probs + w.float().sum(dim=0)
+            rows = rows + w.shape[0]
+        else:
+            tokens = tokens + torch.zeros_like(tokens).scatter_add_(0, sel.reshape(-1), mask.repeat_interleave(top_k))
+            probs = probs + (w.float() * mask.unsqueeze(-1)).sum(dim=0)
+            rows = rows + mask.sum()
+    return torch.sum((tokens / rows) * (probs / rows).unsqueeze(0)) * num_experts
+
+
+class RouterAux:
+    """The MoE aux-loss term of an HF ``*MoeForCausalLM``: coefficient, expert counts, loss function, tap."""
+
+    def __init__(self, model: nn.Module, tap: RouterTap) -> None:
+        self.model, self.tap = model, tap
+        self.coef = float(model.router_aux_loss_coef)
+        self.num_experts = int(model.num_experts)
+        self.top_k = int(model.num_experts_per_tok)
+        # The family's own function where it has one (exact semantics), else the shared formula.
+        self.fn = getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", load_balancing_loss)
+
+    @staticmethod
+    def detect(model: nn.Module, stack: LayerStack, executor: Any) -> RouterAux | None:
+        """The aux term of ``model`` (None for dense models); installs its tap on the executor's templates."""
+        if not all(hasattr(model, a) for a in ("router_aux_loss_coef", "num_experts", "num_experts_per_tok")):
+            return None
+        specs = _recorder_specs(stack.parent)
+        tap = RouterTap(executor.templates, specs) if specs else None
+        if tap is None or tap.num_sites == 0:
+            if getattr(getattr(model, "config", None), "output_router_logits", False):
+                raise NotImplementedError(
+                    f"{type(model).__name__} asks for the MoE router aux loss (config.output_router_logits=True) "
+                    "but hf_megatrain found no router module to record logits from "
+                    f"({type(stack.parent).__name__}._can_record_outputs has no usable 'router_logits' entry). "
+                    "Set config.output_router_logits=False to train without the aux loss.")
+            return None
+        executor.tap = tap
+        return RouterAux(model, tap)
+
+    def wanted(self, kwargs: dict[str, Any]) -> bool:
+        flag = kwargs.get("output_router_logits")
+        return bool(flag if flag is not None else getattr(self.model.config, "output_router_logits", False))
+
+    def loss(self, logits: list[torch.Tensor], attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+        return self.fn(tuple(logits), self.num_experts, self.top_k, attention_mask) if logits else None
+
+
+# -- the head ---------------------------------------------------------------------------------------------------------
+def _number(x: Any) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+class ModelHead:
+    """Logits / loss of ``model`` from the decoder's last hidden state, with the family's extras."""
+
+    def __init__(self, model: nn.Module, stack: LayerStack, executor: Any) -> None:
+        cfg = getattr(model, "config", None)
+        self.softcap = _number(getattr(cfg, "final_logit_softcapping", None)) or None
+        scale = 1.0
+        if _number(getattr(cfg, "logit_scale", None)) is not None:  # Cohere: logits * logit_scale
+            scale *= float(cfg.logit_scale)
+        if _number(getattr(cfg, "logits_scaling", None)) is not None:  # Granite: logits / logits_scaling
+            scale /= float(cfg.logits_scaling)
+        self.scale = scale
+        self.router = RouterAux.detect(model, stack, executor)
+
+    @contextmanager
+    def capture(self, kwargs: dict[str, Any]) -> Iterator[list[torch.Tensor] | None]:
+        """Around the decoder forward: yields the per-layer router logits (None for dense / aux-free runs)."""
+        if self.router is None or not self.router.wanted(kwargs):
+            yield None
+            return
+        with self.router.tap.capturing() as logits:
+            yield logits
+
+    def _scaled(self, hidden: torch.Tensor, head: nn.Module) -> torch.Tensor:
+        if self.scale == 1.0:
+            return hidden
+        if getattr(head, "bias", None) is not None:
+            raise NotImplementedError("logit scaling with a biased lm_head is not supported")
+        return hidden * self.scale
+
+    def logits(self, hidden: torch.Tensor, head: nn.Module) -> torch.Tensor:
+        z = head(self._scaled(hidden, head))
+        return torch.tanh(z / self.softcap) * self.softcap if self.softcap else z
+
+    def loss(self, hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor, *, chunk_tokens: int,
+             num_items_in_batch: torch.Tensor | int | None, router_logits: list[torch.Tensor] | None,
+             attention_mask: torch.Tensor | None) -> torch.Tensor:
+        loss = linear_cross_entropy(self._scaled(hidden, head), head.weight, labels,
+                                    bias=getattr(head, "bias", None), num_items_in_batch=num_items_in_batch,
+                                    chunk_tokens=chunk_tokens, softcap=self.softcap)
+        if router_logits is not None and self.router is not None:
+            aux = self.router.loss(router_logits, attention_mask)
+            if aux is not None:
+                loss = loss + self.router.coef * aux.to(loss.device)
+        return loss

@@ -22,7 +22,6 @@ from .executor import StreamedLayer, StreamingExecutor
 from .families import ModelHead, check_supported
 from .host_store import HostStore, Unit
 from .layers import find_layer_stack, group_layers
-from .loss import linear_cross_entropy
 from .optimizer import CPUAdamW
 from .template import LayerTemplate
 
@@ -103,6 +102,8 @@ class MegaTrainEngine:
             self.layer_units, kinds, [templates[k] for k in range(len(templates))], buffers, device=self.device,
             compute_dtype=self.compute_dtype, grad_offload_dtype=config.torch_grad_offload_dtype,
             num_slots=config.num_slots, micro_batch_size=config.micro_batch_size, pin=pin)
+        # Family extras of the HF head (soft-capping, logit scaling, MoE router aux loss): families.py.
+        self.head_extras = ModelHead(model, self.stack, self.executor)
         for i, layer in enumerate(originals):
             layers[i] = StreamedLayer(self.executor, i, layer)
             layer.to("meta")  # free the original weights now that the store holds them
@@ -202,9 +203,7 @@ class MegaTrainEngine:
         move = lambda t: t.to(dev, non_blocking=True) if isinstance(t, torch.Tensor) else t  # noqa: E731
         kwargs = {k: move(v) for k, v in kwargs.items()}
         base = self._decoder()
-        # Family extras of the HF head (soft-capping, logit scaling, MoE router aux loss): families.py.
-        extras = self.__dict__.get("_head") or self.__dict__.setdefault(
-            "_head", ModelHead(self.model, self.stack, self.executor))
+        extras = self.head_extras
         attention_mask = move(attention_mask)
         with extras.capture(kwargs) as router_logits:
             out = base(input_ids=move(input_ids), attention_mask=attention_mask, use_cache=False, **kwargs)

@@ -344,6 +344,17 @@ def load_pretrained_into_engine(engine: Any, path: str, *, prefix: str | None = 
         engine.optimizer.wait()
     store = engine.store
     missing = set(store.names())
+    for fname, names in shards.items():  # headers only: refuse a mismatched checkpoint before copying anything
+        with _open(os.path.join(path, fname)) as f:
+            for key in names:
+                if key in store.by_name:
+                    shape, want = tuple(f.get_slice(key).get_shape()), store.by_name[key][1].shape
+                    if shape != tuple(want):
+                        raise CheckpointError(f"{os.path.join(path, fname)}: tensor {key} has shape {shape}, the "
+                                              f"model expects {tuple(want)}")
+                    missing.discard(key)
+    if missing and strict:
+        raise CheckpointError(f"{path} lacks {len(missing)} parameters of the model, e.g. {sorted(missing)[:5]}")
     unused: list[str] = []
     for fname, names in shards.items():
         fpath = os.path.join(path, fname)
@@ -351,11 +362,8 @@ def load_pretrained_into_engine(engine: Any, path: str, *, prefix: str | None = 
             for key in names:
                 if key in store.by_name:
                     _copy_into(store.master_tensor(key), f, key, fpath)
-                    missing.discard(key)
                 elif extra_sink is None or not extra_sink(key, f.get_tensor(key)):
                     unused.append(key)
-    if missing and strict:
-        raise CheckpointError(f"{path} lacks {len(missing)} parameters of the model, e.g. {sorted(missing)[:5]}")
     engine.sync_device_()
     return unused
 
@@ -379,6 +387,25 @@ class _LazyTensors(Mapping):
         return len(self._keys)
 
 
+def check_training_state(engine: Any, path: str, f: Any | None = None) -> None:
+    """Raise ``CheckpointError`` unless the optimizer state file matches the engine's units (names and sizes)."""
+    if f is None:
+        if not os.path.isfile(path):
+            return
+        with _open(path) as fh:
+            return check_training_state(engine, path, fh)
+    want = {"unit_steps": (len(engine.store.units),)}
+    for u in engine.store.units:
+        want[f"exp_avg.{u.index}"] = want[f"exp_avg_sq.{u.index}"] = (u.numel,)
+    keys = set(f.keys())
+    for key, shape in want.items():
+        if key not in keys:
+            raise CheckpointError(f"{path} lacks optimizer state {key}; was it saved for another model?")
+        if tuple(f.get_slice(key).get_shape()) != shape:
+            raise CheckpointError(f"{path}: optimizer state {key} has shape {tuple(f.get_slice(key).get_shape())}, "
+                                  f"this model needs {shape}")
+
+
 def load_training_state(engine: Any, path: str) -> bool:
     """Restore AdamW moments, step counts and hyper-state saved by ``save_training_state``; False if absent."""
     tensors, hyper = os.path.join(path, OPTIMIZER_TENSORS), os.path.join(path, OPTIMIZER_HYPER)
@@ -393,11 +420,7 @@ def load_training_state(engine: Any, path: str) -> bool:
     except (OSError, ValueError) as e:
         raise CheckpointError(f"missing or corrupt {hyper}: {e}") from e
     with _open(tensors) as f:
-        try:
-            opt.load_state_tensors(_LazyTensors(f))
-        except KeyError as e:
-            raise CheckpointError(f"{tensors} lacks optimizer state {e}; was it saved for another model?") from e
-        except ValueError as e:
-            raise CheckpointError(f"{tensors}: {e}") from e
+        check_training_state(engine, tensors, f)
+        opt.load_state_tensors(_LazyTensors(f))
     opt.load_hyper_state(hyper_state)
     return True

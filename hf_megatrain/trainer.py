@@ -383,6 +383,7 @@ class MegaTrainTrainer(Trainer):
         if not self._mt:
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         ckpt.verify_checkpoint(resume_from_checkpoint)  # everything checked before any state is touched
+        ckpt.check_training_state(self.engine, os.path.join(resume_from_checkpoint, ckpt.OPTIMIZER_TENSORS))
         self._mt_load_weights(resume_from_checkpoint)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:

@@ -222,3 +222,34 @@ def test_streamed_load_peak_rss(tmp_path):
     print(f"peak RSS {res['peak'] / 2**30:.2f} GiB (imports {res['base'] / 2**30:.2f} GiB), "
           f"store {res['store'] / 2**30:.2f} GiB")
     assert res["peak"] <= 1.15 * res["store"], res
+
+
+def test_push_to_hub_uploads_standard_checkpoint(tmp_path, monkeypatch):
+    import huggingface_hub
+    import transformers
+    import transformers.utils.hub as hf_hub_utils
+
+    from .hubstub import HubStub
+
+    with HubStub() as hub:
+        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", hub.url)
+        monkeypatch.setattr(hf_hub_utils, "_hf_api", None)  # transformers' shared HfApi picks up the endpoint
+        monkeypatch.setenv("HF_TOKEN", "hf_local_stub")
+        args = mt_args(tmp_path / "run", max_steps=2, save_strategy="steps", save_steps=1, push_to_hub=True,
+                       hub_model_id="user/tiny-mt", hub_strategy="checkpoint", megatrain_max_shard_size="30KB")
+        tr = MegaTrainTrainer(model=tiny("llama"), args=args, train_dataset=dataset())
+        tr.train()
+        tr.push_to_hub()
+    files = hub.repos["user/tiny-mt"]
+    assert {"config.json", "model.safetensors.index.json", "README.md"} <= set(files)
+    assert "last-checkpoint/megatrain_optimizer.safetensors" in files  # hub_strategy="checkpoint"
+    assert [m for _, m, _ in hub.commits][-1] == "End of training"
+    repo = tmp_path / "pulled"
+    for name, data in files.items():
+        if "/" not in name:
+            (repo / name).parent.mkdir(parents=True, exist_ok=True)
+            (repo / name).write_bytes(data)
+    pulled = transformers.AutoModelForCausalLM.from_pretrained(str(repo))
+    tr.engine.optimizer.wait()
+    for n, p in pulled.named_parameters():
+        assert torch.equal(p.detach(), tr.engine.store.master_tensor(n)), n

@@ -55,6 +55,11 @@ def test_parity_with_plain_trainer(tmp_path):
         **common_args(tmp_path / "ref")), train_dataset=dataset())
     ref.train()
     ours = MegaTrainTrainer(model=copy.deepcopy(model), args=mt_args(tmp_path / "mt"), train_dataset=dataset())
+
+    def no_trainer_clip(*a, **k):
+        raise AssertionError("Trainer's clip_grad_norm_ ran on the streamed model")
+
+    ours.accelerator.clip_grad_norm_ = no_trainer_clip
     ours.train()
     ref_log, our_log = losses(ref), losses(ours)
     assert [s for s, _, _ in our_log] == [1, 2, 3]
@@ -184,8 +189,9 @@ def test_corrupt_or_incomplete_resume_folder(tmp_path):
     tr.train()
     ck = tmp_path / "a" / "checkpoint-2"
 
-    def attempt(folder):
-        fresh = MegaTrainTrainer(model=tiny("llama"), args=mt_args(tmp_path / "b", **kw), train_dataset=dataset())
+    def attempt(folder, **over):
+        fresh = MegaTrainTrainer(model=tiny("llama", **over), args=mt_args(tmp_path / "b", **kw),
+                                 train_dataset=dataset())
         before = {n: fresh.engine.store.master_tensor(n).clone() for n in fresh.engine.store.names()}
         with pytest.raises(CheckpointError) as e:
             fresh.train(resume_from_checkpoint=str(folder))
@@ -203,6 +209,7 @@ def test_corrupt_or_incomplete_resume_folder(tmp_path):
     with open(broken / "model.safetensors", "r+b") as f:
         f.truncate(os.path.getsize(broken / "model.safetensors") // 2)
     assert "model.safetensors" in attempt(broken)
+    assert "shape" in attempt(ck, intermediate_size=48)  # a checkpoint of another model
     broken = tmp_path / "broken3"
     shutil.copytree(ck, broken)
     (broken / "megatrain_manifest.json").unlink()

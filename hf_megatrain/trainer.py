@@ -18,11 +18,9 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import transformers
 from torch import nn
 from transformers import Trainer, TrainingArguments
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -32,142 +30,15 @@ from transformers.trainer_pt_utils import nested_detach
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from . import checkpoint as ckpt
-from .config import MegaTrainConfig, parse_dtype
 from .engine import MegaTrainEngine
-from .layers import find_layer_stack
+from .pretrained import extra_sink, from_pretrained_streamed
+from .training_args import MegaTrainTrainingArguments
+
+__all__ = ["MegaTrainTrainer", "MegaTrainTrainingArguments", "from_pretrained_streamed"]
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_OPTIM = ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw")
 ENGINE_ATTR = "megatrain_engine"  # set on the converted HF model so integrations can find its engine
-
-
-@dataclass
-class MegaTrainTrainingArguments(TrainingArguments):
-    """``TrainingArguments`` plus the MegaTrain switches (see ``MegaTrainConfig`` for the policy keys)."""
-
-    megatrain: bool = field(default=True, metadata={"help": "Train with hf_megatrain's streamed engine."})
-    megatrain_config: dict | str | None = field(
-        default=None, metadata={"help": "MegaTrainConfig as a dict, a JSON string or a yaml path. Defaults to the "
-                                        "MEGATRAIN_CONFIG env var; MEGATRAIN_<KEY> env vars override keys."})
-    megatrain_save_dtype: str = field(
-        default="float32", metadata={"help": "dtype of exported weights: float32 or bfloat16 (a non-default value "
-                                             "overrides the config's save_dtype)."})
-    megatrain_max_shard_size: str = field(
-        default=ckpt.DEFAULT_MAX_SHARD_SIZE, metadata={"help": "Largest safetensors shard written, e.g. '5GB'."})
-
-    def __post_init__(self) -> None:
-        if self.megatrain:
-            # Checked before TrainingArguments builds a DeepSpeed/FSDP setup from these arguments.
-            if self.deepspeed:
-                raise ValueError("megatrain=True cannot be combined with deepspeed: hf_megatrain already keeps "
-                                 "weights, gradients and optimizer state in host memory. Remove `deepspeed=` "
-                                 "(or set megatrain=False to train with DeepSpeed).")
-            if self.fsdp not in (None, "", False, []):
-                raise ValueError("megatrain=True cannot be combined with fsdp: hf_megatrain trains on one GPU with "
-                                 "host-resident state. Remove `fsdp=` (or set megatrain=False to use FSDP).")
-            optim = str(getattr(self.optim, "value", self.optim))
-            if optim not in SUPPORTED_OPTIM:
-                raise ValueError(f"optim={optim!r} is not supported with megatrain=True; hf_megatrain runs AdamW "
-                                 f"on the FP32 host master. Use one of {list(SUPPORTED_OPTIM[:3])}.")
-            for flag in ("fp16", "fp16_full_eval", "bf16_full_eval"):
-                if getattr(self, flag):
-                    raise ValueError(f"{flag}=True is not used with megatrain=True: masters stay FP32 and layers "
-                                     "compute in megatrain_config['compute_dtype'] ('bfloat16' or 'float32'). "
-                                     f"Remove {flag}.")
-            if self.label_smoothing_factor:
-                raise ValueError("label_smoothing_factor is not supported with megatrain=True (the loss is a fused "
-                                 "chunked cross-entropy); set it to 0.")
-            if self.torch_compile:
-                raise ValueError("torch_compile=True is not supported with megatrain=True; remove it.")
-        super().__post_init__()
-        if self.megatrain:
-            self.megatrain_resolved_config()  # validate now: unknown keys / bad dtypes fail at argument time
-
-    def megatrain_resolved_config(self) -> MegaTrainConfig:
-        """Config from ``megatrain_config`` (or env MEGATRAIN_CONFIG), then MEGATRAIN_* env keys, then
-        ``megatrain_save_dtype``."""
-        source = self.megatrain_config if self.megatrain_config is not None else os.environ.get("MEGATRAIN_CONFIG")
-        if isinstance(source, str) and not source.strip().startswith("{") and not os.path.isfile(source):
-            raise ValueError(f"megatrain_config={source!r} is neither a JSON object nor an existing yaml file")
-        values = MegaTrainConfig.from_any(source or None).to_dict()
-        env = MegaTrainConfig.from_env()
-        values.update(env)
-        save = str(parse_dtype(self.megatrain_save_dtype, "megatrain_save_dtype")).replace("torch.", "")
-        config_chose = values["save_dtype"] not in ("float32", "fp32") or "save_dtype" in env
-        if save != "float32" or not config_chose:
-            values["save_dtype"] = save
-        return MegaTrainConfig.from_dict(values)
-
-    @property
-    def place_model_on_device(self) -> bool | None:  # the engine placed what lives on the device already
-        return False if self.megatrain else super().place_model_on_device
-
-
-def _materialize_resident(model: nn.Module, layers_path: str | None) -> None:
-    """Give the meta parameters outside the decoder stack real (empty) host storage, keeping ties."""
-    layer_ids = {id(p) for p in find_layer_stack(model, layers_path).layers.parameters()}
-    new: dict[int, nn.Parameter] = {}
-    for mod in model.modules():
-        for name, p in list(mod._parameters.items()):
-            if p is None or not p.is_meta or id(p) in layer_ids:
-                continue
-            if id(p) not in new:
-                new[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=torch.float32), requires_grad=p.requires_grad)
-            mod._parameters[name] = new[id(p)]
-
-
-def _extra_sink(engine: MegaTrainEngine):
-    """Load checkpoint tensors the store does not hold (frozen params, persistent buffers) into the model."""
-    model = engine.model
-    targets = dict(model.named_buffers())
-    targets.update({n: p for n, p in model.named_parameters() if n not in engine.store.by_name})
-    resident = {id(p) for p in engine.resident_params.values()}
-
-    def sink(name: str, tensor: torch.Tensor) -> bool:
-        t = targets.get(name)
-        if t is None:
-            return False
-        if id(t) not in resident and not t.is_meta:  # a tied alias of a master is already loaded
-            with torch.no_grad():
-                t.copy_(tensor)
-        return True
-
-    return sink
-
-
-def from_pretrained_streamed(model_id_or_path: str, config: MegaTrainConfig | dict | str | None = None,
-                             device: torch.device | str | None = None, decay_names: set[str] | None = None,
-                             **hf_kwargs: Any) -> MegaTrainEngine:
-    """Build a ``MegaTrainEngine`` for a pretrained causal LM without ever materialising the model in RAM.
-
-    The HF skeleton is built with parameters on the meta device (buffers such as rotary tables are computed for
-    real), the engine allocates its host store, and the masters are filled shard by shard from the safetensors
-    files (memory-mapped). Peak host memory is the store plus one chunk of one tensor."""
-    from accelerate import init_empty_weights
-
-    config = MegaTrainConfig.from_any(config)
-    path = model_id_or_path
-    if not os.path.isdir(path):
-        from huggingface_hub import snapshot_download
-
-        path = snapshot_download(model_id_or_path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"],
-                                 revision=hf_kwargs.get("revision"), token=hf_kwargs.get("token"))
-    model_keys = ("attn_implementation", "trust_remote_code")
-    cfg = transformers.AutoConfig.from_pretrained(path, **{k: v for k, v in hf_kwargs.items()
-                                                           if k not in ("dtype", "torch_dtype", "attn_implementation")})
-    with init_empty_weights(include_buffers=False):
-        model = transformers.AutoModelForCausalLM.from_config(cfg, **{k: v for k, v in hf_kwargs.items()
-                                                                      if k in model_keys})
-    model.tie_weights()  # accelerate's meta init skips the tying the constructor would do
-    if os.path.isfile(os.path.join(path, "generation_config.json")):
-        model.generation_config = transformers.GenerationConfig.from_pretrained(path)
-    _materialize_resident(model, config.layers_path)
-    engine = MegaTrainEngine(model, config, device=device, decay_names=decay_names)
-    unused = ckpt.load_pretrained_into_engine(engine, path, prefix=ckpt.WEIGHTS_PREFIX, extra_sink=_extra_sink(engine))
-    if unused:
-        logger.warning("hf_megatrain: %d checkpoint tensors not used by the model, e.g. %s", len(unused), unused[:5])
-    return engine
 
 
 class MegaTrainTrainer(Trainer):
@@ -375,7 +246,7 @@ class MegaTrainTrainer(Trainer):
             if saved not in (None, "float32"):
                 logger.warning("hf_megatrain: %s holds %s weights and no FP32 master; training continues from "
                                "rounded weights", path, saved)
-        unused = ckpt.load_pretrained_into_engine(self.engine, path, extra_sink=_extra_sink(self.engine))
+        unused = ckpt.load_pretrained_into_engine(self.engine, path, extra_sink=extra_sink(self.engine))
         if unused:
             logger.warning("hf_megatrain: checkpoint tensors not used by the model: %s", unused[:5])
 

@@ -14,7 +14,6 @@ import time
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file
 
 from hf_megatrain import MegaTrainConfig, MegaTrainTrainer
@@ -106,19 +105,19 @@ KILL_CHILD = textwrap.dedent("""
     import os, sys, time
     sys.path.insert(0, {repo!r})
     import torch
-    from hf_megatrain import checkpoint as ckpt
+    from hf_megatrain import safetensors_io
     from hf_megatrain import MegaTrainTrainer
     from tests.models import tiny
     from tests.test_trainer import dataset, mt_args
 
     out = sys.argv[1]
-    real = ckpt.write_safetensors
+    real = safetensors_io.write_safetensors
     def slow(path, *a, **k):
         real(path, *a, **k)
         if trainer.state.global_step == 4:  # second save: stop half-way, with a file already written
             open(os.path.join(out, "SAVING"), "w").close()
             time.sleep(600)
-    ckpt.write_safetensors = slow
+    safetensors_io.write_safetensors = slow
     trainer = MegaTrainTrainer(model=tiny("llama"), args=mt_args(out, max_steps=6, save_strategy="steps",
                                save_steps=2), train_dataset=dataset(32))
     trainer.train()

@@ -233,3 +233,16 @@ def test_save_total_limit_and_load_best_model(tmp_path):
     saved = load_file(os.path.join(best, "model.safetensors"))
     for n, t in saved.items():
         assert torch.equal(tr.engine.store.master_tensor(n), t), n
+
+
+def test_megatrain_false_is_plain_trainer(tmp_path):
+    model = tiny("llama")
+    ref = transformers.Trainer(model=copy.deepcopy(model), args=transformers.TrainingArguments(
+        **common_args(tmp_path / "ref")), train_dataset=dataset())
+    ref.train()
+    off = MegaTrainTrainer(model=copy.deepcopy(model), args=MegaTrainTrainingArguments(
+        **common_args(tmp_path / "off"), megatrain=False, optim="adafactor"), train_dataset=dataset())
+    assert off.engine is None
+    off.args.optim = ref.args.optim  # adafactor was accepted (no MegaTrain checks); train with the same optimizer
+    off.train()
+    assert losses(off) == losses(ref)

@@ -1,0 +1,90 @@
+"""from_pretrained_streamed: a pretrained causal LM straight into the host store, never whole in RAM.
+
+``AutoModelForCausalLM.from_pretrained`` materialises every weight before hf_megatrain could move it to the
+store, i.e. a second full copy. Here the HF skeleton is built with parameters on the meta device (buffers such as
+rotary tables are computed for real), the engine allocates its store from the skeleton's shapes, and
+``checkpoint.load_pretrained_into_engine`` fills the masters shard by shard from the memory-mapped safetensors.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+
+from . import checkpoint as ckpt
+from .config import MegaTrainConfig
+from .engine import MegaTrainEngine
+from .layers import find_layer_stack
+
+logger = logging.getLogger(__name__)
+
+
+def _materialize_resident(model: nn.Module, layers_path: str | None) -> None:
+    """Give the meta parameters outside the decoder stack real (empty) host storage, keeping ties."""
+    layer_ids = {id(p) for p in find_layer_stack(model, layers_path).layers.parameters()}
+    new: dict[int, nn.Parameter] = {}
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is None or not p.is_meta or id(p) in layer_ids:
+                continue
+            if id(p) not in new:
+                new[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=torch.float32), requires_grad=p.requires_grad)
+            mod._parameters[name] = new[id(p)]
+
+
+def extra_sink(engine: MegaTrainEngine):
+    """Load checkpoint tensors the store does not hold (frozen params, persistent buffers) into the model."""
+    model = engine.model
+    targets = dict(model.named_buffers())
+    targets.update({n: p for n, p in model.named_parameters() if n not in engine.store.by_name})
+    resident = {id(p) for p in engine.resident_params.values()}
+
+    def sink(name: str, tensor: torch.Tensor) -> bool:
+        t = targets.get(name)
+        if t is None:
+            return False
+        if id(t) not in resident and not t.is_meta:  # a tied alias of a master is already loaded
+            with torch.no_grad():
+                t.copy_(tensor)
+        return True
+
+    return sink
+
+
+def from_pretrained_streamed(model_id_or_path: str, config: MegaTrainConfig | dict | str | None = None,
+                             device: torch.device | str | None = None, decay_names: set[str] | None = None,
+                             **hf_kwargs: Any) -> MegaTrainEngine:
+    """Build a ``MegaTrainEngine`` for a pretrained causal LM without ever materialising the model in RAM.
+
+    The HF skeleton is built with parameters on the meta device (buffers such as rotary tables are computed for
+    real), the engine allocates its host store, and the masters are filled shard by shard from the safetensors
+    files (memory-mapped). Peak host memory is the store plus one chunk of one tensor."""
+    from accelerate import init_empty_weights
+
+    config = MegaTrainConfig.from_any(config)
+    path = model_id_or_path
+    if not os.path.isdir(path):
+        from huggingface_hub import snapshot_download
+
+        path = snapshot_download(model_id_or_path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"],
+                                 revision=hf_kwargs.get("revision"), token=hf_kwargs.get("token"))
+    model_keys = ("attn_implementation", "trust_remote_code")
+    cfg = transformers.AutoConfig.from_pretrained(path, **{k: v for k, v in hf_kwargs.items()
+                                                           if k not in ("dtype", "torch_dtype", "attn_implementation")})
+    with init_empty_weights(include_buffers=False):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, **{k: v for k, v in hf_kwargs.items()
+                                                                      if k in model_keys})
+    model.tie_weights()  # accelerate's meta init skips the tying the constructor would do
+    if os.path.isfile(os.path.join(path, "generation_config.json")):
+        model.generation_config = transformers.GenerationConfig.from_pretrained(path)
+    _materialize_resident(model, config.layers_path)
+    engine = MegaTrainEngine(model, config, device=device, decay_names=decay_names)
+    unused = ckpt.load_pretrained_into_engine(engine, path, prefix=ckpt.WEIGHTS_PREFIX, extra_sink=extra_sink(engine))
+    if unused:
+        logger.warning("hf_megatrain: %d checkpoint tensors not used by the model, e.g. %s", len(unused), unused[:5])
+    return engine

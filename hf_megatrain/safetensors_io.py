@@ -1,0 +1,197 @@
+"""Safetensors files written and read one tensor at a time.
+
+``safetensors.torch.save_file`` takes a dict of finished tensors, so exporting a model in bf16 would first need a
+bf16 copy of all of it. This writer emits the header from shapes alone, then streams each tensor, casting in
+bounded chunks. The reader side copies a tensor from a memory-mapped file into an existing buffer in row chunks,
+so loading never holds more than one chunk beyond the destination.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import struct
+from collections.abc import Mapping
+from typing import Any, Iterator
+
+import torch
+from safetensors import safe_open
+
+WEIGHTS_PREFIX = "model"  # HF: model.safetensors / model-0000x-of-0000y.safetensors
+DEFAULT_MAX_SHARD_SIZE = "50GB"  # transformers 5 save_pretrained default
+_CHUNK_BYTES = 64 << 20  # casts/copies happen in pieces of this size, never a whole large tensor at once
+
+_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL"}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder is missing a file, has a truncated/corrupt file, or does not match the model."""
+
+
+def parse_size(size: int | str) -> int:
+    """'5GB' -> 5e9 bytes, '500MiB' -> 500 * 2**20 (the units ``save_pretrained(max_shard_size=...)`` accepts)."""
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*", str(size), re.IGNORECASE)
+    if not m:
+        raise ValueError(f"max_shard_size={size!r}: use an int (bytes) or a string like '5GB' / '500MiB'")
+    unit = (m.group(2) or "B").upper()
+    base = 1024 if "I" in unit else 1000
+    power = {"B": 0, "K": 1, "M": 2, "G": 3, "T": 4}[unit[0]]
+    return int(float(m.group(1)) * base ** power)
+
+
+# -- writing ---------------------------------------------------------------------------------------------------------
+def _out_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    return dtype if dtype is not None and t.is_floating_point() else t.dtype
+
+
+def _nbytes(t: torch.Tensor, dtype: torch.dtype | None) -> int:
+    return t.numel() * torch.empty((), dtype=_out_dtype(t, dtype)).element_size()
+
+
+def write_safetensors(path: str, items: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None,
+                      metadata: dict[str, str] | None = None) -> None:
+    """Write ``items`` as one safetensors file, casting floating tensors to ``dtype`` chunk by chunk; fsynced."""
+    header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
+    off = 0
+    for name, t in items:
+        n = _nbytes(t, dtype)
+        header[name] = {"dtype": _ST_DTYPES[_out_dtype(t, dtype)], "shape": list(t.shape), "data_offsets": [off, off + n]}
+        off += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for _, t in items:
+            dt = _out_dtype(t, dtype)
+            flat = t.detach().reshape(-1)
+            step = max(1, _CHUNK_BYTES // max(flat.element_size(), 1))
+            for a in range(0, flat.numel(), step):
+                piece = flat[a:a + step].to("cpu", dt).contiguous()
+                f.write(memoryview(piece.view(torch.uint8).numpy()))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _shard_files(prefix: str, n: int) -> list[str]:
+    return [f"{prefix}.safetensors"] if n == 1 else [f"{prefix}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+
+def save_weights(save_dir: str, items: list[tuple[str, torch.Tensor]], *, dtype: torch.dtype | None,
+                 max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, prefix: str = WEIGHTS_PREFIX) -> list[str]:
+    """Write ``items`` in HF's sharded safetensors layout; returns the file names written.
+
+    Shards are filled greedily in order (a tensor larger than the limit gets its own shard), like
+    ``huggingface_hub.split_torch_state_dict_into_shards``. Stale shards of an earlier save with this prefix
+    are removed so the folder never mixes two layouts.
+    """
+    limit = parse_size(max_shard_size)
+    shards: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for name, t in items:
+        n = _nbytes(t, dtype)
+        if shards[-1] and size + n > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, t))
+        size += n
+    names = _shard_files(prefix, len(shards))
+    index_name = f"{prefix}.safetensors.index.json"
+    stale = re.compile(rf"{re.escape(prefix)}(-\d{{5}}-of-\d{{5}})?\.safetensors(\.index\.json)?")
+    for f in os.listdir(save_dir):
+        if stale.fullmatch(f) and f not in names and f != index_name:
+            os.remove(os.path.join(save_dir, f))
+    for fname, shard in zip(names, shards):
+        write_safetensors(os.path.join(save_dir, fname), shard, dtype)
+    written = list(names)
+    index_path = os.path.join(save_dir, index_name)
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(_nbytes(t, dtype) for _, t in items)},
+                 "weight_map": {name: fname for fname, shard in zip(names, shards) for name, _ in shard}}
+        write_json(index_path, index)
+        written.append(index_name)
+    elif os.path.exists(index_path):
+        os.remove(index_path)
+    return written
+
+
+def write_json(path: str, obj: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# -- reading -------------------------------------------------------------------------------------------------------------
+def weight_files(path: str, prefix: str = WEIGHTS_PREFIX) -> dict[str, list[str]] | None:
+    """{shard file: [tensor names]} for the ``prefix`` weights in ``path`` (None when there are none)."""
+    index = os.path.join(path, f"{prefix}.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (ValueError, KeyError) as e:
+            raise CheckpointError(f"{index} is corrupt ({e}); re-save the checkpoint or pick another one") from e
+        out: dict[str, list[str]] = {}
+        for name, fname in weight_map.items():
+            out.setdefault(fname, []).append(name)
+        return out
+    single = os.path.join(path, f"{prefix}.safetensors")
+    if os.path.isfile(single):
+        with open_safetensors(single) as f:
+            return {f"{prefix}.safetensors": list(f.keys())}
+    return None
+
+
+@contextlib.contextmanager
+def open_safetensors(path: str) -> Iterator[Any]:
+    if not os.path.isfile(path):
+        raise CheckpointError(f"missing file {path}")
+    try:
+        handle = safe_open(path, framework="pt", device="cpu")
+    except Exception as e:  # safetensors raises its own error types for truncated / garbled headers
+        raise CheckpointError(f"corrupt safetensors file {path}: {e}") from e
+    with handle as f:
+        yield f
+
+
+def copy_tensor_into(dst: torch.Tensor, f: Any, key: str, path: str) -> None:
+    """Copy tensor ``key`` of open file ``f`` into ``dst`` in row chunks (bounded transient memory)."""
+    sl = f.get_slice(key)
+    shape = tuple(sl.get_shape())
+    if shape != tuple(dst.shape):
+        raise CheckpointError(f"{path}: tensor {key} has shape {shape}, the model expects {tuple(dst.shape)}")
+    if dst.dim() == 0:
+        dst.copy_(f.get_tensor(key))
+        return
+    row = max(1, math.prod(shape[1:]) * 4)
+    step = max(1, _CHUNK_BYTES // row)
+    for a in range(0, shape[0], step):
+        dst[a:a + step].copy_(sl[a:a + step])
+
+
+class LazyTensors(Mapping):
+    """Read-on-access view of an open safetensors file (one tensor in memory at a time)."""
+
+    def __init__(self, f: Any) -> None:
+        self._f = f
+        self._keys = list(f.keys())
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self._keys:
+            raise KeyError(key)
+        return self._f.get_tensor(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)

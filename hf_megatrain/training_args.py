@@ -1,0 +1,80 @@
+"""MegaTrainTrainingArguments: ``TrainingArguments`` plus the MegaTrain switches, validated up front.
+
+Everything a user can get wrong about combining MegaTrain with Trainer options (DeepSpeed, FSDP, other
+optimizers, fp16 loss scaling, a bad config key or dtype) fails here, when the arguments are built, with a
+message that says what to change -- not minutes later inside the training loop.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from transformers import TrainingArguments
+
+from .checkpoint import DEFAULT_MAX_SHARD_SIZE
+from .config import MegaTrainConfig, parse_dtype
+
+SUPPORTED_OPTIM = ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw")
+
+
+@dataclass
+class MegaTrainTrainingArguments(TrainingArguments):
+    """``TrainingArguments`` plus the MegaTrain switches (see ``MegaTrainConfig`` for the policy keys)."""
+
+    megatrain: bool = field(default=True, metadata={"help": "Train with hf_megatrain's streamed engine."})
+    megatrain_config: dict | str | None = field(
+        default=None, metadata={"help": "MegaTrainConfig as a dict, a JSON string or a yaml path. Defaults to the "
+                                        "MEGATRAIN_CONFIG env var; MEGATRAIN_<KEY> env vars override keys."})
+    megatrain_save_dtype: str = field(
+        default="float32", metadata={"help": "dtype of exported weights: float32 or bfloat16 (a non-default value "
+                                             "overrides the config's save_dtype)."})
+    megatrain_max_shard_size: str = field(
+        default=DEFAULT_MAX_SHARD_SIZE, metadata={"help": "Largest safetensors shard written, e.g. '5GB'."})
+
+    def __post_init__(self) -> None:
+        if self.megatrain:
+            # Checked before TrainingArguments builds a DeepSpeed/FSDP setup from these arguments.
+            if self.deepspeed:
+                raise ValueError("megatrain=True cannot be combined with deepspeed: hf_megatrain already keeps "
+                                 "weights, gradients and optimizer state in host memory. Remove `deepspeed=` "
+                                 "(or set megatrain=False to train with DeepSpeed).")
+            if self.fsdp not in (None, "", False, []):
+                raise ValueError("megatrain=True cannot be combined with fsdp: hf_megatrain trains on one GPU with "
+                                 "host-resident state. Remove `fsdp=` (or set megatrain=False to use FSDP).")
+            optim = str(getattr(self.optim, "value", self.optim))
+            if optim not in SUPPORTED_OPTIM:
+                raise ValueError(f"optim={optim!r} is not supported with megatrain=True; hf_megatrain runs AdamW "
+                                 f"on the FP32 host master. Use one of {list(SUPPORTED_OPTIM[:3])}.")
+            for flag in ("fp16", "fp16_full_eval", "bf16_full_eval"):
+                if getattr(self, flag):
+                    raise ValueError(f"{flag}=True is not used with megatrain=True: masters stay FP32 and layers "
+                                     "compute in megatrain_config['compute_dtype'] ('bfloat16' or 'float32'). "
+                                     f"Remove {flag}.")
+            if self.label_smoothing_factor:
+                raise ValueError("label_smoothing_factor is not supported with megatrain=True (the loss is a fused "
+                                 "chunked cross-entropy); set it to 0.")
+            if self.torch_compile:
+                raise ValueError("torch_compile=True is not supported with megatrain=True; remove it.")
+        super().__post_init__()
+        if self.megatrain:
+            self.megatrain_resolved_config()  # validate now: unknown keys / bad dtypes fail at argument time
+
+    def megatrain_resolved_config(self) -> MegaTrainConfig:
+        """Config from ``megatrain_config`` (or env MEGATRAIN_CONFIG), then MEGATRAIN_* env keys, then
+        ``megatrain_save_dtype``."""
+        source = self.megatrain_config if self.megatrain_config is not None else os.environ.get("MEGATRAIN_CONFIG")
+        if isinstance(source, str) and not source.strip().startswith("{") and not os.path.isfile(source):
+            raise ValueError(f"megatrain_config={source!r} is neither a JSON object nor an existing yaml file")
+        values = MegaTrainConfig.from_any(source or None).to_dict()
+        env = MegaTrainConfig.from_env()
+        values.update(env)
+        save = str(parse_dtype(self.megatrain_save_dtype, "megatrain_save_dtype")).replace("torch.", "")
+        config_chose = values["save_dtype"] not in ("float32", "fp32") or "save_dtype" in env
+        if save != "float32" or not config_chose:
+            values["save_dtype"] = save
+        return MegaTrainConfig.from_dict(values)
+
+    @property
+    def place_model_on_device(self) -> bool | None:  # the engine placed what lives on the device already
+        return False if self.megatrain else super().place_model_on_device

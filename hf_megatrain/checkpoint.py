@@ -104,6 +104,9 @@ def atomic_directory(final: str) -> Iterator[str]:
     parent = os.path.dirname(os.path.abspath(final)) or "."
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=os.path.basename(final) + ".tmp-", dir=parent)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the final folder gets normal permissions
     try:
         yield tmp
         for f in os.listdir(tmp):  # files we wrote ourselves are fsynced already; others (tokenizer, json) now

@@ -33,6 +33,8 @@ class MegaTrainTrainingArguments(TrainingArguments):
         default=DEFAULT_MAX_SHARD_SIZE, metadata={"help": "Largest safetensors shard written, e.g. '5GB'."})
 
     def __post_init__(self) -> None:
+        if isinstance(self.megatrain_config, MegaTrainConfig):  # keep the arguments JSON-serialisable
+            self.megatrain_config = self.megatrain_config.to_dict()
         if self.megatrain:
             # Checked before TrainingArguments builds a DeepSpeed/FSDP setup from these arguments.
             if self.deepspeed:

@@ -14,6 +14,7 @@ import time
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file
 
 from hf_megatrain import MegaTrainConfig, MegaTrainTrainer
@@ -51,12 +52,15 @@ CLEAN_LOAD = textwrap.dedent("""
 @pytest.mark.parametrize("save_dtype, tie", [("float32", False), ("bfloat16", True)])
 def test_save_model_loads_with_plain_transformers(tmp_path, save_dtype, tie):
     args = mt_args(tmp_path / "run", max_steps=2, megatrain_save_dtype=save_dtype, megatrain_max_shard_size="30KB")
-    tr = MegaTrainTrainer(model=tiny("llama", tie=tie), args=args, train_dataset=dataset())
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=os.path.join(REPO, "hf_megatrain", "assets", "tokenizer", "tokenizer.json"))
+    tr = MegaTrainTrainer(model=tiny("llama", tie=tie), args=args, train_dataset=dataset(), processing_class=tok,
+                          data_collator=transformers.default_data_collator)
     tr.train()
     out = tmp_path / "final"
     tr.save_model(str(out))
     files = sorted(os.listdir(out))
-    assert "model.safetensors.index.json" in files and "config.json" in files and "generation_config.json" in files
+    assert {"model.safetensors.index.json", "config.json", "generation_config.json", "tokenizer.json"} <= set(files)
     shards = [f for f in files if f.startswith("model-") and f.endswith(".safetensors")]
     assert len(shards) > 1 and all("-of-" in f for f in shards)
     cfg = json.loads((out / "config.json").read_text())
@@ -200,8 +204,6 @@ RSS_CHILD = textwrap.dedent("""
 
 def test_streamed_load_peak_rss(tmp_path):
     """Loading a multi-shard checkpoint never holds a second copy: peak RSS <= 1.15 x the host store."""
-    import transformers
-
     cfg = transformers.LlamaConfig(vocab_size=1024, hidden_size=1024, intermediate_size=2816, num_hidden_layers=16,
                                    num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=64)
     cfg.save_pretrained(tmp_path)
@@ -225,7 +227,6 @@ def test_streamed_load_peak_rss(tmp_path):
 
 def test_push_to_hub_uploads_standard_checkpoint(tmp_path, monkeypatch):
     import huggingface_hub
-    import transformers
     import transformers.utils.hub as hf_hub_utils
 
     from .hubstub import HubStub

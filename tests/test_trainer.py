@@ -102,10 +102,21 @@ def test_compute_loss_func_and_gradient_checkpointing_flag(tmp_path):
         return transformers.loss.loss_utils.ForCausalLMLoss(outputs.logits, labels, 96,
                                                             num_items_in_batch=num_items_in_batch)
 
-    tr = MegaTrainTrainer(model=tiny("llama"), args=mt_args(tmp_path, max_steps=1, gradient_checkpointing=True),
-                          train_dataset=dataset(), compute_loss_func=loss_fn)
+    class Count(transformers.TrainerCallback):
+        events: list[str] = []
+
+        def on_step_end(self, args, state, control, **kw):
+            self.events.append("step")
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            self.events.append("log")
+
+    tr = MegaTrainTrainer(model=tiny("llama"), args=mt_args(tmp_path, max_steps=2, gradient_checkpointing=True,
+                                                            disable_tqdm=False),
+                          train_dataset=dataset(), compute_loss_func=loss_fn, callbacks=[Count()])
     tr.train()
     assert seen and seen[0] == (2, 12, 96) and np.isfinite(losses(tr)[0][1])
+    assert Count.events.count("step") == 2 and "log" in Count.events
 
 
 @pytest.mark.parametrize("bad, match", [

@@ -52,10 +52,11 @@ def check_supported(model: nn.Module, stack: LayerStack) -> None:
     outside = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in inside]
     if outside:
         shown = ", ".join(outside[:4]) + (", ..." if len(outside) > 4 else "")
+        decoder = stack.path.rpartition(".")[0] or "model"
         raise ValueError(
-            f"{name} is not supported: hf_megatrain computes the loss as lm_head({stack.path.rpartition('.')[0] or 'model'}"
-            f"(input_ids)), but {len(outside)} trainable parameter(s) sit outside that path ({shown}); this is not "
-            f"a plain decoder-only causal LM (encoder-only / masked-LM head?). {hint}")
+            f"{name} is not supported: hf_megatrain computes the loss as lm_head({decoder}(input_ids)), but "
+            f"{len(outside)} trainable parameter(s) sit outside that path ({shown}); this is not a plain "
+            f"decoder-only causal LM (encoder-only / masked-LM head?). {hint}")
 
 
 # -- router logits ----------------------------------------------------------------------------------------------------

@@ -43,6 +43,16 @@ def check_host_memory(needed: int, fraction: float, what: str, available: int | 
             "compute_dtype='float32' (no separate streaming copy).")
 
 
+def pin_(t: torch.Tensor) -> torch.Tensor:
+    """Page-lock an existing host tensor in place (no-op without CUDA or when already pinned)."""
+    if t.numel() == 0 or not torch.cuda.is_available() or t.device.type != "cpu" or t.is_pinned():
+        return t
+    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+    if int(err) == 0:
+        weakref.finalize(t, torch.cuda.cudart().cudaHostUnregister, t.data_ptr())
+    return t
+
+
 def alloc_host(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     """A host buffer of exactly ``numel`` elements; page-locked when ``pin`` and CUDA is available.
 

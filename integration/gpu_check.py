@@ -123,6 +123,7 @@ def part_overlap(layers: int, sizes: list[int], steps: int, warmup: int, out_dir
             torch.cuda.synchronize()
             t1 = time.perf_counter()
             w1 = engine.executor.wait_optimizer_s
+            prev_opt = opt.last_step_seconds  # the forward waited for every unit: the previous step is complete
             loss.backward()
             torch.cuda.synchronize()
             t2 = time.perf_counter()
@@ -133,7 +134,7 @@ def part_overlap(layers: int, sizes: list[int], steps: int, warmup: int, out_dir
             dt = time.perf_counter() - t0
             phases.append({"forward_s": t1 - t0, "forward_wait_optimizer_s": w1 - w0, "backward_s": t2 - t1,
                            "step_call_s": t3 - t2, "norm_s": opt.last_norm_seconds,
-                           "prev_optimizer_worker_s": opt.last_step_seconds})
+                           "prev_optimizer_worker_s": prev_opt})
             if prof is not None:
                 opt.wait()
                 torch.cuda.synchronize()

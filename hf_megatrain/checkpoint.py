@@ -141,9 +141,9 @@ def remove_stale_temp_dirs(parent: str, prefix: str = "checkpoint-") -> None:
 def verify_checkpoint(path: str, *, training_state: bool = True) -> None:
     """Raise ``CheckpointError`` naming the first missing or corrupt file of checkpoint folder ``path``.
 
-    With a manifest (folders written by hf_megatrain) every listed file must exist with its recorded size and every
-    safetensors header must parse; ``training_state`` also requires the optimizer and trainer state when they were
-    saved. Without a manifest (a plain HF folder) only the weights are checked."""
+    With a manifest (folders written by hf_megatrain) every listed file must exist with its recorded size; without
+    one (a plain HF folder) only the files present are checked. Every safetensors header must parse and hold what
+    its index lists; ``training_state`` also requires ``trainer_state.json`` (resuming needs it)."""
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint folder {path} does not exist")
     manifest_path = os.path.join(path, MANIFEST)
@@ -160,8 +160,9 @@ def verify_checkpoint(path: str, *, training_state: bool = True) -> None:
             if os.path.getsize(p) != size:
                 raise CheckpointError(f"checkpoint {path} is corrupt: {fname} has {os.path.getsize(p)} bytes, "
                                       f"{size} were written")
-        if training_state and "trainer_state.json" not in files:
-            raise CheckpointError(f"checkpoint {path} has no trainer_state.json; it cannot be resumed from")
+    if training_state and not os.path.isfile(os.path.join(path, "trainer_state.json")):
+        raise CheckpointError(f"{path} has no trainer_state.json, so training cannot resume from it (it is a "
+                              "model export, not a Trainer checkpoint); start a new run from it instead")
     shards = weight_files(path)
     if shards is None:
         raise CheckpointError(f"checkpoint {path} has no weights ({WEIGHTS_PREFIX}.safetensors or "

@@ -263,8 +263,7 @@ class MegaTrainTrainer(Trainer):
         if checkpoint is None:
             return
         if not ckpt.load_training_state(self.engine, checkpoint):
-            logger.warning("hf_megatrain: %s has no optimizer state; AdamW starts fresh", checkpoint)
-            return
+            logger.warning("hf_megatrain: %s has no hf_megatrain optimizer state; AdamW starts fresh", checkpoint)
         sched = os.path.join(checkpoint, SCHEDULER_NAME)
         if os.path.isfile(sched):
             self.lr_scheduler.load_state_dict(torch.load(sched, weights_only=True))

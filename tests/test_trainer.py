@@ -221,6 +221,8 @@ def test_corrupt_or_incomplete_resume_folder(tmp_path):
         f.truncate(os.path.getsize(broken / "model.safetensors") // 2)
     assert "model.safetensors" in attempt(broken)
     assert "shape" in attempt(ck, intermediate_size=48)  # a checkpoint of another model
+    tr.save_model(str(tmp_path / "export"))
+    assert "trainer_state.json" in attempt(tmp_path / "export")  # a model export, not a Trainer checkpoint
     broken = tmp_path / "broken3"
     shutil.copytree(ck, broken)
     (broken / "megatrain_manifest.json").unlink()

@@ -1,0 +1,384 @@
+"""What every benchmarked system shares: the model, the data, the clock, the metrics and the record format.
+
+The comparison is only fair if all three systems train the very same model on the very same tokens and are
+timed the same way, so none of that lives in the per-system runners:
+
+* model: Qwen2-shaped at 14B width (hidden 5120, MLP 13824, 40 heads / 8 KV heads, vocab 152064, untied), N
+  layers, SDPA attention, random init. Parameters are created on ``meta`` and materialised one tensor at a time
+  with a cheap N(0, 0.02) init (on the GPU when there is one, then copied to the host) in the dtype the system
+  wants, so building the 3.76B model takes seconds and the host never holds two copies.
+* data: random tokens from a fixed seed, ``labels = input_ids`` (HF shifts them), no attention mask.
+* clock: a step is the interval between two consecutive step ends (device synchronised), so a CPU optimizer that
+  overlaps the next forward is charged where it stalls it; medians over the timed steps after the warm-up.
+* metrics: tokens/s, model TFLOP/s = 6·N·tokens/s, MFU against a stated peak, GPU and host memory peaks, and for
+  a profiled step a per-phase breakdown parsed from the exported chrome trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import socket
+import statistics
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+
+FULL_WIDTH = dict(hidden_size=5120, intermediate_size=13824, num_attention_heads=40, num_key_value_heads=8,
+                  vocab_size=152064, max_position_embeddings=4096)
+TINY_WIDTH = dict(hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2,
+                  vocab_size=512, max_position_embeddings=256)
+FULL_SEQ, TINY_SEQ = 2048, 64
+PEAK_TFLOPS = 800.0  # dense bf16 H100 SXM as measured here (8192^3 matmul ~798 TFLOP/s)
+GIB = 2 ** 30
+
+
+# -- model ------------------------------------------------------------------------------------------------------------
+def model_config(spec: dict) -> Any:
+    from transformers import Qwen2Config
+
+    width = TINY_WIDTH if spec.get("tiny") else FULL_WIDTH
+    return Qwen2Config(**width, num_hidden_layers=int(spec["layers"]), tie_word_embeddings=False,
+                       attn_implementation="sdpa", use_cache=False)
+
+
+def _init_value(name: str, shape: torch.Size, dtype: torch.dtype, gen_device: torch.device,
+                gen: torch.Generator) -> torch.Tensor:
+    if name.endswith("norm.weight"):
+        return torch.ones(shape, dtype=dtype)
+    if name.endswith("bias"):
+        return torch.zeros(shape, dtype=dtype)
+    t = torch.empty(shape, dtype=dtype, device=gen_device)
+    t.normal_(0.0, 0.02, generator=gen)
+    return t.to("cpu")
+
+
+def build_model(spec: dict, dtype: torch.dtype) -> torch.nn.Module:
+    """The benchmark model on the host in ``dtype`` (buffers such as rotary tables stay fp32), random init."""
+    from accelerate import init_empty_weights
+    from transformers import Qwen2ForCausalLM
+
+    cfg = model_config(spec)
+    with init_empty_weights(include_buffers=False):  # parameters on meta, buffers real
+        model = Qwen2ForCausalLM(cfg)
+    gen_device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    gen = torch.Generator(device=gen_device).manual_seed(int(spec.get("seed", 0)))
+    done: dict[int, torch.nn.Parameter] = {}
+    with torch.no_grad():
+        for mname, module in model.named_modules():
+            for pname, p in list(module._parameters.items()):
+                if p is None:
+                    continue
+                if id(p) not in done:
+                    full = f"{mname}.{pname}" if mname else pname
+                    done[id(p)] = torch.nn.Parameter(_init_value(full, p.shape, dtype, gen_device, gen),
+                                                     requires_grad=p.requires_grad)
+                module._parameters[pname] = done[id(p)]
+    model.config.use_cache = False
+    model.train()
+    return model
+
+
+def count_params(model: torch.nn.Module) -> int:
+    seen, n = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            n += p.numel()
+    return n
+
+
+def attention_flops_per_token(spec: dict) -> float:
+    """12·L·H·T: the attention score/value matmuls (fwd+bwd) that 6·N leaves out (PaLM appendix B)."""
+    width = TINY_WIDTH if spec.get("tiny") else FULL_WIDTH
+    return 12.0 * int(spec["layers"]) * width["hidden_size"] * int(spec["seq"])
+
+
+# -- data -------------------------------------------------------------------------------------------------------------
+def token_rows(spec: dict, n_steps: int) -> torch.Tensor:
+    """[n_steps * batch, seq] random token ids; the same for every system (fixed seed, CPU generator)."""
+    vocab = (TINY_WIDTH if spec.get("tiny") else FULL_WIDTH)["vocab_size"]
+    gen = torch.Generator().manual_seed(1000 + int(spec.get("seed", 0)))
+    return torch.randint(0, vocab, (n_steps * int(spec["batch"]), int(spec["seq"])), generator=gen)
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    """Rows of random tokens as Trainer examples (``input_ids`` and ``labels``; no attention mask)."""
+
+    def __init__(self, rows: torch.Tensor) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return self.rows.shape[0]
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+
+# -- clock --------------------------------------------------------------------------------------------------------------
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class StepClock:
+    """Step boundaries (device synchronised); ``periods`` are the step times."""
+
+    def __init__(self) -> None:
+        self.marks: list[float] = []
+
+    def mark(self) -> None:
+        sync()
+        self.marks.append(time.perf_counter())
+
+    @property
+    def periods(self) -> list[float]:
+        return [b - a for a, b in zip(self.marks, self.marks[1:])]
+
+
+# -- metrics ------------------------------------------------------------------------------------------------------------
+def _vm_hwm_bytes() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def memory_stats() -> dict[str, Any]:
+    out: dict[str, Any] = {"peak_host_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB}
+    hwm = _vm_hwm_bytes()
+    out["vm_hwm_gib"] = hwm / GIB if hwm is not None else None
+    if torch.cuda.is_available():
+        free, total = torch.cuda.mem_get_info()
+        out.update(peak_gpu_alloc_gib=torch.cuda.max_memory_allocated() / GIB,
+                   peak_gpu_reserved_gib=torch.cuda.max_memory_reserved() / GIB,
+                   gpu_used_now_gib=(total - free) / GIB, gpu_total_gib=total / GIB)
+    return out
+
+
+def throughput(spec: dict, n_params: int, periods: list[float]) -> dict[str, Any]:
+    """Median step time and the derived rates over the timed steps (the ones after the warm-up)."""
+    warm, steps = int(spec["warmup"]), int(spec["steps"])
+    timed = periods[warm:warm + steps]
+    if not timed:
+        raise RuntimeError(f"no timed steps: {len(periods)} step periods for warmup={warm} steps={steps}")
+    tokens = int(spec["batch"]) * int(spec["seq"])
+    med = statistics.median(timed)
+    tps = tokens / med
+    peak = float(spec.get("peak_tflops", PEAK_TFLOPS))
+    tflops = 6.0 * n_params * tps / 1e12
+    return {"tokens_per_step": tokens, "step_time_s": med, "step_times_s": timed, "warmup_times_s": periods[:warm],
+            "tokens_per_s": tps, "model_tflops": tflops, "mfu": tflops / peak, "peak_tflops": peak,
+            "model_tflops_with_attention": (6.0 * n_params + attention_flops_per_token(spec)) * tps / 1e12}
+
+
+def versions() -> dict[str, Any]:
+    from importlib import metadata
+
+    out: dict[str, Any] = {"python": sys.version.split()[0], "torch": torch.__version__,
+                           "cuda": torch.version.cuda}
+    for name in ("transformers", "accelerate", "deepspeed", "hf_megatrain", "pydantic"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+# -- profiler trace -> phases ---------------------------------------------------------------------------------------------
+def _union(iv: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(iv):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _length(iv: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in iv)
+
+
+def _overlap(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> float:
+    i = j = 0
+    total = 0.0
+    while i < len(x) and j < len(y):
+        a, b = max(x[i][0], y[j][0]), min(x[i][1], y[j][1])
+        total += max(0.0, b - a)
+        if x[i][1] < y[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def _stream(e: dict) -> Any:
+    args = e.get("args") or {}
+    if "stream" in args:
+        return args["stream"]
+    return e.get("tid")
+
+
+def phase_breakdown(trace: str | dict, window_name: str = "bench.step") -> dict[str, Any]:
+    """Per-phase GPU times (ms) of one step from a torch.profiler chrome trace.
+
+    Window: the CPU ``record_function(window_name)`` range (the step body ends with a device sync, so all its GPU
+    work lies inside); without one, first to last GPU event. The compute stream is the stream with the most kernel
+    time. ``compute_ms`` sums its kernels; ``h2d_ms`` / ``d2h_ms`` sum the HtoD / DtoH copies (any stream);
+    ``gpu_idle_ms`` = window − union of compute-stream kernel intervals.
+    """
+    if isinstance(trace, str):
+        with open(trace) as f:
+            trace = json.load(f)
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e and "ts" in e]
+    gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not gpu:
+        return {"error": "no GPU events in the trace"}
+    windows = [e for e in events if e.get("name") == window_name and e.get("cat") in ("user_annotation", "cpu_op")]
+    if windows:
+        w = max(windows, key=lambda e: float(e["dur"]))
+        lo, hi = float(w["ts"]), float(w["ts"]) + float(w["dur"])
+    else:
+        lo = min(float(e["ts"]) for e in gpu)
+        hi = max(float(e["ts"]) + float(e["dur"]) for e in gpu)
+
+    def clipped(e: dict) -> tuple[float, float] | None:
+        a, b = max(float(e["ts"]), lo), min(float(e["ts"]) + float(e["dur"]), hi)
+        return (a, b) if b > a else None
+
+    kernels_by_stream: dict[Any, list[tuple[float, float]]] = {}
+    h2d, d2h, d2d = [], [], []
+    for e in gpu:
+        iv = clipped(e)
+        if iv is None:
+            continue
+        if e["cat"] == "kernel":
+            kernels_by_stream.setdefault(_stream(e), []).append(iv)
+        elif e["cat"] == "gpu_memcpy":
+            name = e.get("name", "")
+            (h2d if "HtoD" in name else d2h if "DtoH" in name else d2d).append(iv)
+    if not kernels_by_stream:
+        return {"error": "no kernels inside the step window"}
+    compute_stream = max(kernels_by_stream, key=lambda s: sum(b - a for a, b in kernels_by_stream[s]))
+    comp = kernels_by_stream[compute_stream]
+    K, H, D = _union(comp), _union(h2d), _union(d2h)
+    wall = hi - lo
+    ms = 1e-3
+    other = sum(b - a for s, iv in kernels_by_stream.items() if s != compute_stream for a, b in iv)
+    return {
+        "window_ms": wall * ms,
+        "compute_stream": compute_stream,
+        "compute_ms": sum(b - a for a, b in comp) * ms,
+        "compute_busy_ms": _length(K) * ms,
+        "other_stream_kernels_ms": other * ms,
+        "h2d_ms": sum(b - a for a, b in h2d) * ms,
+        "d2h_ms": sum(b - a for a, b in d2h) * ms,
+        "d2d_ms": sum(b - a for a, b in d2d) * ms,
+        "h2d_under_compute_frac": _overlap(H, K) / max(_length(H), 1e-9),
+        "d2h_under_compute_frac": _overlap(D, K) / max(_length(D), 1e-9),
+        "gpu_idle_ms": (wall - _length(K)) * ms,
+        "gpu_idle_frac": 1.0 - _length(K) / max(wall, 1e-9),
+        "n_kernels": len(comp),
+    }
+
+
+class Profiled:
+    """Profile one step: ``with Profiled(path) as p: ... p.step_range()`` -> ``p.phases`` afterwards."""
+
+    def __init__(self, trace_path: str, keep: bool = False) -> None:
+        self.path, self.keep = trace_path, keep
+        acts = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            acts.append(torch.profiler.ProfilerActivity.CUDA)
+        self.prof = torch.profiler.profile(activities=acts)
+        self.phases: dict[str, Any] = {}
+        self._range: Any = None
+
+    def start(self) -> None:
+        sync()
+        self.prof.__enter__()
+        self._range = torch.profiler.record_function("bench.step")
+        self._range.__enter__()
+
+    def stop(self) -> None:
+        sync()
+        self._range.__exit__(None, None, None)
+        self.prof.__exit__(None, None, None)
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        self.prof.export_chrome_trace(self.path)
+        try:
+            self.phases = phase_breakdown(self.path)
+        finally:
+            if not self.keep:
+                os.remove(self.path)
+            else:
+                self.phases["trace"] = self.path
+
+
+# -- process harness ----------------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def single_process_dist_env() -> None:
+    """Environment of a one-process torch.distributed job (what torchrun / deepspeed launch would set)."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1")):
+        os.environ.setdefault(k, v)
+
+
+def is_oom(exc: BaseException) -> bool:
+    text = f"{type(exc).__name__}: {exc}".lower()
+    return isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in text
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def runner_main(system: str, run: Callable[[dict], dict]) -> None:
+    """CLI of every runner: ``--spec JSON --result PATH``. Writes one JSON record (also on failure), then exits
+    with ``os._exit`` so a hanging teardown (process groups, pinned-memory release) cannot eat the time budget."""
+    ap = argparse.ArgumentParser(description=f"benchmark {system} once (one batch size)")
+    ap.add_argument("--spec", required=True, help="JSON object (or @file) with the run's settings")
+    ap.add_argument("--result", required=True, help="where to write the JSON record")
+    a = ap.parse_args()
+    spec = json.loads(open(a.spec[1:]).read() if a.spec.startswith("@") else a.spec)
+    t0 = time.perf_counter()
+    record: dict[str, Any] = {"system": system, "batch": spec.get("batch"), "spec": spec}
+    code = 0
+    try:
+        torch.manual_seed(int(spec.get("seed", 0)))
+        record.update(run(spec))
+        record["status"] = "ok"
+    except BaseException as e:  # noqa: BLE001 - the parent must get a record whatever happened
+        traceback.print_exc()
+        record.update(status="error", oom=is_oom(e), error=f"{type(e).__name__}: {e}"[:2000],
+                      traceback=traceback.format_exc()[-4000:])
+        code = 1
+    try:
+        record.update(memory_stats())
+    except Exception as e:  # noqa: BLE001
+        record["memory_stats_error"] = repr(e)
+    record.update(wall_s=time.perf_counter() - t0, gpu=device_name(), versions=versions(),
+                  date=time.strftime("%Y-%m-%d %H:%M:%S"))
+    line = json.dumps(record, default=str)
+    with open(a.result, "w") as f:
+        f.write(line + "\n")
+    print("BENCH_RESULT " + line[:4000], flush=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

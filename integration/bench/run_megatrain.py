@@ -1,0 +1,186 @@
+"""Benchmark hf_megatrain once: one batch size, in this process only (spawned by bench_vs_deepspeed.py).
+
+Two modes. ``trainer``: the path users run, ``MegaTrainTrainer`` + ``MegaTrainTrainingArguments``, timed with a
+callback. ``engine``: ``MegaTrainEngine`` + ``engine.create_optimizer`` in a plain loop, i.e. the core without
+any Trainer overhead. Both: the batch is one optimizer step (``batch`` sequences; ``micro_batch_size`` in the
+MegaTrain config splits it inside each layer visit), bf16 compute, FP32 master, CPU AdamW with grad clipping
+1.0, then one extra profiled step (not timed) for the per-phase breakdown.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))]
+
+import torch  # noqa: E402
+
+from bench.common import (Profiled, StepClock, TokenDataset, build_model, count_params, runner_main,  # noqa: E402
+                          throughput, token_rows)
+
+LR, MAX_GRAD_NORM = 1e-5, 1.0
+
+
+def _median(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def _trace_path(spec: dict) -> str:
+    d = spec.get("trace_dir") or tempfile.gettempdir()
+    return os.path.join(d, f"trace_megatrain_b{spec['batch']}_{os.getpid()}.json")
+
+
+def _host_phases(per_step: list[dict], warm: int) -> dict[str, Any]:
+    timed = per_step[warm:]
+    keys = sorted({k for s in timed for k in s})
+    return {k: _median([s.get(k) for s in timed]) for k in keys}
+
+
+def run_engine(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str, Any]:
+    from hf_megatrain import MegaTrainConfig, MegaTrainEngine
+
+    t = time.perf_counter()
+    engine = MegaTrainEngine(model, MegaTrainConfig.from_any(mt_config))
+    opt = engine.create_optimizer(lr=LR, weight_decay=0.0, max_grad_norm=MAX_GRAD_NORM)
+    setup_s = time.perf_counter() - t
+    ex = engine.executor
+    warm, steps, batch = int(spec["warmup"]), int(spec["steps"]), int(spec["batch"])
+    total = warm + steps + (1 if spec.get("profile", True) else 0)
+    rows = token_rows(spec, total)
+    items = batch * (int(spec["seq"]) - 1)  # what Trainer passes: label tokens after the shift (no padding)
+    clock, losses, per_step, phases = StepClock(), [], [], {}
+    clock.mark()
+    for i in range(total):
+        prof = Profiled(_trace_path(spec), keep=bool(spec.get("keep_trace"))) if i == warm + steps else None
+        if prof:
+            prof.start()
+        ids = rows[i * batch:(i + 1) * batch]
+        w0 = getattr(ex, "wait_optimizer_s", None)
+        loss = engine(input_ids=ids, labels=ids, num_items_in_batch=items).loss
+        loss.backward()
+        t0 = time.perf_counter()
+        opt.step()
+        opt.zero_grad()
+        call_s = time.perf_counter() - t0
+        if prof:
+            prof.stop()
+            phases = prof.phases
+        clock.mark()
+        w1 = getattr(ex, "wait_optimizer_s", None)
+        losses.append(float(loss.detach()))
+        per_step.append({"optimizer_step_call_s": call_s,
+                         "optimizer_norm_s": getattr(opt, "last_norm_seconds", None),
+                         "optimizer_worker_s": getattr(opt, "last_step_seconds", None),
+                         "forward_wait_for_optimizer_s": (w1 - w0) if w0 is not None else None})
+    opt.wait()
+    out = {"mode": "engine", "setup_s": setup_s, "losses": losses,
+           "grad_norm_last": getattr(opt, "last_grad_norm", None),
+           "skipped_steps": getattr(opt, "skipped_steps", None), "periods": clock.periods,
+           "cpu_optimizer": _host_phases(per_step[:warm + steps], warm), "phases": phases,
+           "h2d_gb": getattr(ex, "h2d_bytes", 0) / 1e9, "d2h_gb": getattr(ex, "d2h_bytes", 0) / 1e9,
+           "megatrain_config": MegaTrainConfig.from_any(mt_config).to_dict()}
+    return out
+
+
+def _find_executor(model: torch.nn.Module) -> Any:
+    engine = getattr(model, "megatrain_engine", None)  # MegaTrainTrainer tags the converted model
+    if engine is not None:
+        return engine.executor
+    for m in model.modules():
+        ex = getattr(m, "_executor", None)
+        if ex:
+            return ex[0] if isinstance(ex, list) else ex
+    return None
+
+
+def run_trainer(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str, Any]:
+    from transformers import TrainerCallback
+
+    from hf_megatrain.trainer import MegaTrainTrainer, MegaTrainTrainingArguments
+
+    warm, steps, batch = int(spec["warmup"]), int(spec["steps"]), int(spec["batch"])
+    total = warm + steps + (1 if spec.get("profile", True) else 0)
+    clock, per_step, state = StepClock(), [], {"phases": {}}
+    cuda = torch.cuda.is_available()
+
+    class Timer(TrainerCallback):
+        def on_train_begin(self, args, st, control, **kw):
+            opt = kw.get("optimizer")
+            state["opt"] = getattr(opt, "optimizer", opt)
+            state["ex"] = _find_executor(kw.get("model") or model)
+            clock.mark()
+
+        def on_step_begin(self, args, st, control, **kw):
+            ex = state.get("ex")
+            state["w0"] = getattr(ex, "wait_optimizer_s", None)
+            if st.global_step == warm + steps and spec.get("profile", True):
+                state["prof"] = Profiled(_trace_path(spec), keep=bool(spec.get("keep_trace")))
+                state["prof"].start()
+
+        def on_step_end(self, args, st, control, **kw):
+            prof = state.pop("prof", None)
+            if prof:
+                prof.stop()
+                state["phases"] = prof.phases
+            clock.mark()
+            opt, ex = state.get("opt"), state.get("ex")
+            w1 = getattr(ex, "wait_optimizer_s", None)
+            per_step.append({"optimizer_norm_s": getattr(opt, "last_norm_seconds", None),
+                             "optimizer_worker_s": getattr(opt, "last_step_seconds", None),
+                             "forward_wait_for_optimizer_s": (w1 - state["w0"]) if w1 is not None
+                             and state.get("w0") is not None else None})
+
+    out_dir = tempfile.mkdtemp(prefix="bench_mt_")
+    args = MegaTrainTrainingArguments(
+        output_dir=out_dir, megatrain=True, megatrain_config=mt_config, per_device_train_batch_size=batch,
+        # bf16=False: layers compute in megatrain_config's compute_dtype; Trainer's autocast would only wrap the
+        # resident ops (embedding, loss head) and add casts.
+        gradient_accumulation_steps=1, max_steps=total, bf16=False, use_cpu=not cuda, learning_rate=LR,
+        weight_decay=0.0, max_grad_norm=MAX_GRAD_NORM, lr_scheduler_type="constant", warmup_steps=0,
+        logging_steps=10 ** 6, save_strategy="no", report_to=[], disable_tqdm=True, remove_unused_columns=False,
+        dataloader_num_workers=0, seed=int(spec.get("seed", 0)))
+    t = time.perf_counter()
+    trainer = MegaTrainTrainer(model=model, args=args, train_dataset=TokenDataset(token_rows(spec, total)),
+                               callbacks=[Timer()])
+    setup_s = time.perf_counter() - t
+    result = trainer.train()
+    opt = state.get("opt")
+    if opt is not None and hasattr(opt, "wait"):
+        opt.wait()
+    return {"mode": "trainer", "setup_s": setup_s, "train_loss": result.training_loss,
+            "grad_norm_last": getattr(opt, "last_grad_norm", None), "periods": clock.periods,
+            "cpu_optimizer": _host_phases(per_step[:warm + steps], warm), "phases": state["phases"],
+            "megatrain_config": args.megatrain_resolved_config().to_dict(), "trainer_bf16_flag": False}
+
+
+def run(spec: dict) -> dict[str, Any]:
+    mt_config = dict(spec.get("megatrain_config") or {})
+    compute = str(mt_config.get("compute_dtype", "bfloat16")).lower()
+    dtype = torch.float32 if compute in ("float32", "fp32") else torch.bfloat16
+    t = time.perf_counter()
+    model = build_model(spec, dtype)  # bf16 on the host (7.5 GB); the host store makes the FP32 master
+    n_params = count_params(model)
+    build_s = time.perf_counter() - t
+    mode = spec.get("mode", "engine")
+    if mode == "trainer":
+        res = run_trainer(spec, model, mt_config)
+    elif mode == "engine":
+        res = run_engine(spec, model, mt_config)
+    else:
+        raise ValueError(f"megatrain mode {mode!r}: use 'engine' or 'trainer'")
+    res.update(throughput(spec, n_params, res.pop("periods")))
+    res.update(n_params=n_params, model_build_s=build_s, micro_batch=int(spec["batch"]), grad_accum=1,
+               in_layer_split=int(mt_config.get("micro_batch_size", 0) or 0),
+               model_init="bf16 on host (meta + N(0,0.02)); FP32 master made by the host store")
+    return res
+
+
+if __name__ == "__main__":
+    runner_main("megatrain", run)

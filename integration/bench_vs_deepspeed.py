@@ -1,0 +1,410 @@
+"""hf_megatrain vs DeepSpeed ZeRO-3 offload vs PyTorch FSDP2 CPU offload, side by side on one GPU.
+
+One command runs each (system, batch) in its own subprocess, one after the other, on the same model (Qwen2 at
+14B width, ``--layers`` decoder layers, random init), the same random tokens (sequence 2048) and the same batch
+per optimizer step (``--sizes``: 4 and 16 sequences = 8,192 and 32,768 tokens), bf16 compute and FP32 master
+everywhere. Results are *merged* into ``<out>/bench_vs_deepspeed_<gpu>.json`` (so the six runs can be spread over
+several device calls) and rendered as ``<out>/bench_vs_deepspeed_<gpu>.md``; the table is printed last.
+
+    python integration/bench_vs_deepspeed.py --systems megatrain --sizes 4,16
+    bash integration/install_peers.sh && python integration/bench_vs_deepspeed.py --systems deepspeed --sizes 4
+    python integration/bench_vs_deepspeed.py --tiny --systems megatrain --megatrain-mode engine   # CPU smoke
+
+A failing run (OOM, DeepSpeed missing, timeout) becomes an error record and the next run goes on. With
+``auto`` micro-batching a run that OOMs is retried smaller: peers with gradient accumulation (16 -> 8x2 -> 4x4),
+hf_megatrain with its in-layer split (micro_batch_size 0 -> 4). Every attempt is kept in the record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path[:0] = [HERE, ROOT]
+
+from bench.common import FULL_SEQ, PEAK_TFLOPS, TINY_SEQ, versions  # noqa: E402
+
+RUNNERS = {"megatrain": "run_megatrain.py", "deepspeed": "run_deepspeed.py", "fsdp2": "run_fsdp2.py"}
+PEERS = ("deepspeed", "fsdp2")
+PEERS_SITE = "/tmp/bench_peers_site"  # install_peers.sh's fallback --target
+# Published figures (H100 80GB, PCIe Gen5, same model/data/batches): tokens/s at batch 4 and 16 (x 2048 tokens).
+REFERENCE = {"deepspeed": {"4": 3798, "16": 10938, "version": "DeepSpeed 0.19.8"},
+             "fsdp2": {"4": 4261, "16": 10799, "version": "torch 2.11 FSDP2 CPUOffloadPolicy"},
+             "hardware": "H100 80GB, PCIe Gen5"}
+LABEL = {"megatrain": "hf_megatrain", "deepspeed": "DeepSpeed ZeRO-3 offload", "fsdp2": "FSDP2 CPU offload"}
+
+
+# -- plan -------------------------------------------------------------------------------------------------------------
+def megatrain_mode(requested: str) -> str:
+    if requested != "auto":
+        return requested
+    try:
+        return "trainer" if importlib.util.find_spec("hf_megatrain.trainer") is not None else "engine"
+    except (ImportError, ValueError):
+        return "engine"
+
+
+def attempts(system: str, batch: int, a: argparse.Namespace) -> list[dict[str, Any]]:
+    """Spec overrides to try in order (best first); the next one runs only if the previous one ran out of memory."""
+    if system == "megatrain":
+        base = dict(json.loads(a.megatrain_config) if a.megatrain_config else {})
+        if a.megatrain_split == "auto":
+            splits = [int(base.get("micro_batch_size", 0))] + ([4] if batch > 4 and not base.get(
+                "micro_batch_size") else [])
+        else:
+            splits = [int(a.megatrain_split)]
+        return [{"mode": megatrain_mode(a.megatrain_mode), "megatrain_config": {**base, "micro_batch_size": s}}
+                for s in splits]
+    choice = a.ds_micro if system == "deepspeed" else a.fsdp_micro
+    if choice == "auto":
+        micros = [m for m in (batch, batch // 2, batch // 4) if m >= 1 and batch % m == 0]
+        micros = list(dict.fromkeys(micros))
+    else:
+        micros = [int(choice)]
+    extra: dict[str, Any] = {}
+    if system == "deepspeed":
+        extra = {"ds": ds_overrides(a), "ds_model_dtype": a.ds_model_dtype}
+    else:
+        extra = {"fsdp": {"reshard_after_forward": a.fsdp_reshard_after_forward == "true",
+                          "optimizer": a.fsdp_optimizer, "no_sync_during_accumulation": not a.fsdp_sync_every_micro}}
+    return [{"micro_batch": m, "grad_accum": batch // m, **extra} for m in micros]
+
+
+def ds_overrides(a: argparse.Namespace) -> dict[str, Any]:
+    zero: dict[str, Any] = {}
+    for flag, key in (("ds_prefetch_bucket", "stage3_prefetch_bucket_size"),
+                      ("ds_persistence_threshold", "stage3_param_persistence_threshold"),
+                      ("ds_reduce_bucket", "reduce_bucket_size"), ("ds_max_live", "stage3_max_live_parameters"),
+                      ("ds_max_reuse", "stage3_max_reuse_distance"), ("ds_sub_group", "sub_group_size")):
+        v = getattr(a, flag)
+        if v is not None:
+            zero[key] = int(float(v))
+    out: dict[str, Any] = {"zero_optimization": zero} if zero else {}
+    if a.ds_offload_ratio is not None:
+        out.setdefault("zero_optimization", {})["offload_optimizer"] = {"device": "cpu", "pin_memory": True,
+                                                                        "ratio": a.ds_offload_ratio}
+    if a.ds_json:
+        extra = json.loads(a.ds_json)
+        for k, v in extra.items():
+            if isinstance(v, dict) and isinstance(out.get(k), dict):
+                out[k] = {**out[k], **v}
+            else:
+                out[k] = v
+    return out
+
+
+# -- running one system -------------------------------------------------------------------------------------------------
+def child_env(a: argparse.Namespace) -> dict[str, str]:
+    env = dict(os.environ)
+    paths = [ROOT] + ([PEERS_SITE] if os.path.isdir(PEERS_SITE) else [])
+    env["PYTHONPATH"] = os.pathsep.join(paths + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["PYTHONUNBUFFERED"] = "1"
+    if a.alloc_conf and "PYTORCH_CUDA_ALLOC_CONF" not in env:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = a.alloc_conf
+    for kv in a.env:
+        k, _, v = kv.partition("=")
+        env[k] = v
+    return env
+
+
+def log_tail(path: str, n: int = 40) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+    except OSError:
+        return ""
+
+
+def run_child(system: str, spec: dict, a: argparse.Namespace, timeout: float, log_path: str) -> dict[str, Any]:
+    result = tempfile.NamedTemporaryFile(prefix=f"bench_{system}_", suffix=".json", delete=False).name
+    cmd = [sys.executable, os.path.join(HERE, "bench", RUNNERS[system]), "--spec", json.dumps(spec),
+           "--result", result]
+    t0 = time.perf_counter()
+    status = None
+    with open(log_path, "w") as log:
+        log.write("$ " + shlex.join(cmd) + "\n")
+        log.flush()
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(a), cwd=ROOT,
+                             start_new_session=True)
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            status = "timeout"
+            for sig, grace in ((signal.SIGTERM, 15), (signal.SIGKILL, 15)):
+                try:
+                    os.killpg(p.pid, sig)  # the runner's own process group (start_new_session)
+                    p.wait(timeout=grace)
+                    break
+                except (subprocess.TimeoutExpired, ProcessLookupError):
+                    continue
+    record: dict[str, Any] = {}
+    try:
+        with open(result) as f:
+            record = json.loads(f.read().strip().splitlines()[-1])
+    except (OSError, ValueError, IndexError):
+        pass
+    finally:
+        if os.path.exists(result):
+            os.remove(result)
+    if not record:
+        tail = log_tail(log_path)
+        record = {"system": system, "batch": spec["batch"], "spec": spec,
+                  "status": status or "error", "oom": "out of memory" in tail.lower(),
+                  "error": (f"timed out after {timeout:.0f}s" if status == "timeout" else
+                            f"runner exited with code {p.returncode} without a result") + "\n" + tail[-3000:]}
+    record["subprocess_wall_s"] = time.perf_counter() - t0
+    record["log"] = os.path.relpath(log_path, ROOT) if log_path.startswith(ROOT) else log_path
+    return record
+
+
+# -- results ------------------------------------------------------------------------------------------------------------
+def gpu_slug(tiny: bool) -> tuple[str, str]:
+    name = "cpu"
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30)
+        if out.returncode == 0 and out.stdout.strip():
+            name = out.stdout.strip().splitlines()[0].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    slug = "".join(c if c.isalnum() else "_" for c in name.lower().replace("nvidia", "")).strip("_")
+    while "__" in slug:
+        slug = slug.replace("__", "_")
+    return name, (slug or "gpu") + ("_tiny" if tiny else "")
+
+
+def ratios(records: dict[str, dict]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    sizes = sorted({int(r["batch"]) for r in records.values() if r.get("batch") is not None})
+    for b in sizes:
+        ours = records.get(f"megatrain@{b}")
+        peers = {s: records[f"{s}@{b}"] for s in PEERS if records.get(f"{s}@{b}", {}).get("status") == "ok"}
+        entry: dict[str, Any] = {}
+        if peers:
+            best = max(peers, key=lambda s: peers[s]["tokens_per_s"])
+            entry.update(best_peer=best, best_peer_tokens_per_s=peers[best]["tokens_per_s"])
+        if ours and ours.get("status") == "ok":
+            entry["ours_tokens_per_s"] = ours["tokens_per_s"]
+            if peers:
+                entry["ours_over_best_peer"] = ours["tokens_per_s"] / peers[best]["tokens_per_s"]
+            ref = max(REFERENCE[s][str(b)] for s in PEERS) if all(str(b) in REFERENCE[s] for s in PEERS) else None
+            if ref:
+                entry["ours_over_best_published_peer"] = ours["tokens_per_s"] / ref
+        out[str(b)] = entry
+    return out
+
+
+def _f(x: Any, fmt: str = "{:.2f}") -> str:
+    return "—" if x is None else fmt.format(x)
+
+
+def markdown(doc: dict) -> str:
+    recs, rat = doc["records"], doc["ratios"]
+    n = next((r.get("n_params") for r in recs.values() if r.get("n_params")), None)
+    spec = doc["spec"]
+    lines = [f"# hf_megatrain vs DeepSpeed ZeRO-3 offload vs FSDP2 CPU offload — {doc['gpu']}", "",
+             f"Model: Qwen2 {'tiny' if spec['tiny'] else '14B-width'} x {spec['layers']} layers, "
+             f"N = {_f(n, '{:,}')} params, sequence {spec['seq']}, random init and tokens; bf16 compute, "
+             f"FP32 master, AdamW on the CPU, grad clip 1.0. Step time = median of the timed steps; "
+             f"model TFLOP/s = 6·N·tokens/s; MFU vs {spec['peak_tflops']:.0f} TFLOP/s.", "",
+             "| tokens/step | system | micro x GA (split) | step s | tokens/s | TFLOP/s | MFU | GPU alloc / reserved "
+             "GiB | host RSS GiB | ours ÷ best peer |",
+             "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    keys = sorted(recs, key=lambda k: (int(recs[k]["batch"]), list(RUNNERS).index(recs[k]["system"])))
+    for k in keys:
+        r = recs[k]
+        b = int(r["batch"])
+        tokens = b * spec["seq"]
+        if r.get("status") != "ok":
+            why = (r.get("error") or r.get("status", "")).splitlines()[0][:90]
+            lines.append(f"| {tokens:,} | {LABEL[r['system']]} | — | — | **{r.get('status')}**: {why} | | | | | |")
+            continue
+        shape = f"{r.get('micro_batch')} x {r.get('grad_accum')}"
+        if r["system"] == "megatrain":
+            shape = f"{b} x 1 (split {r.get('in_layer_split') or 'none'}, {r.get('mode')})"
+        ratio = _f(rat.get(str(b), {}).get("ours_over_best_peer"), "{:.2f}x") if r["system"] == "megatrain" else ""
+        lines.append(
+            f"| {tokens:,} | {LABEL[r['system']]} | {shape} | {r['step_time_s']:.3f} | {r['tokens_per_s']:,.0f} | "
+            f"{r['model_tflops']:.1f} | {r['mfu']:.1%} | {_f(r.get('peak_gpu_alloc_gib'), '{:.1f}')} / "
+            f"{_f(r.get('peak_gpu_reserved_gib'), '{:.1f}')} | {_f(r.get('peak_host_rss_gib'), '{:.1f}')} | "
+            f"{ratio} |")
+    ref = REFERENCE
+    lines += ["", f"Published reference ({ref['hardware']}): {ref['deepspeed']['version']}: "
+              f"{ref['deepspeed']['4']:,} tok/s at 8k tokens/step, {ref['deepspeed']['16']:,} at 32k; "
+              f"{ref['fsdp2']['version']}: {ref['fsdp2']['4']:,} and {ref['fsdp2']['16']:,}."]
+    phase_rows = [(k, recs[k]) for k in keys if recs[k]["system"] == "megatrain" and recs[k].get("status") == "ok"]
+    if phase_rows:
+        lines += ["", "hf_megatrain, one profiled step (ms) and CPU optimizer (s, medians of the timed steps):", "",
+                  "| tokens/step | step window | compute (stream busy) | H2D | D2H | GPU idle | opt worker | "
+                  "fwd waits on opt | opt step() call |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for _, r in phase_rows:
+            p, c = r.get("phases") or {}, r.get("cpu_optimizer") or {}
+            idle = f"{p['gpu_idle_ms']:.0f} ({p['gpu_idle_frac']:.0%})" if "gpu_idle_ms" in p else "—"
+            lines.append(f"| {int(r['batch']) * spec['seq']:,} | {_f(p.get('window_ms'), '{:.0f}')} | "
+                         f"{_f(p.get('compute_ms'), '{:.0f}')} ({_f(p.get('compute_busy_ms'), '{:.0f}')}) | "
+                         f"{_f(p.get('h2d_ms'), '{:.0f}')} | {_f(p.get('d2h_ms'), '{:.0f}')} | {idle} | "
+                         f"{_f(c.get('optimizer_worker_s'), '{:.3f}')} | "
+                         f"{_f(c.get('forward_wait_for_optimizer_s'), '{:.3f}')} | "
+                         f"{_f(c.get('optimizer_step_call_s'), '{:.3f}')} |")
+    lines += ["", f"Updated {doc['date']}. Commands:", ""] + [f"    {c['command']}" for c in doc["runs"][-6:]]
+    return "\n".join(lines) + "\n"
+
+
+def merge_and_write(path_json: str, doc_new: dict, fresh: bool) -> dict:
+    doc = None
+    if os.path.exists(path_json) and not fresh:
+        with open(path_json) as f:
+            doc = json.load(f)
+        if {k: doc["spec"].get(k) for k in ("tiny", "layers", "seq")} != \
+                {k: doc_new["spec"][k] for k in ("tiny", "layers", "seq")}:
+            raise SystemExit(f"{path_json} holds results for a different model/sequence ({doc['spec']}); use "
+                             "another --out or --fresh")
+    if doc is None:
+        doc = {k: v for k, v in doc_new.items() if k != "records"}
+        doc["records"], doc["runs"] = {}, []
+    doc["records"].update(doc_new["records"])
+    doc.update(date=doc_new["date"], gpu=doc_new["gpu"], versions=doc_new["versions"], reference=REFERENCE)
+    doc["spec"] = {**doc.get("spec", {}), **doc_new["spec"]}
+    if not doc["runs"] or doc["runs"][-1].get("command") != doc_new["run"]["command"] or \
+            doc["runs"][-1].get("started") != doc_new["run"]["started"]:
+        doc["runs"].append(doc_new["run"])
+    else:
+        doc["runs"][-1] = doc_new["run"]
+    doc["ratios"] = ratios(doc["records"])
+    doc.pop("run", None)
+    tmp = path_json + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1, default=str)
+    os.replace(tmp, path_json)
+    with open(path_json[:-5] + ".md", "w") as f:
+        f.write(markdown(doc))
+    return doc
+
+
+# -- CLI ----------------------------------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--systems", default="megatrain,deepspeed,fsdp2", help="comma list of " + ",".join(RUNNERS))
+    ap.add_argument("--sizes", default="4,16", help="sequences per optimizer step (x seq tokens)")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default 8; 2 with --tiny)")
+    ap.add_argument("--seq", type=int, default=None, help=f"default {FULL_SEQ} ({TINY_SEQ} with --tiny)")
+    ap.add_argument("--steps", type=int, default=4, help="timed steps (median)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--tiny", action="store_true", help="tiny Qwen2 (CPU smoke test of the plumbing)")
+    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--fresh", action="store_true", help="overwrite instead of merging into the existing JSON")
+    ap.add_argument("--timeout", type=float, default=480, help="seconds per subprocess")
+    ap.add_argument("--budget", type=float, default=570,
+                    help="seconds for this whole invocation: later runs get what is left, none start below 60 s")
+    ap.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS)
+    ap.add_argument("--no-profile", action="store_true", help="skip hf_megatrain's extra profiled step")
+    ap.add_argument("--keep-trace", action="store_true", help="keep the chrome trace next to the results")
+    ap.add_argument("--env", action="append", default=[], metavar="KEY=VAL", help="extra env for every runner")
+    ap.add_argument("--alloc-conf", default="expandable_segments:True",
+                    help="PYTORCH_CUDA_ALLOC_CONF for every runner unless already set ('' = none)")
+    ap.add_argument("--dry-run", action="store_true", help="print the planned runs and exit")
+    g = ap.add_argument_group("hf_megatrain")
+    g.add_argument("--megatrain-mode", choices=("auto", "trainer", "engine"), default="auto",
+                   help="auto = MegaTrainTrainer if hf_megatrain.trainer exists, else the bare engine")
+    g.add_argument("--megatrain-config", default=None, help="JSON dict of MegaTrainConfig overrides")
+    g.add_argument("--megatrain-split", default="auto",
+                   help="micro_batch_size inside the layer visit: int, or auto (none; 4 if that OOMs)")
+    g = ap.add_argument_group("DeepSpeed (ZeRO-3 offload through transformers.Trainer)")
+    g.add_argument("--ds-micro", default="auto", help="micro-batch (GA = batch / micro) or auto (largest that fits)")
+    g.add_argument("--ds-prefetch-bucket", default=None, help="stage3_prefetch_bucket_size (default 5e8)")
+    g.add_argument("--ds-persistence-threshold", default=None, help="stage3_param_persistence_threshold (1e6)")
+    g.add_argument("--ds-reduce-bucket", default=None, help="reduce_bucket_size (5e8)")
+    g.add_argument("--ds-max-live", default=None, help="stage3_max_live_parameters (2e9)")
+    g.add_argument("--ds-max-reuse", default=None, help="stage3_max_reuse_distance (2e9)")
+    g.add_argument("--ds-sub-group", default=None, help="sub_group_size (1e9)")
+    g.add_argument("--ds-offload-ratio", type=float, default=None,
+                   help="offload_optimizer.ratio (<1 keeps part of the optimizer on the GPU; default 1.0)")
+    g.add_argument("--ds-json", default=None, help="JSON merged into the DeepSpeed config last")
+    g.add_argument("--ds-model-dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    g = ap.add_argument_group("FSDP2 (fully_shard + CPUOffloadPolicy)")
+    g.add_argument("--fsdp-micro", default="auto", help="micro-batch (GA = batch / micro) or auto")
+    g.add_argument("--fsdp-reshard-after-forward", choices=("true", "false"), default="true")
+    g.add_argument("--fsdp-optimizer", choices=("auto", "fused", "foreach"), default="auto")
+    g.add_argument("--fsdp-sync-every-micro", action="store_true",
+                   help="reduce/offload grads every micro-batch (default: set_requires_gradient_sync(False) "
+                        "until the last micro-batch)")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    systems = [s.strip() for s in a.systems.split(",") if s.strip()]
+    bad = [s for s in systems if s not in RUNNERS]
+    if bad:
+        raise SystemExit(f"unknown systems {bad}; choose from {list(RUNNERS)}")
+    sizes = [int(s) for s in a.sizes.split(",") if s.strip()]
+    seq = a.seq or (TINY_SEQ if a.tiny else FULL_SEQ)
+    a.layers = a.layers or (2 if a.tiny else 8)
+    gpu_name, slug = gpu_slug(a.tiny)
+    os.makedirs(os.path.join(a.out, "logs"), exist_ok=True)
+    path_json = os.path.join(a.out, f"bench_vs_deepspeed_{slug}.json")
+    base = {"tiny": a.tiny, "layers": a.layers, "seq": seq, "warmup": a.warmup, "steps": a.steps,
+            "profile": not a.no_profile, "keep_trace": a.keep_trace, "peak_tflops": a.peak_tflops, "seed": 0,
+            "trace_dir": os.path.abspath(a.out) if a.keep_trace else None}
+    command = "python " + shlex.join([os.path.relpath(os.path.abspath(sys.argv[0]), ROOT)] + sys.argv[1:]) \
+        if argv is None else "bench_vs_deepspeed.main(" + shlex.join(argv) + ")"
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
+    plan = [(s, b, attempts(s, b, a)) for s in systems for b in sizes]
+    print(f"[bench] {gpu_name}: {len(plan)} runs -> {path_json}", flush=True)
+    for s, b, tries in plan:
+        print(f"[bench]   {s} batch {b} ({b * seq:,} tokens/step): attempts {tries}", flush=True)
+    if a.dry_run:
+        return 0
+    env_note = {k: v for k, v in child_env(a).items() if k in ("PYTORCH_CUDA_ALLOC_CONF", "OMP_WAIT_POLICY",
+                                                                  "OMP_NUM_THREADS")} | dict(
+        kv.partition("=")[::2] for kv in a.env)
+    t_start = time.perf_counter()
+    doc: dict[str, Any] = {}
+    for system, batch, tries in plan:
+        record: dict[str, Any] = {}
+        history = []
+        for i, over in enumerate(tries):
+            left = a.budget - (time.perf_counter() - t_start)
+            if left < 60:
+                record = {"system": system, "batch": batch, "status": "skipped",
+                          "error": f"time budget (--budget {a.budget:.0f}s) used up before this run"}
+                break
+            spec = {**base, **over, "system": system, "batch": batch}
+            log = os.path.join(a.out, "logs", f"{system}_b{batch}" + (f"_try{i + 1}" if i else "") + ".log")
+            print(f"[bench] {system} batch {batch} attempt {i + 1}/{len(tries)} {over} (timeout "
+                  f"{min(a.timeout, left - 20):.0f}s)", flush=True)
+            record = run_child(system, spec, a, min(a.timeout, left - 20), log)
+            summary = (f"{record['tokens_per_s']:,.0f} tok/s, step {record['step_time_s']:.3f}s"
+                       if record.get("status") == "ok" else (record.get("error") or "")[:300])
+            print(f"[bench]   -> {record.get('status')} in {record['subprocess_wall_s']:.0f}s: {summary}", flush=True)
+            if record.get("status") != "ok":
+                print(log_tail(log, 25), flush=True)
+            if record.get("status") == "ok" or not record.get("oom") or i == len(tries) - 1:
+                break
+            history.append({k: record.get(k) for k in ("spec", "status", "error", "subprocess_wall_s")})
+        record["attempts_before"] = history
+        record["env"] = env_note
+        doc = merge_and_write(path_json, {
+            "gpu": gpu_name, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "versions": versions(),
+            "spec": {k: base[k] for k in ("tiny", "layers", "seq", "peak_tflops")},
+            "run": {"command": command, "started": started, "systems": systems, "sizes": sizes},
+            "records": {f"{system}@{batch}": record}}, fresh=a.fresh and not doc)
+    if doc:
+        print("\n" + markdown(doc), flush=True)
+        print(f"[bench] wrote {path_json} and {path_json[:-5]}.md", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""CPU smoke test of the side-by-side benchmark harness (integration/bench_vs_deepspeed.py): the plumbing only.
+
+The peers (DeepSpeed, FSDP2 with CPU offload) need CUDA and are not run here; hf_megatrain runs on a tiny Qwen2
+in a subprocess exactly as on the GPU, and the trace parser, retry plan, merge and table are checked directly.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "integration"))
+
+import bench_vs_deepspeed as bench  # noqa: E402
+from bench.common import phase_breakdown  # noqa: E402
+
+FAST = ["--env", "OMP_WAIT_POLICY=PASSIVE"]  # 2 cores: keep the optimizer thread's OpenMP team from spinning
+
+
+def _ev(cat, name, ts, dur, stream=None):
+    e = {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": stream or 1}
+    if stream is not None:
+        e["args"] = {"stream": stream, "device": 0}
+    return e
+
+
+def test_phase_breakdown_from_trace():
+    trace = {"traceEvents": [
+        _ev("user_annotation", "bench.step", 1000, 1000),
+        _ev("kernel", "gemm", 1100, 300, stream=7),
+        _ev("kernel", "gemm", 1300, 200, stream=7),  # overlaps the first: union 1100..1500
+        _ev("kernel", "small", 1800, 100, stream=7),
+        _ev("kernel", "side", 1000, 50, stream=20),
+        _ev("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 1000, 200, stream=20),  # half under compute
+        _ev("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 1900, 200, stream=21),  # clipped to 1900..2000
+        _ev("kernel", "outside", 5000, 100, stream=7),  # after the window: ignored
+    ]}
+    p = phase_breakdown(trace)
+    assert p["compute_stream"] == 7
+    assert p["window_ms"] == pytest.approx(1.0)
+    assert p["compute_ms"] == pytest.approx(0.6)
+    assert p["compute_busy_ms"] == pytest.approx(0.5)
+    assert p["gpu_idle_ms"] == pytest.approx(0.5)
+    assert p["h2d_ms"] == pytest.approx(0.2) and p["h2d_under_compute_frac"] == pytest.approx(0.5)
+    assert p["d2h_ms"] == pytest.approx(0.1) and p["d2h_under_compute_frac"] == pytest.approx(0.0)
+    assert p["other_stream_kernels_ms"] == pytest.approx(0.05)
+    assert "error" in phase_breakdown({"traceEvents": [_ev("cpu_op", "aten::mm", 0, 10)]})
+
+
+def test_retry_plan():
+    a = bench.parse_args(["--megatrain-mode", "engine"])
+    assert [t["micro_batch"] for t in bench.attempts("deepspeed", 16, a)] == [16, 8, 4]
+    assert [t["grad_accum"] for t in bench.attempts("fsdp2", 16, a)] == [1, 2, 4]
+    assert [t["micro_batch"] for t in bench.attempts("fsdp2", 4, a)] == [4, 2, 1]
+    mt = bench.attempts("megatrain", 16, a)
+    assert [t["megatrain_config"]["micro_batch_size"] for t in mt] == [0, 4] and mt[0]["mode"] == "engine"
+    a = bench.parse_args(["--ds-micro", "8", "--ds-prefetch-bucket", "1e8", "--ds-offload-ratio", "0.5",
+                          "--megatrain-split", "4", "--megatrain-config", '{"num_slots": 3}'])
+    ds = bench.attempts("deepspeed", 16, a)
+    assert len(ds) == 1 and ds[0]["grad_accum"] == 2
+    assert ds[0]["ds"]["zero_optimization"]["stage3_prefetch_bucket_size"] == 100_000_000
+    assert ds[0]["ds"]["zero_optimization"]["offload_optimizer"]["ratio"] == 0.5
+    assert bench.attempts("megatrain", 16, a)[0]["megatrain_config"] == {"num_slots": 3, "micro_batch_size": 4}
+
+
+def test_deepspeed_config_merge():
+    from bench.run_deepspeed import ds_config
+
+    cfg = ds_config({"zero_optimization": {"sub_group_size": 5, "offload_optimizer": {"ratio": 0.3}}})
+    z = cfg["zero_optimization"]
+    assert z["stage"] == 3 and z["sub_group_size"] == 5
+    assert z["offload_optimizer"] == {"device": "cpu", "pin_memory": True, "ratio": 0.3}
+    assert z["offload_param"]["pin_memory"] is True and cfg["bf16"]["enabled"] == "auto"
+
+
+def _rec(system, batch, tps, **kw):
+    return {"system": system, "batch": batch, "status": "ok", "tokens_per_s": tps, "step_time_s": 1.0,
+            "model_tflops": 1.0, "mfu": 0.1, "micro_batch": batch, "grad_accum": 1, "n_params": 10, **kw}
+
+
+def test_merge_ratios_and_table(tmp_path):
+    path = str(tmp_path / "bench_vs_deepspeed_x.json")
+    spec = {"tiny": False, "layers": 8, "seq": 2048, "peak_tflops": 800.0}
+    run = {"command": "one", "started": "t0"}
+    doc = bench.merge_and_write(path, {"gpu": "X", "date": "d", "versions": {}, "spec": spec, "run": run,
+                                       "records": {"megatrain@4": _rec("megatrain", 4, 6000.0)}}, fresh=True)
+    assert doc["ratios"]["4"] == {"ours_tokens_per_s": 6000.0, "ours_over_best_published_peer": 6000 / 4261}
+    run2 = {"command": "two", "started": "t1"}
+    doc = bench.merge_and_write(path, {"gpu": "X", "date": "d", "versions": {}, "spec": spec, "run": run2,
+                                       "records": {"deepspeed@4": _rec("deepspeed", 4, 3000.0),
+                                                   "fsdp2@4": _rec("fsdp2", 4, 4000.0),
+                                                   "fsdp2@16": {"system": "fsdp2", "batch": 16, "status": "error",
+                                                                "error": "OutOfMemoryError: boom"}}}, fresh=False)
+    assert set(doc["records"]) == {"megatrain@4", "deepspeed@4", "fsdp2@4", "fsdp2@16"}
+    assert doc["ratios"]["4"]["best_peer"] == "fsdp2"
+    assert doc["ratios"]["4"]["ours_over_best_peer"] == pytest.approx(1.5)
+    assert [r["command"] for r in doc["runs"]] == ["one", "two"]
+    md = open(path[:-5] + ".md").read()
+    assert "1.50x" in md and "OutOfMemoryError" in md and "3,798" in md
+    with pytest.raises(SystemExit):  # a different model must not be merged into these results
+        bench.merge_and_write(path, {"gpu": "X", "date": "d", "versions": {}, "spec": {**spec, "layers": 4},
+                                     "run": run, "records": {}}, fresh=False)
+
+
+def _load(out):
+    (name,) = [f for f in os.listdir(out) if f.endswith(".json")]
+    with open(os.path.join(out, name)) as f:
+        return json.load(f)
+
+
+def test_tiny_engine_end_to_end(tmp_path):
+    out = str(tmp_path)
+    assert bench.main(["--tiny", "--systems", "megatrain", "--megatrain-mode", "engine", "--sizes", "4,8",
+                       "--steps", "2", "--warmup", "1", "--out", out, "--megatrain-split", "4", *FAST]) == 0
+    doc = _load(out)
+    for b in (4, 8):
+        r = doc["records"][f"megatrain@{b}"]
+        assert r["status"] == "ok", r.get("error")
+        assert r["mode"] == "engine" and r["tokens_per_step"] == b * 64 and len(r["step_times_s"]) == 2
+        assert r["tokens_per_s"] > 0 and r["n_params"] > 0 and r["peak_host_rss_gib"] > 0
+        assert r["megatrain_config"]["micro_batch_size"] == 4
+        assert all(x == x for x in r["losses"])  # finite, not NaN
+    assert doc["records"]["megatrain@8"]["in_layer_split"] == 4
+    assert os.path.exists(os.path.join(out, "logs", "megatrain_b4.log"))
+
+
+def test_failed_run_is_recorded_and_the_next_one_goes_on(tmp_path):
+    out = str(tmp_path)
+    bench.main(["--tiny", "--systems", "megatrain,fsdp2", "--sizes", "4", "--steps", "1", "--warmup", "1",
+                "--megatrain-mode", "engine", "--megatrain-config", '{"no_such_key": 1}', "--out", out, *FAST])
+    doc = _load(out)
+    bad = doc["records"]["megatrain@4"]
+    assert bad["status"] == "error" and "no_such_key" in bad["error"] and bad["attempts_before"] == []
+    assert doc["records"]["fsdp2@4"]["status"] == "ok"
+    assert "**error**" in open(os.path.join(out, [f for f in os.listdir(out) if f.endswith(".md")][0])).read()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("hf_megatrain.trainer") is None,
+                    reason="hf_megatrain.trainer not written yet")
+def test_tiny_trainer_end_to_end(tmp_path):
+    out = str(tmp_path)
+    bench.main(["--tiny", "--systems", "megatrain", "--megatrain-mode", "trainer", "--sizes", "4", "--steps", "2",
+                "--warmup", "1", "--out", out, *FAST])
+    r = _load(out)["records"]["megatrain@4"]
+    assert r["status"] == "ok", r.get("error")
+    assert r["mode"] == "trainer" and len(r["step_times_s"]) == 2 and r["tokens_per_s"] > 0

@@ -401,8 +401,8 @@ def main(argv: list[str] | None = None) -> int:
             "run": {"command": command, "started": started, "systems": systems, "sizes": sizes},
             "records": {f"{system}@{batch}": record}}, fresh=a.fresh and not doc)
     if doc:
-        print("\n" + markdown(doc), flush=True)
-        print(f"[bench] wrote {path_json} and {path_json[:-5]}.md", flush=True)
+        print(f"[bench] wrote {path_json} and {path_json[:-5]}.md\n", flush=True)
+        print(markdown(doc), flush=True)
     return 0
 
 

@@ -96,7 +96,15 @@ def run(spec: dict) -> dict[str, Any]:
             total += loss.detach()
         torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
         t0 = time.perf_counter()
-        opt.step()
+        try:
+            opt.step()
+        except (RuntimeError, NotImplementedError) as e:
+            # Fused AdamW may build but refuse CPU DTensors at the first step: fall back to foreach, once.
+            if i > 0 or opt_kind != "fused" or fs.get("optimizer", "auto") != "auto":
+                raise
+            print(f"fused AdamW failed at the first step ({e}); using foreach", flush=True)
+            opt, opt_kind = _make_optimizer(list(model.parameters()), "foreach")
+            opt.step()
         opt.zero_grad(set_to_none=True)
         opt_s.append(time.perf_counter() - t0)
         clock.mark()

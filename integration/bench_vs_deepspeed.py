@@ -273,7 +273,10 @@ def merge_and_write(path_json: str, doc_new: dict, fresh: bool) -> dict:
     if doc is None:
         doc = {k: v for k, v in doc_new.items() if k != "records"}
         doc["records"], doc["runs"] = {}, []
-    doc["records"].update(doc_new["records"])
+    for key, rec in doc_new["records"].items():
+        if rec.get("status") == "skipped" and key in doc["records"]:
+            continue  # a run skipped for time never hides an earlier result
+        doc["records"][key] = rec
     doc.update(date=doc_new["date"], gpu=doc_new["gpu"], versions=doc_new["versions"], reference=REFERENCE)
     doc["spec"] = {**doc.get("spec", {}), **doc_new["spec"]}
     if not doc["runs"] or doc["runs"][-1].get("command") != doc_new["run"]["command"] or \
@@ -292,6 +295,21 @@ def merge_and_write(path_json: str, doc_new: dict, fresh: bool) -> dict:
     return doc
 
 
+def mirror(dest: str, files: list[str], logs: list[str]) -> None:
+    """Copy results (flat) and logs (dest/logs/) to ``dest``; never fails the benchmark."""
+    import shutil
+
+    try:
+        os.makedirs(os.path.join(dest, "logs"), exist_ok=True)
+        for f in files:
+            shutil.copy2(f, dest)
+        for f in logs:
+            if os.path.exists(f):
+                shutil.copy2(f, os.path.join(dest, "logs"))
+    except OSError as e:
+        print(f"[bench] could not mirror results to {dest}: {e}", flush=True)
+
+
 # -- CLI ----------------------------------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -304,6 +322,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tiny", action="store_true", help="tiny Qwen2 (CPU smoke test of the plumbing)")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--fresh", action="store_true", help="overwrite instead of merging into the existing JSON")
+    ap.add_argument("--mirror", default=None, metavar="DIR",
+                    help="also copy the JSON, the table and this invocation's logs here after every run (e.g. "
+                         "$OUT on the device, so results survive the command being cut off)")
     ap.add_argument("--timeout", type=float, default=480, help="seconds per subprocess")
     ap.add_argument("--budget", type=float, default=570,
                     help="seconds for this whole invocation: later runs get what is left, none start below 60 s")
@@ -371,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         kv.partition("=")[::2] for kv in a.env)
     t_start = time.perf_counter()
     doc: dict[str, Any] = {}
+    logs: list[str] = []
     for system, batch, tries in plan:
         record: dict[str, Any] = {}
         history = []
@@ -385,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[bench] {system} batch {batch} attempt {i + 1}/{len(tries)} {over} (timeout "
                   f"{min(a.timeout, left - 20):.0f}s)", flush=True)
             record = run_child(system, spec, a, min(a.timeout, left - 20), log)
+            logs.append(log)
             summary = (f"{record['tokens_per_s']:,.0f} tok/s, step {record['step_time_s']:.3f}s"
                        if record.get("status") == "ok" else (record.get("error") or "")[:300])
             print(f"[bench]   -> {record.get('status')} in {record['subprocess_wall_s']:.0f}s: {summary}", flush=True)
@@ -400,6 +423,8 @@ def main(argv: list[str] | None = None) -> int:
             "spec": {k: base[k] for k in ("tiny", "layers", "seq", "peak_tflops")},
             "run": {"command": command, "started": started, "systems": systems, "sizes": sizes},
             "records": {f"{system}@{batch}": record}}, fresh=a.fresh and not doc)
+        if a.mirror:
+            mirror(a.mirror, [path_json, path_json[:-5] + ".md"], logs)
     if doc:
         print(f"[bench] wrote {path_json} and {path_json[:-5]}.md\n", flush=True)
         print(markdown(doc), flush=True)

@@ -100,6 +100,10 @@ def test_merge_ratios_and_table(tmp_path):
     assert doc["ratios"]["4"]["best_peer"] == "fsdp2"
     assert doc["ratios"]["4"]["ours_over_best_peer"] == pytest.approx(1.5)
     assert [r["command"] for r in doc["runs"]] == ["one", "two"]
+    doc = bench.merge_and_write(path, {"gpu": "X", "date": "d", "versions": {}, "spec": spec, "run": run2,
+                                       "records": {"deepspeed@4": {"system": "deepspeed", "batch": 4,
+                                                                   "status": "skipped"}}}, fresh=False)
+    assert doc["records"]["deepspeed@4"]["status"] == "ok"  # a run skipped for time keeps the earlier result
     md = open(path[:-5] + ".md").read()
     assert "1.50x" in md and "OutOfMemoryError" in md and "3,798" in md
     with pytest.raises(SystemExit):  # a different model must not be merged into these results

@@ -56,6 +56,9 @@ class MegaTrainTrainingArguments(TrainingArguments):
             if self.label_smoothing_factor:
                 raise ValueError("label_smoothing_factor is not supported with megatrain=True (the loss is a fused "
                                  "chunked cross-entropy); set it to 0.")
+            if self.use_liger_kernel:
+                raise ValueError("use_liger_kernel=True is not supported with megatrain=True (hf_megatrain already "
+                                 "computes the loss with a fused chunked cross-entropy); remove it.")
             if self.torch_compile:
                 raise ValueError("torch_compile=True is not supported with megatrain=True; remove it.")
         super().__post_init__()

@@ -127,6 +127,7 @@ def test_compute_loss_func_and_gradient_checkpointing_flag(tmp_path):
     (dict(megatrain_config={"compute_dtype": "float32", "stream_depth": 3}), "valid keys"),
     (dict(megatrain_config="/nonexistent/megatrain.yaml"), "neither"),
     (dict(fp16=True), "fp16"),
+    (dict(use_liger_kernel=True), "liger"),
 ])
 def test_bad_arguments(tmp_path, bad, match):
     kw = common_args(tmp_path)

@@ -88,7 +88,7 @@ def write_manifest(save_dir: str) -> None:
     write_json(os.path.join(save_dir, MANIFEST), {"format": 1, "files": files})
 
 
-# -- atomic folders ----------------------------------------------------------------------------------------------------
+# -- atomic folders --------------------------------------------------------------------------------------------------
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -137,7 +137,7 @@ def remove_stale_temp_dirs(parent: str, prefix: str = "checkpoint-") -> None:
             shutil.rmtree(os.path.join(parent, f), ignore_errors=True)
 
 
-# -- verifying and loading ----------------------------------------------------------------------------------------------
+# -- verifying and loading -------------------------------------------------------------------------------------------
 def verify_checkpoint(path: str, *, training_state: bool = True) -> None:
     """Raise ``CheckpointError`` naming the first missing or corrupt file of checkpoint folder ``path``.
 

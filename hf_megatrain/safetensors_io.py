@@ -62,7 +62,8 @@ def write_safetensors(path: str, items: list[tuple[str, torch.Tensor]], dtype: t
     off = 0
     for name, t in items:
         n = _nbytes(t, dtype)
-        header[name] = {"dtype": _ST_DTYPES[_out_dtype(t, dtype)], "shape": list(t.shape), "data_offsets": [off, off + n]}
+        header[name] = {"dtype": _ST_DTYPES[_out_dtype(t, dtype)], "shape": list(t.shape),
+                        "data_offsets": [off, off + n]}
         off += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned
@@ -130,7 +131,7 @@ def write_json(path: str, obj: Any) -> None:
         os.fsync(f.fileno())
 
 
-# -- reading -------------------------------------------------------------------------------------------------------------
+# -- reading ---------------------------------------------------------------------------------------------------------
 def weight_files(path: str, prefix: str = WEIGHTS_PREFIX) -> dict[str, list[str]] | None:
     """{shard file: [tensor names]} for the ``prefix`` weights in ``path`` (None when there are none)."""
     index = os.path.join(path, f"{prefix}.safetensors.index.json")

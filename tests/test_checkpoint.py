@@ -151,7 +151,8 @@ def test_killed_mid_save_leaves_previous_checkpoint_usable(tmp_path):
     resumed = MegaTrainTrainer(model=tiny("llama"), args=mt_args(out, max_steps=6, save_strategy="steps", save_steps=2),
                                train_dataset=dataset(32))
     resumed.train(resume_from_checkpoint=True)  # picks checkpoint-2, the last complete one
-    straight = MegaTrainTrainer(model=tiny("llama"), args=mt_args(tmp_path / "ref", max_steps=6), train_dataset=dataset(32))
+    straight = MegaTrainTrainer(model=tiny("llama"), args=mt_args(tmp_path / "ref", max_steps=6),
+                                train_dataset=dataset(32))
     straight.train()
     assert losses(resumed) == losses(straight)
     entries = os.listdir(out)

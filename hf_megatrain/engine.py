@@ -5,6 +5,11 @@
 norm, lm_head, rotary tables) resident on the device in compute dtype. ``forward`` runs the HF model's own
 decoder loop (so masks, rotary, per-layer attention types are exactly HF's) and a chunked linear cross-entropy
 head; ``loss.backward()`` streams the layers back. ``create_optimizer`` gives the CPU AdamW over the store.
+
+Frozen parameters (``requires_grad=False``) get no FP32 master or optimizer state: in layers they stream from a
+compute-dtype host copy (host_store.py), outside layers they stay on the device in compute dtype. That is how a
+PEFT model (``peft.get_peft_model`` before conversion) trains: the base is frozen, the adapters are the store's
+parameters, named as in ``PeftModel.named_parameters()`` (what PEFT's adapter state dict is built from).
 """
 
 from __future__ import annotations
@@ -42,6 +47,29 @@ def default_decay_names(model: nn.Module) -> set[str]:
     return out
 
 
+def _check_not_converted(model: nn.Module) -> None:
+    """A model whose layers are already streamed proxies (converted before ``get_peft_model`` wrapped it) has no
+    layer weights left to adapt or train: say what to do instead."""
+    if any(isinstance(m, StreamedLayer) for m in model.modules()):
+        raise ValueError(
+            f"{type(model).__name__} was already converted by hf_megatrain (its decoder layers are streamed "
+            "proxies). Call peft.get_peft_model(model, config) on the plain model *before* handing it to "
+            "MegaTrainEngine / MegaTrainTrainer / MegaTrainPlugin; an existing engine is reused by passing "
+            "engine.model (or the engine) itself.")
+
+
+def _check_plain_head(model: nn.Module) -> None:
+    """The chunked loss multiplies by ``lm_head.weight`` (+ bias): an adapter wrapped around lm_head (LoRA on it)
+    would be silently skipped, so refuse it."""
+    head = model.get_output_embeddings()
+    extra = [n for n, _ in head.named_parameters() if n not in ("weight", "bias")]
+    if extra:
+        raise ValueError(
+            f"the output embeddings ({type(head).__name__}) carry extra parameters {extra[:3]}: hf_megatrain computes "
+            "the loss from lm_head.weight directly, so adapters on lm_head are not supported. Leave lm_head out of "
+            "the PEFT target_modules (train it fully with requires_grad_(True) instead, or keep it frozen).")
+
+
 @dataclass
 class MegaTrainOutput:
     loss: torch.Tensor | None
@@ -59,30 +87,39 @@ class MegaTrainEngine:
         pin = config.pin_memory and self.device.type == "cuda"
         if hasattr(model, "config"):
             model.config.use_cache = False
+        _check_not_converted(model)
         self.stack = find_layer_stack(model, config.layers_path)
         check_supported(model, self.stack)
+        _check_plain_head(model)
         layers = self.stack.layers
         decay = default_decay_names(model) if decay_names is None else set(decay_names)
 
         # Layouts: one unit per layer, then one resident unit (parameters shared by tying appear once).
+        # Frozen parameters get a compute-dtype layout of their own (no master, no optimizer state).
         layer_param_ids = {id(p) for p in layers.parameters()}
-        layouts, streamed = [], []
+        layouts, frozen_layouts, streamed = [], [], []
         for i, layer in enumerate(layers):
             prefix = f"{self.stack.path}.{i}."
-            layouts.append([(prefix + n, n, tuple(p.shape), prefix + n in decay)
-                            for n, p in layer.named_parameters() if p.requires_grad])
+            named = list(layer.named_parameters())
+            layouts.append([(prefix + n, n, tuple(p.shape), prefix + n in decay) for n, p in named if p.requires_grad])
+            frozen_layouts.append([(prefix + n, n, tuple(p.shape)) for n, p in named if not p.requires_grad])
             streamed.append(True)
-        resident = [(n, p) for n, p in model.named_parameters() if id(p) not in layer_param_ids and p.requires_grad]
+        outside = [(n, p) for n, p in model.named_parameters() if id(p) not in layer_param_ids]
+        resident = [(n, p) for n, p in outside if p.requires_grad]
         layouts.append([(n, n, tuple(p.shape), n in decay) for n, p in resident])
+        frozen_layouts.append([])
         streamed.append(False)
         resident_numel = sum(p.numel() for _, p in resident)
         self.resident_on_device = self._resident_on_device(resident_numel)
         devices = [None] * (len(layouts) - 1) + [self.device if self.resident_on_device else None]
         self.store = HostStore(layouts, compute_dtype=self.compute_dtype, pin=pin,
-                               memory_fraction=config.host_memory_fraction, streamed=streamed, devices=devices)
+                               memory_fraction=config.host_memory_fraction, streamed=streamed, devices=devices,
+                               frozen_layouts=frozen_layouts)
         self.layer_units = self.store.units[:-1]
         self.resident_unit = self.store.units[-1]
         self.resident_params: dict[str, nn.Parameter] = dict(resident)
+        # Frozen resident parameters (frozen embeddings, a PEFT base's embeddings / lm_head): device, compute dtype.
+        self.frozen_resident: dict[str, nn.Parameter] = {n: p for n, p in outside if not p.requires_grad}
 
         # Layers -> host store + templates + proxies. One layer at a time, so peak memory grows by one layer.
         kinds = group_layers(layers)
@@ -92,11 +129,10 @@ class MegaTrainEngine:
         for i, layer in enumerate(originals):
             unit = self.layer_units[i]
             if kinds[i] not in templates:
-                templates[kinds[i]] = LayerTemplate(layer, unit.params)
+                templates[kinds[i]] = LayerTemplate(layer, unit.params, unit.frozen_params)
             if not next(layer.parameters(), torch.empty(0, device='meta')).is_meta:
                 for n, p in layer.named_parameters():
-                    if p.requires_grad:
-                        self.store.load_(f"{self.stack.path}.{i}.{n}", p.detach())
+                    self.store.load_(f"{self.stack.path}.{i}.{n}", p.detach())
             buffers.append({n: b.to(self.device) for n, b in layer.named_buffers()})
         self.executor = StreamingExecutor(
             self.layer_units, kinds, [templates[k] for k in range(len(templates))], buffers, device=self.device,
@@ -124,6 +160,9 @@ class MegaTrainEngine:
             else:
                 param.data = torch.empty(sl.shape, dtype=self.compute_dtype, device=self.device)
         self._push_resident()
+        for p in {id(p): p for p in self.frozen_resident.values()}.values():
+            if not p.is_meta:
+                p.data = p.data.to(self.device, self.compute_dtype)
         for mod in model.modules():  # rotary tables and other buffers follow to the device, dtype unchanged
             for bname, b in list(mod._buffers.items()):
                 if b is not None and not b.is_meta:
@@ -166,8 +205,15 @@ class MegaTrainEngine:
             for p in unit.params:
                 yield p.name, unit.view(unit.master, p)
 
-    def num_parameters(self) -> int:
-        return self.store.numel
+    def named_frozen_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, compute-dtype value) of every frozen parameter: streamed ones (host), then resident (device)."""
+        for name in self.store.frozen_by_name:
+            yield name, self.store.frozen_tensor(name)
+        yield from ((n, p.detach()) for n, p in self.frozen_resident.items())
+
+    def num_parameters(self, include_frozen: bool = False) -> int:
+        """Trainable parameters (tied once); with ``include_frozen`` all of them."""
+        return self.store.numel + (sum(p.numel() for _, p in self.named_frozen_tensors()) if include_frozen else 0)
 
     # -- gradients -------------------------------------------------------------------------------------------------------
     def finish_backward(self) -> None:
@@ -238,7 +284,10 @@ class MegaTrainEngine:
     def _device_step_units(self) -> list[Unit]:
         """Streamed layers whose AdamW runs on the GPU (see device_stepper.py): every other layer, so the CPU and
         GPU workers alternate in the order the next forward consumes layers."""
-        k, units = self.config.device_step_layers, self.layer_units
+        k = self.config.device_step_layers
+        units = [u for u in self.layer_units if u.numel > 0]  # frozen layers have nothing to step
+        if not units:
+            return []
         if k == -1:
             if self.device.type != "cuda":
                 return []

@@ -13,12 +13,18 @@ Streams (CUDA): H2D prefetch, compute (the current stream), D2H gradient offload
     d2h:                     [grad i -> host] waits the copy of grad i into an offload buffer
 
 On the CPU the same calls run in program order.
+
+Frozen parameters (PEFT base, frozen layers) stream in the same slot, after the trainable ones; they get no
+gradient, and a layer with nothing trainable only passes the input gradient through. Layers that draw random
+numbers (dropout, router jitter) record the RNG state of each forward chunk, and the recompute replays it, so the
+backward differentiates exactly the function the forward computed (as ``torch.utils.checkpoint`` does).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -56,7 +62,8 @@ class StreamingExecutor:
         self.micro_batch_size = micro_batch_size
         self.streams = StreamSet(device)
         n = max(u.numel for u in units)
-        self.slots = [torch.empty(n, dtype=compute_dtype, device=device) for _ in range(num_slots)]
+        slot_numel = max(u.numel + u.frozen_numel for u in units)
+        self.slots = [torch.empty(slot_numel, dtype=compute_dtype, device=device) for _ in range(num_slots)]
         self.slot_layer = [-1] * num_slots
         self.slot_ready: list[Any] = [None] * num_slots
         self.slot_free: list[Any] = [None] * num_slots
@@ -84,6 +91,8 @@ class StreamingExecutor:
         # hidden state (MoE router logits); they become extra outputs of the layer's autograd Function, so a
         # loss term on them (the router aux loss) sends its gradient into that layer's recompute.
         self.tap: Any = None
+        # RNG states of the last stochastic forward, per chunk (read by the layer Function into its ctx).
+        self.last_rng: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
 
     # -- weights in ---------------------------------------------------------------------------------------------------
     def _load(self, index: int, protect: set[int]) -> int:
@@ -100,9 +109,11 @@ class StreamingExecutor:
         with st.on(st.h2d):
             st.wait(st.h2d, self.slot_free[s])
             self.slots[s][:unit.numel].copy_(unit.compute, non_blocking=True)
+            if unit.frozen is not None:
+                self.slots[s][unit.numel:unit.numel + unit.frozen.numel()].copy_(unit.frozen, non_blocking=True)
             self.slot_ready[s] = st.record(st.h2d)
         self.slot_layer[s] = index
-        self.h2d_bytes += unit.numel * self.slots[s].element_size()
+        self.h2d_bytes += (unit.numel + unit.frozen_numel) * self.slots[s].element_size()
         return s
 
     def _acquire(self, index: int, step: int) -> int:
@@ -130,43 +141,77 @@ class StreamingExecutor:
             return [(0, batch)]
         return [(a, min(a + m, batch)) for a in range(0, batch, m)]
 
-    def forward_layer(self, index: int, hidden: torch.Tensor, call: tuple[tuple, dict]) -> torch.Tensor:
+    def forward_layer(self, index: int, hidden: torch.Tensor, call: tuple[tuple, dict],
+                      recompute: bool = False) -> torch.Tensor:
+        """``recompute``: the backward will recompute this visit (the RNG state of stochastic layers is kept)."""
         with torch.profiler.record_function("megatrain.forward"):
-            return self._forward_layer(index, hidden, call)
+            return self._forward_layer(index, hidden, call, recompute)
 
     def backward_layer(self, index: int, hidden: torch.Tensor, call: tuple[tuple, dict],
-                       grad_out: torch.Tensor, side_grads: tuple = ()) -> torch.Tensor | None:
+                       grad_out: torch.Tensor, side_grads: tuple = (), rng: list | None = None) -> torch.Tensor | None:
         with torch.profiler.record_function("megatrain.backward"):
-            return self._backward_layer(index, hidden, call, grad_out, side_grads)
+            return self._backward_layer(index, hidden, call, grad_out, side_grads, rng)
 
-    def _forward_layer(self, index: int, hidden: torch.Tensor, call: tuple[tuple, dict]) -> torch.Tensor:
+    # -- random numbers -------------------------------------------------------------------------------------------------
+    def _rng_state(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        dev = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        return torch.get_rng_state(), dev
+
+    @contextmanager
+    def _replay(self, state: tuple[torch.Tensor, torch.Tensor | None] | None) -> Iterator[None]:
+        """Run a recompute with the forward's RNG state; the caller's state is restored afterwards."""
+        if state is None:
+            yield
+            return
+        cuda = state[1] is not None
+        with torch.random.fork_rng(devices=[self.device] if cuda else [], device_type="cuda" if cuda else "cpu"):
+            torch.set_rng_state(state[0])
+            if cuda:
+                torch.cuda.set_rng_state(state[1], self.device)
+            yield
+
+    def _forward_layer(self, index: int, hidden: torch.Tensor, call: tuple[tuple, dict],
+                       recompute: bool) -> torch.Tensor:
         s = self._acquire(index, +1)
         tmpl = self.templates[self.kinds[index]]
         params = tmpl.bind(self.slots[s])
         args, kwargs = call
         batch = hidden.shape[0]
         chunks = self._chunks(batch)
+        rng = [] if recompute and self.training and tmpl.stochastic else None
         with torch.no_grad():
             if len(chunks) == 1:
+                if rng is not None:
+                    rng.append(self._rng_state())
                 out = _first(tmpl(params, self.buffers[index], self.training, (hidden, *args), kwargs))
             else:
-                out = torch.cat([_first(tmpl(params, self.buffers[index], self.training,
-                                             (hidden[a:b], *_batch_slice(args, a, b, batch)),
-                                             _batch_slice(kwargs, a, b, batch))) for a, b in chunks])
+                outs = []
+                for a, b in chunks:
+                    if rng is not None:
+                        rng.append(self._rng_state())
+                    outs.append(_first(tmpl(params, self.buffers[index], self.training,
+                                            (hidden[a:b], *_batch_slice(args, a, b, batch)),
+                                            _batch_slice(kwargs, a, b, batch))))
+                out = torch.cat(outs)
+        self.last_rng = rng
         self.slot_free[s] = self.streams.record(self.streams.compute)
         return out
 
     def _backward_layer(self, index: int, hidden: torch.Tensor, call: tuple[tuple, dict],
-                        grad_out: torch.Tensor, side_grads: tuple = ()) -> torch.Tensor | None:
+                        grad_out: torch.Tensor, side_grads: tuple = (), rng: list | None = None) -> torch.Tensor | None:
         self.backward_ran = True
-        s = self._acquire(index, -1)
-        tmpl = self.templates[self.kinds[index]]
         unit = self.units[index]
         n = unit.numel
+        want_input_grad = hidden.requires_grad
+        if n == 0 and not want_input_grad:
+            return None  # nothing trainable here and nothing before it: no recompute needed
+        s = self._acquire(index, -1)
+        tmpl = self.templates[self.kinds[index]]
         params = tmpl.bind(self.slots[s], requires_grad=True)
-        grads = tmpl.bind(self.grad_param)
-        for name, p in params.items():
-            p.grad = grads[name]
+        trainable = [params[p.local] for p in tmpl.layout]
+        grads = tmpl.bind(self.grad_param, frozen=False)
+        for p in tmpl.layout:
+            params[p.local].grad = grads[p.local]
         k = self._next_offload
         self._next_offload ^= 1
         st = self.streams
@@ -175,7 +220,6 @@ class StreamingExecutor:
         args, kwargs = call
         batch = hidden.shape[0]
         chunks = self._chunks(batch)
-        want_input_grad = hidden.requires_grad
         grad_in = torch.empty_like(hidden) if want_input_grad and len(chunks) > 1 else None
         for c, (a, b) in enumerate(chunks):
             self.grad_param[:n].zero_()
@@ -183,12 +227,12 @@ class StreamingExecutor:
             sub_args = _batch_slice(args, a, b, batch) if len(chunks) > 1 else args
             sub_kwargs = _batch_slice(kwargs, a, b, batch) if len(chunks) > 1 else kwargs
             tap = self.tap if any(g is not None for g in side_grads) else None
-            with torch.enable_grad():
+            with self._replay(rng[c] if rng else None), torch.enable_grad():
                 if tap is not None:
                     tap.start()
                 out = _first(tmpl(params, self.buffers[index], self.training, (h, *sub_args), sub_kwargs))
                 side = tap.stop() if tap is not None else []
-            inputs = ([h] if want_input_grad else []) + list(params.values())
+            inputs = ([h] if want_input_grad else []) + trainable
             outs, gouts = [out], [grad_out[a:b]]
             for t, g in zip(side, side_grads):  # side outputs are batch-major rows: slice this chunk's rows
                 if g is not None:
@@ -201,11 +245,15 @@ class StreamingExecutor:
                     grad_in = h.grad
                 else:
                     grad_in[a:b] = h.grad
+            if n == 0:
+                continue
             if c == 0:
                 off.copy_(self.grad_param[:n])
             else:
                 off.add_(self.grad_param[:n])
         self.slot_free[s] = st.record(st.compute)
+        if n == 0:  # frozen layer: only the input gradient leaves
+            return grad_in
         # Fold the gradient-norm reduction into the gradient's departure (first visit of this step only).
         first = not unit.grad_valid and all(self.pending[j] is None or self.pending[j][0] is not unit
                                             for j in (0, 1))
@@ -271,9 +319,12 @@ class _StreamedLayerFunction(torch.autograd.Function):
         ctx.save_for_backward(hidden)
         tap = executor.tap if executor.tap is not None and executor.tap.active else None
         if tap is None:
-            return executor.forward_layer(index, hidden, call)
+            out = executor.forward_layer(index, hidden, call, recompute=True)
+            ctx.rng = executor.last_rng
+            return out
         tap.start()
-        out = executor.forward_layer(index, hidden, call)
+        out = executor.forward_layer(index, hidden, call, recompute=True)
+        ctx.rng = executor.last_rng
         side = tap.stop()
         ctx.set_materialize_grads(False)  # an unused side output (no aux loss) costs no gradient
         return (out, *side)
@@ -283,7 +334,7 @@ class _StreamedLayerFunction(torch.autograd.Function):
         (hidden,) = ctx.saved_tensors
         if grad_out is None:
             grad_out = torch.zeros_like(hidden)
-        grad_in = ctx.executor.backward_layer(ctx.index, hidden, ctx.call, grad_out, side_grads)
+        grad_in = ctx.executor.backward_layer(ctx.index, hidden, ctx.call, grad_out, side_grads, ctx.rng)
         return None, None, None, None, grad_in
 
 

@@ -11,6 +11,11 @@ norm, lm_head) form one more. Per unit the store holds, each as one flat buffer:
 
 = 18 host bytes per parameter in bf16 compute (16 in fp32 compute). Flat buffers make every host->GPU transfer
 one copy per unit and let the optimizer run one fused kernel call per unit.
+
+A unit may also hold *frozen* parameters (``requires_grad=False``: a PEFT/LoRA base, layers or embeddings the user
+froze). They get no master, gradient or optimizer state, only ``frozen`` = one pinned flat buffer in compute
+dtype (2 host bytes per parameter in bf16) that streams with the unit; ``names()``/``by_name`` and the optimizer
+see trainable parameters only.
 """
 
 from __future__ import annotations
@@ -53,6 +58,13 @@ class Unit:
     # Set for units whose AdamW runs on the GPU (DeviceStepper): their FP32 gradient accumulates there instead.
     grad_device: torch.Tensor | None = None
     by_name: dict[str, ParamSlice] = field(default_factory=dict)
+    # Frozen parameters: compute-dtype values only, streamed after the trainable copy (offsets into ``frozen``).
+    frozen_params: list[ParamSlice] = field(default_factory=list)
+    frozen: torch.Tensor | None = None
+
+    @property
+    def frozen_numel(self) -> int:
+        return 0 if self.frozen is None else self.frozen.numel()
 
     def view(self, flat: torch.Tensor, p: ParamSlice) -> torch.Tensor:
         return flat[p.offset:p.offset + p.numel].view(p.shape)
@@ -72,19 +84,27 @@ class HostStore:
 
     def __init__(self, layouts: list[list[tuple[str, str, tuple[int, ...], bool]]], *, compute_dtype: torch.dtype,
                  pin: bool, memory_fraction: float = 0.9, streamed: list[bool] | None = None,
-                 devices: list[torch.device | None] | None = None) -> None:
+                 devices: list[torch.device | None] | None = None,
+                 frozen_layouts: list[list[tuple[str, str, tuple[int, ...]]]] | None = None) -> None:
         """``devices[i]`` places unit i's buffers on an accelerator instead of the host (resident parts whose
-        optimizer runs on the GPU); ``None`` = host."""
+        optimizer runs on the GPU); ``None`` = host. ``frozen_layouts[i]`` lists unit i's frozen parameters
+        (name, local name, shape): host compute-dtype buffer only."""
         self.compute_dtype = compute_dtype
         devices = devices or [None] * len(layouts)
+        frozen_layouts = frozen_layouts or [[] for _ in layouts]
         sizes = [sum(math.prod(s) for _, _, s, _ in layout) for layout in layouts]
+        frozen_sizes = [sum(math.prod(s) for _, _, s in layout) for layout in frozen_layouts]
         self.numel = sum(sizes)
+        self.frozen_numel = sum(frozen_sizes)
+        elt = torch.empty((), dtype=compute_dtype).element_size()
         host_numel = sum(n for n, d in zip(sizes, devices) if d is None or d.type == "cpu")
-        check_host_memory(host_numel * bytes_per_param(compute_dtype), memory_fraction,
-                          what=f"the host store for {host_numel / 1e6:.1f}M parameters "
-                               f"({bytes_per_param(compute_dtype)} bytes each)")
+        check_host_memory(host_numel * bytes_per_param(compute_dtype) + self.frozen_numel * elt, memory_fraction,
+                          what=f"the host store for {host_numel / 1e6:.1f}M trainable parameters "
+                               f"({bytes_per_param(compute_dtype)} bytes each) and {self.frozen_numel / 1e6:.1f}M "
+                               f"frozen ones ({elt} bytes each)")
         self.units: list[Unit] = []
         self.by_name: dict[str, tuple[Unit, ParamSlice]] = {}
+        self.frozen_by_name: dict[str, tuple[Unit, ParamSlice]] = {}
         for i, layout in enumerate(layouts):
             params, off = [], 0
             for name, local, shape, decay in layout:
@@ -104,24 +124,42 @@ class HostStore:
             unit.by_name = {p.name: p for p in params}
             for p in params:
                 self.by_name[p.name] = (unit, p)
+            off = 0
+            for name, local, shape in frozen_layouts[i]:
+                n = math.prod(shape)
+                unit.frozen_params.append(ParamSlice(name, local, tuple(shape), off, n, False))
+                self.frozen_by_name[name] = (unit, unit.frozen_params[-1])
+                off += n
+            if off:
+                unit.frozen = alloc_host(off, compute_dtype, pin)
             self.units.append(unit)
 
     @property
     def nbytes(self) -> int:
+        """Bytes of every buffer the store allocated (trainable state + frozen copies)."""
         seen, total = set(), 0
         for u in self.units:
-            for t in (u.master, u.grad, u.exp_avg, u.exp_avg_sq, u.compute):
-                if t.data_ptr() not in seen:
+            for t in (u.master, u.grad, u.exp_avg, u.exp_avg_sq, u.compute, u.frozen):
+                if t is not None and t.data_ptr() not in seen:
                     seen.add(t.data_ptr())
                     total += t.numel() * t.element_size()
         return total
 
+    @property
+    def frozen_nbytes(self) -> int:
+        """Host bytes of the frozen parameters (compute-dtype copies only)."""
+        return sum(u.frozen.numel() * u.frozen.element_size() for u in self.units if u.frozen is not None)
+
     def load_(self, name: str, tensor: torch.Tensor) -> None:
-        """Copy one parameter (any dtype/device) into its FP32 master slice."""
-        unit, p = self.by_name[name]
+        """Copy one parameter (any dtype/device) into its FP32 master slice (frozen: its compute-dtype copy)."""
+        unit, p = self.by_name[name] if name in self.by_name else self.frozen_by_name[name]
         if tuple(tensor.shape) != p.shape:
             raise ValueError(f"parameter {name}: checkpoint shape {tuple(tensor.shape)} != model shape {p.shape}")
-        unit.view(unit.master, p).copy_(tensor)
+        unit.view(unit.master if name in self.by_name else unit.frozen, p).copy_(tensor)
+
+    def frozen_tensor(self, name: str) -> torch.Tensor:
+        unit, p = self.frozen_by_name[name]
+        return unit.view(unit.frozen, p)
 
     def sync_compute_(self, unit: Unit) -> None:
         """Refresh the streaming copy from the master (no-op in fp32 compute, where they are one buffer)."""

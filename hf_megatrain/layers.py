@@ -7,6 +7,7 @@ use it; no per-family table.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -86,7 +87,8 @@ def _attr_signature(module: nn.Module) -> tuple:
 
 def layer_signature(layer: nn.Module) -> tuple:
     """Structure key: layers with equal keys can share one stateless template."""
-    params = tuple((n, tuple(p.shape), str(p.dtype)) for n, p in layer.named_parameters())
+    # requires_grad is structure too: a template binds trainable and frozen parameters differently.
+    params = tuple((n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in layer.named_parameters())
     buffers = tuple((n, tuple(b.shape), str(b.dtype)) for n, b in layer.named_buffers())
     return (type(layer).__qualname__, params, buffers, _attr_signature(layer))
 
@@ -105,3 +107,45 @@ def copy_plain_attributes(src: nn.Module, dst: nn.Module) -> None:
     for k, v in vars(src).items():
         if not k.startswith("_") and k != "training" and not isinstance(v, (nn.Module, torch.Tensor)):
             setattr(dst, k, v)
+
+
+Layout = list[tuple[str, str, tuple[int, ...], bool]]  # (model name, name inside the unit, shape, decay)
+FrozenLayout = list[tuple[str, str, tuple[int, ...]]]  # (model name, name inside the unit, shape)
+
+
+@dataclass
+class UnitLayouts:
+    """What the host store holds for ``model``: one unit per decoder layer, then the resident unit (embeddings,
+    final norm, lm_head); trainable and frozen (``requires_grad=False``) parameters listed apart. Pure shapes,
+    so the engine (to allocate) and the planner (to predict, on a meta model) share one definition."""
+
+    layouts: list[Layout]
+    frozen: list[FrozenLayout]
+    resident_names: list[str]  # trainable resident parameters, in resident-unit order
+
+    @property
+    def numels(self) -> list[int]:
+        return [sum(math.prod(s) for _, _, s, _ in lay) for lay in self.layouts]
+
+    @property
+    def frozen_numels(self) -> list[int]:
+        return [sum(math.prod(s) for _, _, s in lay) for lay in self.frozen]
+
+
+def unit_layouts(model: nn.Module, stack: LayerStack, decay: set[str] | None = None) -> UnitLayouts:
+    """Unit layouts of ``model`` (works on the meta device). Parameters shared by tying appear once, under their
+    first name (``named_parameters`` order), as in the store."""
+    decay = decay or set()
+    layers = stack.layers
+    layouts: list[Layout] = []
+    frozen: list[FrozenLayout] = []
+    for i, layer in enumerate(layers):
+        prefix = f"{stack.path}.{i}."
+        named = list(layer.named_parameters())
+        layouts.append([(prefix + n, n, tuple(p.shape), prefix + n in decay) for n, p in named if p.requires_grad])
+        frozen.append([(prefix + n, n, tuple(p.shape)) for n, p in named if not p.requires_grad])
+    layer_ids = {id(p) for p in layers.parameters()}
+    resident = [(n, p) for n, p in model.named_parameters() if id(p) not in layer_ids]
+    layouts.append([(n, n, tuple(p.shape), n in decay) for n, p in resident if p.requires_grad])
+    frozen.append([(n, n, tuple(p.shape)) for n, p in resident if not p.requires_grad])
+    return UnitLayouts(layouts, frozen, [n for n, p in resident if p.requires_grad])

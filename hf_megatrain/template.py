@@ -3,6 +3,12 @@
 The template owns no weights: its parameters live on the meta device and each call binds views into a GPU
 slot buffer (``torch.func.functional_call``), so running layer i means "bind slot views, run". No autograd
 graph outlives the call that built it: the forward runs under ``no_grad`` and the backward recomputes.
+
+A slot holds the unit's trainable weights first, then its frozen ones (PEFT base, frozen layers): trainable views
+become leaves with ``.grad`` in the backward, frozen views stay plain tensors.
+
+``stochastic`` says whether the layer draws random numbers in training mode (dropout, attention dropout, MoE
+router jitter): the executor then replays the forward's RNG state in the recompute, so both see the same masks.
 """
 
 from __future__ import annotations
@@ -17,18 +23,38 @@ from torch.func import functional_call
 from .host_store import ParamSlice
 
 
+def is_stochastic(module: nn.Module) -> bool:
+    """True when ``module`` in training mode consumes random numbers (dropout, attention dropout, router jitter)."""
+    for m in module.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
+            return True
+        for attr in ("attention_dropout", "dropout", "router_jitter_noise", "jitter_noise"):
+            v = getattr(m, attr, None)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
+                return True
+    return False
+
+
 class LayerTemplate:
-    def __init__(self, layer: nn.Module, layout: list[ParamSlice]) -> None:
+    def __init__(self, layer: nn.Module, layout: list[ParamSlice], frozen: list[ParamSlice] | None = None) -> None:
         self.module = copy.deepcopy(layer).to("meta")
         self.layout = layout  # same order as the unit's flat buffer
+        self.frozen = frozen or []  # offsets into the unit's frozen buffer, stored after ``numel`` in a slot
         self.numel = sum(p.numel for p in layout)
+        self.frozen_numel = sum(p.numel for p in self.frozen)
+        self.stochastic = is_stochastic(self.module)
 
-    def bind(self, flat: torch.Tensor, requires_grad: bool = False) -> dict[str, torch.Tensor]:
-        """Views into ``flat`` [>= numel] named like the layer's parameters (leaves when ``requires_grad``)."""
+    def bind(self, flat: torch.Tensor, requires_grad: bool = False, frozen: bool = True) -> dict[str, torch.Tensor]:
+        """Views into ``flat`` [>= numel (+ frozen_numel)] named like the layer's parameters: trainable ones (leaves
+        when ``requires_grad``), then, with ``frozen``, the frozen ones that follow them in the slot."""
         out = {}
         for p in self.layout:
             v = flat[p.offset:p.offset + p.numel].view(p.shape)
             out[p.local] = v.detach().requires_grad_() if requires_grad else v
+        if frozen:
+            base = self.numel
+            for p in self.frozen:
+                out[p.local] = flat[base + p.offset:base + p.offset + p.numel].view(p.shape)
         return out
 
     def __call__(self, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], training: bool,

@@ -40,7 +40,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--block_size", type=int, default=128)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--log_every", type=int, default=10)
     p.add_argument("--gradient_accumulation_steps", type=int, default=1)
     p.add_argument("--output_dir", default="outputs/accelerate_loop")
     args = p.parse_args(argv)
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> dict:
     # Config from MEGATRAIN_CONFIG / MEGATRAIN_* (set by `megatrain launch`), else defaults.
     plugin = MegaTrainPlugin(device=accelerator.device)
     accelerator.print(f"MegaTrainConfig: {plugin.config}")
-    model, optimizer = plugin.prepare(model, lr=args.lr, weight_decay=0.0, max_grad_norm=1.0)
+    model, optimizer = plugin.prepare(model, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0, max_grad_norm=1.0)
     scheduler = get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=10, num_training_steps=args.steps)
     adamw = optimizer  # the CPUAdamW itself (last_grad_norm...); Accelerate wraps it in an AcceleratedOptimizer
     optimizer, loader, scheduler = accelerator.prepare(optimizer, loader, scheduler)
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> dict:
             if accelerator.sync_gradients:
                 step += 1
                 losses.append(float(loss.detach()))
-                if step == 1 or step % 10 == 0:
+                if step == 1 or step % args.log_every == 0:
                     accelerator.print(f"step {step:4d}  loss {losses[-1]:.4f}  grad_norm "
                                       f"{adamw.last_grad_norm:.3f}  lr {scheduler.get_last_lr()[0]:.2e}")
             if step >= args.steps:

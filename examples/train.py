@@ -32,7 +32,8 @@ from itertools import chain
 import datasets
 import torch
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, default_data_collator, set_seed
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, default_data_collator,
+                          set_seed)
 
 from hf_megatrain import default_job
 from hf_megatrain.trainer import MegaTrainTrainer, MegaTrainTrainingArguments, from_pretrained_streamed
@@ -42,8 +43,8 @@ logger = logging.getLogger(__name__)
 # Hyper-parameters of the embedded default job, used only where the command line does not set them and no
 # --model_name_or_path is given (a real model keeps TrainingArguments' own defaults, as in run_clm).
 DEFAULT_JOB_ARGS = {
-    "learning_rate": "3e-3", "num_train_epochs": "3", "per_device_train_batch_size": "8",
-    "per_device_eval_batch_size": "8", "adam_beta2": "0.95", "warmup_steps": "10", "lr_scheduler_type": "cosine", "logging_steps": "10",
+    "learning_rate": "3e-3", "adam_beta2": "0.95", "num_train_epochs": "3", "per_device_train_batch_size": "8",
+    "per_device_eval_batch_size": "8", "warmup_steps": "10", "lr_scheduler_type": "cosine", "logging_steps": "10",
     "logging_first_step": "true", "eval_strategy": "epoch", "save_strategy": "no", "report_to": "none",
     "block_size": "128",
 }
@@ -231,11 +232,14 @@ def main(argv: list[str] | None = None) -> dict:
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     ckpt = os.path.abspath(args.output_dir)
     if trainer.is_world_process_zero():
-        if losses:
+        if len(losses) == 1:
+            print(f"[train.py] training loss: {losses[0]:.4f} (only one logged step; lower --logging_steps)")
+        elif losses:
             print(f"[train.py] training loss: first {losses[0]:.4f} -> last {losses[-1]:.4f} "
                   f"({'down' if losses[-1] < losses[0] else 'NOT down'})")
+        acc = eval_metrics.get("eval_accuracy", float("nan"))
         print(f"[train.py] eval: loss {eval_metrics['eval_loss']:.4f}, perplexity "
-              f"{eval_metrics['eval_perplexity']:.2f}, token accuracy {eval_metrics.get('eval_accuracy', float('nan')):.4f}")
+              f"{eval_metrics['eval_perplexity']:.2f}, token accuracy {acc:.4f}")
         print(f"[train.py] checkpoint: {ckpt}  (AutoModelForCausalLM.from_pretrained({ckpt!r}))", flush=True)
     return {"losses": losses, "eval": eval_metrics, "checkpoint": ckpt}
 

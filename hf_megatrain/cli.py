@@ -106,7 +106,7 @@ def launch(argv: list[str]) -> int:
 
     if path is None:  # nothing to split: behave exactly like `accelerate launch`
         return _run_accelerate(launch_command_parser, launch_command, rest)
-    accel, config, section = split_combined(path)
+    accel, _, section = split_combined(path)
     import yaml
 
     with tempfile.TemporaryDirectory(prefix="megatrain_launch_") as tmp:
@@ -118,7 +118,7 @@ def launch(argv: list[str]) -> int:
             yaml.safe_dump(section, f)
         os.environ["MEGATRAIN_CONFIG"] = mt_path  # accelerate's launchers copy os.environ into the child
         print(f"[megatrain] {path}: accelerate part -> {accel_path}; megatrain section -> MEGATRAIN_CONFIG={mt_path} "
-              f"({config.to_dict() if section else 'defaults'})", file=sys.stderr, flush=True)
+              f"({section if section else 'empty: MegaTrainConfig defaults'})", file=sys.stderr, flush=True)
         return _run_accelerate(launch_command_parser, launch_command, ["--config_file", accel_path, *rest])
 
 

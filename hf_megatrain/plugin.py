@@ -33,6 +33,7 @@ from typing import Any, Iterator
 
 import torch
 
+from . import peft_support
 from .config import MegaTrainConfig
 from .engine import MegaTrainEngine, MegaTrainOutput
 from .optimizer import CPUAdamW
@@ -123,7 +124,7 @@ class MegaTrainModel:
         for name, master in engine.named_master_tensors():
             self._masters[name] = by_ptr.get((master.data_ptr(), tuple(master.shape)), master)
 
-    # -- calling --------------------------------------------------------------------------------------------------------
+    # -- calling -------------------------------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> MegaTrainOutput:
         return self.forward(*args, **kwargs)
 
@@ -149,7 +150,7 @@ class MegaTrainModel:
     def device(self) -> torch.device:
         return self.engine.device
 
-    # -- parameters / gradients ------------------------------------------------------------------------------------------
+    # -- parameters / gradients ----------------------------------------------------------------------------------------
     def _land_gradients(self) -> None:
         if self.engine.optimizer is not None:
             self.engine.optimizer.wait()
@@ -173,7 +174,7 @@ class MegaTrainModel:
     def num_parameters(self) -> int:
         return self.engine.num_parameters()
 
-    # -- export ----------------------------------------------------------------------------------------------------------
+    # -- export --------------------------------------------------------------------------------------------------------
     def state_dict(self, dtype: torch.dtype | str | None = None) -> dict[str, torch.Tensor]:
         """Standalone host tensors: trainable masters (cast to ``dtype``, default FP32) and frozen parameters."""
         from .config import parse_dtype
@@ -182,14 +183,20 @@ class MegaTrainModel:
         if self.engine.optimizer is not None:
             self.engine.optimizer.wait()
         out = {n: t.detach().to("cpu", dt, copy=True) for n, t in self.engine.named_master_tensors()}
-        for n, p in self.hf_model.named_parameters():  # frozen (not streamed) parameters keep their values
-            if n not in out and not p.is_meta and n not in self.engine.store.by_name:
-                out[n] = p.detach().to("cpu", dt, copy=True)
+        for n, t in self.engine.named_frozen_tensors():  # frozen parameters keep their (compute-dtype) values
+            if n not in out and not t.is_meta:
+                out[n] = t.detach().to("cpu", dt, copy=True)
         return out
 
     def save_pretrained(self, save_directory: str, dtype: torch.dtype | str | None = None, **kwargs: Any) -> None:
-        """Write a standard HF checkpoint (safetensors + config) loadable with plain ``from_pretrained``."""
+        """Write a standard HF checkpoint (safetensors + config) loadable with plain ``from_pretrained``; for a
+        PEFT model the adapter folder ``PeftModel.from_pretrained(base, dir)`` loads (see ``save_merged``)."""
         dtype = dtype if dtype is not None else self.engine.config.save_dtype
+        if peft_support.is_peft_model(self.hf_model):
+            from .config import parse_dtype
+
+            peft_support.save_adapter(self.engine, save_directory, dtype=parse_dtype(dtype, "dtype"), **kwargs)
+            return
         sd = self.state_dict(dtype)
         self.hf_model.save_pretrained(save_directory, state_dict=sd, **kwargs)
         # config.json records the dtype of the saved weights (what from_pretrained(dtype="auto") picks).
@@ -203,3 +210,7 @@ class MegaTrainModel:
                 cfg.save_pretrained(save_directory)
             except Exception:  # older configs without a dtype attribute: weights are still correct
                 pass
+
+    def save_merged(self, save_directory: str, dtype: torch.dtype = torch.float32, **kwargs: Any) -> list[str]:
+        """PEFT models: base + merged adapters as a standard HF checkpoint (plain ``from_pretrained`` loads it)."""
+        return peft_support.save_merged(self.engine, save_directory, dtype=dtype, **kwargs)

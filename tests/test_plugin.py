@@ -154,7 +154,7 @@ def test_env_filling(clean_env, tmp_path):
 
 def test_unknown_keys_are_errors(clean_env):
     clean_env.setenv("MEGATRAIN_COMPUTE_DTYP", "float32")
-    with pytest.raises(ValueError, match="unknown environment variable MEGATRAIN_COMPUTE_DTYP.*MEGATRAIN_COMPUTE_DTYPE"):
+    with pytest.raises(ValueError, match="unknown environment variable MEGATRAIN_COMPUTE_DTYP;.*COMPUTE_DTYPE"):
         MegaTrainPlugin()
     clean_env.delenv("MEGATRAIN_COMPUTE_DTYP")
     with pytest.raises(ValueError, match="unknown MegaTrain config keys.*valid keys"):

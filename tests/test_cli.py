@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 import re
@@ -72,11 +73,27 @@ def test_split_config_arg_stops_at_the_script():
     assert path == "b.yaml" and rest == ["train.py"]
 
 
-def test_estimate_without_planner(capsys):
-    if importlib.util.find_spec("hf_megatrain.planner") is not None:
-        pytest.skip("planner present: `megatrain estimate` is covered by its own tests")
-    assert cli.main(["estimate", "--help"]) == 1
+def test_estimate_without_planner(monkeypatch, capsys):
+    real = importlib.import_module
+
+    def no_planner(name, *a, **k):
+        if name == "hf_megatrain.planner":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(cli.importlib, "import_module", no_planner)
+    assert cli.main(["estimate", "x"]) == 1
     assert "planner" in capsys.readouterr().err
+
+
+def test_estimate_delegates_to_planner(tmp_path, capsys):
+    if importlib.util.find_spec("hf_megatrain.planner") is None:
+        pytest.skip("hf_megatrain/planner.py not present")
+    from hf_megatrain import default_job
+
+    default_job.tiny_llama_config().save_pretrained(str(tmp_path))
+    assert cli.main(["estimate", str(tmp_path), "--seq-len", "128"]) == 0
+    assert capsys.readouterr().out.strip()
 
 
 def test_keys_lists_valid_keys(capsys):

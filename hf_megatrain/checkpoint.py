@@ -164,7 +164,7 @@ def verify_checkpoint(path: str, *, training_state: bool = True) -> None:
         raise CheckpointError(f"{path} has no trainer_state.json, so training cannot resume from it (it is a "
                               "model export, not a Trainer checkpoint); start a new run from it instead")
     shards = weight_files(path)
-    if shards is None:
+    if shards is None and not os.path.isfile(os.path.join(path, "adapter_model.safetensors")):  # PEFT: adapters
         raise CheckpointError(f"checkpoint {path} has no weights ({WEIGHTS_PREFIX}.safetensors or "
                               f"{WEIGHTS_PREFIX}.safetensors.index.json)")
     for prefix in (WEIGHTS_PREFIX, MASTER_PREFIX):

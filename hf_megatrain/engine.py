@@ -52,8 +52,8 @@ def _check_not_converted(model: nn.Module) -> None:
     layer weights left to adapt or train: say what to do instead."""
     if any(isinstance(m, StreamedLayer) for m in model.modules()):
         raise ValueError(
-            f"{type(model).__name__} was already converted by hf_megatrain (its decoder layers are streamed "
-            "proxies). Call peft.get_peft_model(model, config) on the plain model *before* handing it to "
+            f"this {type(model).__name__} holds a model already converted by hf_megatrain (its decoder layers are "
+            "streamed proxies). Call peft.get_peft_model(model, config) on the plain model *before* handing it to "
             "MegaTrainEngine / MegaTrainTrainer / MegaTrainPlugin; an existing engine is reused by passing "
             "engine.model (or the engine) itself.")
 

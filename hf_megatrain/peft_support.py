@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import os
+from contextlib import contextmanager
 from typing import Any, Iterator
 
 import torch
@@ -47,6 +48,21 @@ def _peft_model(engine: Any) -> nn.Module:
     return engine.model
 
 
+@contextmanager
+def _layers_visible(engine: Any) -> Iterator[None]:
+    """PEFT finds adapter keys by visiting the model's tuner layers, which the converted model keeps only in its
+    (meta, weightless) templates: show PEFT one meta skeleton per layer while it builds a state dict."""
+    layers = engine.stack.layers
+    proxies = list(layers)
+    try:
+        for i, kind in enumerate(engine.executor.kinds):
+            layers[i] = copy.deepcopy(engine.executor.templates[kind].module)
+        yield
+    finally:
+        for i, proxy in enumerate(proxies):
+            layers[i] = proxy
+
+
 def _state_dict(engine: Any, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Every parameter by its PeftModel name: trainable masters (cast to ``dtype``), frozen values as views."""
     sd = {n: t.to(dtype) for n, t in engine.named_master_tensors()}
@@ -59,7 +75,8 @@ def save_adapter(engine: Any, save_dir: str, dtype: torch.dtype = torch.float32,
     model = _peft_model(engine)
     os.makedirs(save_dir, exist_ok=True)
     before = set(os.listdir(save_dir))
-    model.save_pretrained(save_dir, state_dict=_state_dict(engine, dtype), safe_serialization=True, **kwargs)
+    with _layers_visible(engine):
+        model.save_pretrained(save_dir, state_dict=_state_dict(engine, dtype), safe_serialization=True, **kwargs)
     return sorted(set(os.listdir(save_dir)) - before | {ADAPTER_WEIGHTS, "adapter_config.json"})
 
 
@@ -71,9 +88,9 @@ def load_adapter_into_engine(engine: Any, path: str, adapter_name: str = "defaul
     masters = dict(engine.named_master_tensors())
     # PEFT's key for each master: map through its own renaming (values are passed through unchanged).
     by_key = {id(v): k for k, v in masters.items()}
-    keys = {by_key[id(v)]: k for k, v in get_peft_model_state_dict(model, state_dict=masters,
-                                                                   adapter_name=adapter_name).items()
-            if id(v) in by_key}
+    with _layers_visible(engine):
+        picked = get_peft_model_state_dict(model, state_dict=masters, adapter_name=adapter_name)
+    keys = {by_key[id(v)]: k for k, v in picked.items() if id(v) in by_key}
     fpath = os.path.join(path, ADAPTER_WEIGHTS)
     with open_safetensors(fpath) as f:
         present = set(f.keys())

@@ -11,6 +11,11 @@ than GPU memory cannot be treated like a module:
   only see the resident parameters), and the norm it measured is what gets logged as ``grad_norm``;
 - checkpoints are written from the FP32 master without a ``state_dict`` and committed atomically
   (``checkpoint.py``); resuming restores masters, AdamW moments and step counts exactly.
+
+PEFT: pass a ``peft.get_peft_model(...)`` model (wrap it *before* handing it over). The base is frozen (streamed in
+compute dtype, no optimizer state), saves write the standard adapter folder (``peft_support.save_adapter``;
+checkpoints add the adapters' FP32 master for exact resume), and ``save_merged_model`` exports base + merged
+adapters as a plain HF checkpoint.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from transformers.trainer_pt_utils import nested_detach
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from . import checkpoint as ckpt
+from . import peft_support
 from .engine import MegaTrainEngine
 from .pretrained import extra_sink, from_pretrained_streamed
 from .training_args import MegaTrainTrainingArguments
@@ -75,8 +81,8 @@ class MegaTrainTrainer(Trainer):
     def _mt_convert(self, model: nn.Module | MegaTrainEngine, args: MegaTrainTrainingArguments) -> nn.Module:
         if isinstance(model, MegaTrainEngine):
             engine = model
-        elif isinstance(getattr(model, ENGINE_ATTR, None), MegaTrainEngine):
-            engine = getattr(model, ENGINE_ATTR)
+        elif getattr(getattr(model, ENGINE_ATTR, None), "model", None) is model:
+            engine = getattr(model, ENGINE_ATTR)  # (a PeftModel around a converted model is refused by the engine)
         else:
             decay = set(self.get_decay_parameter_names(model))  # Trainer's rule, on the unconverted model
             engine = MegaTrainEngine(model, self._mt_config, device=args.device, decay_names=decay)
@@ -101,7 +107,7 @@ class MegaTrainTrainer(Trainer):
         if main not in inputs:
             return 0
         emb = self.engine.model.get_input_embeddings().weight.numel()  # Trainer excludes embeddings
-        return 6 * inputs[main].numel() * (self.engine.num_parameters() - emb)
+        return 6 * inputs[main].numel() * (self.engine.num_parameters(include_frozen=True) - emb)
 
     # -- optimizer ----------------------------------------------------------------------------------------------------
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
@@ -192,14 +198,33 @@ class MegaTrainTrainer(Trainer):
             return super()._save(output_dir, state_dict)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         logger.info("Saving model checkpoint to %s", output_dir)
-        ckpt.save_pretrained_streamed(self.engine, output_dir, dtype=self._mt_config.torch_save_dtype,
-                                      max_shard_size=self.args.megatrain_max_shard_size,
-                                      extra=self._mt_extra_tensors())
+        if self._mt_peft:
+            peft_support.save_adapter(self.engine, output_dir, dtype=self._mt_config.torch_save_dtype)
+        else:
+            ckpt.save_pretrained_streamed(self.engine, output_dir, dtype=self._mt_config.torch_save_dtype,
+                                          max_shard_size=self.args.megatrain_max_shard_size,
+                                          extra=self._mt_extra_tensors())
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
         elif getattr(self.data_collator, "tokenizer", None) is not None:
             self.data_collator.tokenizer.save_pretrained(output_dir)
         torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+
+    @property
+    def _mt_peft(self) -> bool:
+        return self.engine is not None and peft_support.is_peft_model(self.engine.model)
+
+    def save_merged_model(self, output_dir: str | None = None, dtype: torch.dtype = torch.float32) -> list[str]:
+        """PEFT runs: write base + merged adapters as a standard HF checkpoint (``from_pretrained`` loads it)."""
+        if not self._mt_peft:
+            raise ValueError("save_merged_model needs a PEFT model (peft.get_peft_model before MegaTrainTrainer); "
+                             "use save_model for a fully trained model")
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        files = peft_support.save_merged(self.engine, output_dir, dtype=dtype,
+                                         max_shard_size=self.args.megatrain_max_shard_size)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        return files
 
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
         if not self._mt:
@@ -218,7 +243,9 @@ class MegaTrainTrainer(Trainer):
             with ckpt.atomic_directory(output_dir) as tmp:
                 self._save(tmp)
                 if not self.args.save_only_model:
-                    ckpt.save_training_state(self.engine, tmp, master=self._mt_config.save_dtype != "float32")
+                    # Adapters are small: always keep their FP32 master (the adapter file has PEFT's key names).
+                    ckpt.save_training_state(self.engine, tmp, master=self._mt_peft or
+                                             self._mt_config.save_dtype != "float32")
                     with open(os.path.join(tmp, SCHEDULER_NAME), "wb") as f:
                         torch.save(self.lr_scheduler.state_dict(), f)
                     self._save_rng_state(tmp)
@@ -239,6 +266,12 @@ class MegaTrainTrainer(Trainer):
 
     # -- loading ------------------------------------------------------------------------------------------------------
     def _mt_load_weights(self, path: str) -> None:
+        if self._mt_peft:
+            if ckpt.weight_files(path, ckpt.MASTER_PREFIX) is not None:
+                ckpt.load_pretrained_into_engine(self.engine, path, prefix=ckpt.MASTER_PREFIX)
+            else:
+                peft_support.load_adapter_into_engine(self.engine, path)
+            return
         cfg_path = os.path.join(path, "config.json")
         if ckpt.weight_files(path, ckpt.MASTER_PREFIX) is None and os.path.isfile(cfg_path):
             with open(cfg_path) as f:

@@ -175,41 +175,45 @@ class MegaTrainModel:
         return self.engine.num_parameters()
 
     # -- export --------------------------------------------------------------------------------------------------------
+    def _extra_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """Frozen parameters (compute dtype) and persistent buffers: what a checkpoint holds besides the masters."""
+        extra = list(self.engine.named_frozen_tensors())
+        taken = {n for n, _ in extra} | set(self.engine.store.by_name)
+        buffers = {n for n, _ in self.hf_model.named_buffers()}
+        skip = set(getattr(self.hf_model, "_keys_to_ignore_on_save", None) or [])
+        extra += [(k, t) for k, t in self.hf_model.state_dict().items()
+                  if k in buffers and k not in taken and k not in skip and not t.is_meta]
+        return extra
+
     def state_dict(self, dtype: torch.dtype | str | None = None) -> dict[str, torch.Tensor]:
-        """Standalone host tensors: trainable masters (cast to ``dtype``, default FP32) and frozen parameters."""
+        """Standalone host copies: trainable masters and frozen parameters cast to ``dtype`` (default FP32),
+        persistent buffers. Holds a second copy of the model: prefer ``save_pretrained`` for large models."""
         from .config import parse_dtype
 
         dt = parse_dtype(dtype, "dtype") if dtype is not None else torch.float32
         if self.engine.optimizer is not None:
             self.engine.optimizer.wait()
         out = {n: t.detach().to("cpu", dt, copy=True) for n, t in self.engine.named_master_tensors()}
-        for n, t in self.engine.named_frozen_tensors():  # frozen parameters keep their (compute-dtype) values
-            if n not in out and not t.is_meta:
-                out[n] = t.detach().to("cpu", dt, copy=True)
+        for n, t in self._extra_tensors():
+            out[n] = t.detach().to("cpu", dt if t.is_floating_point() else t.dtype, copy=True)
         return out
 
-    def save_pretrained(self, save_directory: str, dtype: torch.dtype | str | None = None, **kwargs: Any) -> None:
-        """Write a standard HF checkpoint (safetensors + config) loadable with plain ``from_pretrained``; for a
-        PEFT model the adapter folder ``PeftModel.from_pretrained(base, dir)`` loads (see ``save_merged``)."""
-        dtype = dtype if dtype is not None else self.engine.config.save_dtype
-        if peft_support.is_peft_model(self.hf_model):
-            from .config import parse_dtype
-
-            peft_support.save_adapter(self.engine, save_directory, dtype=parse_dtype(dtype, "dtype"), **kwargs)
-            return
-        sd = self.state_dict(dtype)
-        self.hf_model.save_pretrained(save_directory, state_dict=sd, **kwargs)
-        # config.json records the dtype of the saved weights (what from_pretrained(dtype="auto") picks).
-        cfg = self.hf_model.config
+    def save_pretrained(self, save_directory: str, dtype: torch.dtype | str | None = None,
+                        max_shard_size: int | str | None = None, **kwargs: Any) -> list[str] | None:
+        """Write a standard HF checkpoint (safetensors + config) that plain ``from_pretrained`` loads, streamed
+        tensor by tensor from the FP32 masters (no second copy of the model in memory); ``dtype`` defaults to
+        the config's ``save_dtype``. For a PEFT model: the adapter folder ``PeftModel.from_pretrained(base, dir)``
+        loads (see ``save_merged``)."""
+        from . import checkpoint
         from .config import parse_dtype
 
-        saved = str(parse_dtype(dtype, "dtype")).replace("torch.", "")
-        if getattr(cfg, "dtype", None) != saved:
-            try:
-                cfg.dtype = saved
-                cfg.save_pretrained(save_directory)
-            except Exception:  # older configs without a dtype attribute: weights are still correct
-                pass
+        dt = parse_dtype(dtype if dtype is not None else self.engine.config.save_dtype, "dtype")
+        if peft_support.is_peft_model(self.hf_model):
+            peft_support.save_adapter(self.engine, save_directory, dtype=dt, **kwargs)
+            return None
+        return checkpoint.save_pretrained_streamed(
+            self.engine, save_directory, dtype=dt, extra=self._extra_tensors(),
+            max_shard_size=max_shard_size or checkpoint.DEFAULT_MAX_SHARD_SIZE)
 
     def save_merged(self, save_directory: str, dtype: torch.dtype = torch.float32, **kwargs: Any) -> list[str]:
         """PEFT models: base + merged adapters as a standard HF checkpoint (plain ``from_pretrained`` loads it)."""

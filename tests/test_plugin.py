@@ -115,6 +115,25 @@ def test_save_pretrained_roundtrip(clean_env, tmp_path):
         assert rel(mt_model(**b).loss, reloaded(**b).loss) < 1e-5
 
 
+def test_save_pretrained_with_frozen_parts(clean_env, tmp_path):
+    model = tiny("llama")
+    for n, p in model.named_parameters():
+        if n.startswith(("model.embed_tokens", "model.layers.0.")):
+            p.requires_grad_(False)
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    mt_model, opt = MegaTrainPlugin({"compute_dtype": "float32"}, device="cpu").prepare(model, lr=1e-2)
+    for b in _batches(2, model.config.vocab_size):
+        mt_model(**b).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    mt_model.save_pretrained(str(tmp_path))
+    reloaded = dict(transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).named_parameters())
+    for n, t in frozen.items():
+        assert torch.equal(reloaded[n].detach(), t), n
+    for n, t in mt_model.engine.named_master_tensors():
+        assert torch.equal(reloaded[n].detach(), t), n
+
+
 def test_parameters_and_forward_like_hf(clean_env):
     model = tiny("llama")
     n = sum(p.numel() for p in model.parameters())

@@ -190,8 +190,10 @@ class MegaTrainTrainer(Trainer):
         model, store = self.engine.model, self.engine.store
         resident = {t.data_ptr() for t in self.engine.resident_params.values()}
         skip = set(getattr(model, "_keys_to_ignore_on_save", None) or [])
-        return [(k, t) for k, t in model.state_dict().items()
-                if k not in store.by_name and k not in skip and not t.is_meta and t.data_ptr() not in resident]
+        out = [(k, t) for k, t in model.state_dict().items()
+               if k not in store.by_name and k not in skip and not t.is_meta and t.data_ptr() not in resident]
+        # Frozen parameters of streamed layers live only in the store's compute-dtype copy.
+        return out + [(k, store.frozen_tensor(k)) for k in store.frozen_by_name if k not in skip]
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         if not self._mt:

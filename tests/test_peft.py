@@ -284,3 +284,36 @@ def test_plugin_with_peft_model(tmp_path):
         ours = _our_logits(model.engine, ids)
         assert rel(ours, loaded(input_ids=ids).logits) <= 1e-6
         assert rel(ours, merged(input_ids=ids).logits) <= 1e-5
+
+
+def test_trainer_saves_frozen_layer_weights(tmp_path):
+    """Non-PEFT save: frozen streamed weights (store-only, compute dtype) are part of the standard checkpoint."""
+    model = tiny("llama")
+    model.model.layers[1].requires_grad_(False)
+    want = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    trainer = MegaTrainTrainer(model=model, args=_args(tmp_path), train_dataset=_dataset())
+    trainer.train()
+    trainer.save_model(str(tmp_path / "out"))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
+    for n, t in want.items():
+        assert torch.equal(loaded.get_parameter(n), t), n
+    for n, t in trainer.engine.named_master_tensors():
+        assert torch.equal(loaded.get_parameter(n), t), n
+
+
+def test_lora_bf16_compute_trains():
+    """bf16 streaming: adapters stream as bf16 copies of their FP32 masters, the base as its bf16 copy."""
+    model = lora(tiny("llama"))
+    ref_loss = float(copy.deepcopy(model)(input_ids=(ids := torch.randint(0, 96, (2, 12))), labels=ids).loss.detach())
+    engine = MegaTrainEngine(model, MegaTrainConfig(compute_dtype="bfloat16"), device="cpu")
+    opt = engine.create_optimizer(lr=1e-2)
+    losses = []
+    for _ in range(3):
+        loss = engine(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    opt.wait()
+    assert abs(losses[0] - ref_loss) <= 2e-2 * ref_loss and losses[-1] < losses[0]
+    assert all(m.dtype == torch.float32 for _, m in engine.named_master_tensors())

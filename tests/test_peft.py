@@ -83,7 +83,7 @@ def train_parity(model, *, steps=3, ga=2, lr=1e-3, wd=0.1, clip=1.0, config=FP32
     return worst, engine, ref
 
 
-# -- LoRA parity --------------------------------------------------------------------------------------------------------
+# -- LoRA parity -------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_lora_parity_with_plain_peft(family):
     worst, engine, ref = train_parity(lora(tiny(family)))
@@ -174,7 +174,7 @@ def test_lora_on_lm_head_is_refused():
         MegaTrainEngine(lora(tiny("llama"), targets=["q_proj", "lm_head"]), FP32, device="cpu")
 
 
-# -- dropout: exact recompute -------------------------------------------------------------------------------------------
+# -- dropout: exact recompute ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("peft_on", [True, False])
 def test_dropout_gradients_exact(peft_on):
     model = tiny("llama", attention_dropout=0.1, attn_implementation="eager")

@@ -1,0 +1,393 @@
+"""Memory planner: host RAM, GPU memory and disk a run needs, predicted from the model's parameter shapes.
+
+Every number comes from the same unit layout the engine allocates (``layers.unit_layouts``: one unit per decoder
+layer + one resident unit; ``host_store.bytes_per_param``), the executor's buffer sizes, and the same placement
+rules (resident parts on the GPU or not, how many layers AdamW-step on the GPU). ``megatrain estimate`` prints the
+plan for a config (the model is built on the meta device: nothing is allocated); ``check_fits`` raises before
+training starts when it cannot fit. Activations follow a documented Llama-style formula (``layer_recompute_bytes``),
+calibrated on CPU against the allocator; CUDA context sizes are named constants to recalibrate from
+``integration/measure_memory.py`` runs. Core module: imports torch only (transformers lazily, for ``main``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from .config import MegaTrainConfig, parse_dtype
+from .host_store import bytes_per_param
+from .layers import find_layer_stack, unit_layouts
+from .memory import available_host_bytes, format_bytes
+
+GiB = 1024 ** 3
+# Host RSS of python + torch + transformers + hf_megatrain imported (394 MiB measured, torch 2.13 CPU build), plus
+# the tokenizer/data-loader and allocator slack a training script adds.
+HOST_BASELINE_BYTES = 512 * 1024 ** 2
+# Host side of a CUDA process: CUDA runtime + driver state, cuBLAS/cuDNN/NCCL images loaded into memory
+# (0.5-1 GB observed on H100 hosts; the upper end is taken so "fits" errs on the safe side).
+CUDA_CONTEXT_HOST_BYTES = 1 * GiB
+# GPU memory outside the caching allocator: CUDA context + cuBLAS workspaces (~0.5 GiB on H100 with lazy loading).
+CUDA_CONTEXT_GPU_BYTES = 3 * GiB // 4
+# Caching-allocator fragmentation / rounding on top of the live tensors (block splitting, per-stream pools).
+GPU_FRAGMENTATION_FRACTION = 0.10
+# CPU device only: glibc keeps freed allocations below its mmap threshold (at most 32 MiB each) in the heap, so
+# the transients of a step stay in RSS up to about this much.
+CPU_MALLOC_RETENTION = 32 * 1024 ** 2
+LOSS_CHUNK_FACTOR = 4.5  # live [chunk, V] fp32-sized blocks in one loss chunk (bf16/fp32 logits, log-softmax, grad)
+
+
+def sum_values(d: dict[str, int]) -> int:
+    return sum(d.values())
+
+
+def _elt(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass
+class ModelShape:
+    """Everything the planner needs about a model: per-unit sizes (from the unit layouts) + layer dimensions."""
+
+    layer_numels: list[int]  # trainable parameters per streamed layer
+    layer_frozen: list[int]  # frozen parameters per streamed layer (stream in the slot, no optimizer state)
+    resident_numel: int  # trainable resident parameters (embeddings, final norm, lm_head; ties counted once)
+    resident_frozen: int
+    vocab: int
+    hidden: int
+    q_dim: int  # num_attention_heads * head_dim
+    kv_dim: int  # num_key_value_heads * head_dim
+    intermediate: int  # MLP width one token goes through (MoE: top_k experts + shared expert)
+    max_weight: int  # largest single weight of a layer (its gradient is one transient of the recompute)
+    tied: bool = False  # lm_head shares the input embedding
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_numels)
+
+    @property
+    def trainable(self) -> int:
+        return sum(self.layer_numels) + self.resident_numel
+
+    @property
+    def frozen(self) -> int:
+        return sum(self.layer_frozen) + self.resident_frozen
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module, layers_path: str | None = None) -> "ModelShape":
+        """From an HF causal LM (meta device is fine), with the engine's own layout code."""
+        stack = find_layer_stack(model, layers_path)
+        ul = unit_layouts(model, stack)
+        numels, frozen = ul.numels, ul.frozen_numels
+        layer_weights = [math.prod(x[2]) for lay in ul.layouts[:-1] + ul.frozen[:-1] for x in lay]
+        return cls._with_dims(model, numels[:-1], frozen[:-1], numels[-1], frozen[-1], max(layer_weights, default=0))
+
+    @classmethod
+    def from_engine(cls, engine: Any) -> "ModelShape":
+        units, res = engine.layer_units, engine.resident_unit
+        frozen = [getattr(u, "frozen_numel", 0) for u in units]
+        weights = [p.numel for u in units for p in list(u.params) + list(getattr(u, "frozen_params", []))]
+        return cls._with_dims(engine.model, [u.numel for u in units], frozen, res.numel,
+                              getattr(res, "frozen_numel", 0), max(weights, default=0))
+
+    @classmethod
+    def _with_dims(cls, model: Any, layers: list[int], frozen: list[int], resident: int, resident_frozen: int,
+                   max_weight: int) -> "ModelShape":
+        cfg = getattr(model, "config", None)
+        cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        head = model.get_output_embeddings().weight
+        vocab, hidden = head.shape
+        tied = model.get_input_embeddings().weight is head
+        get = lambda k, d=None: getattr(cfg, k, None) or d  # noqa: E731
+        heads = get("num_attention_heads", max(1, hidden // 128))
+        head_dim = get("head_dim", hidden // heads)
+        inter = get("intermediate_size", 4 * hidden)
+        if get("num_experts_per_tok") and get("moe_intermediate_size"):
+            inter = get("num_experts_per_tok") * get("moe_intermediate_size") + get("shared_expert_intermediate_size", 0)
+        return cls(layers, frozen, resident, resident_frozen, int(vocab), int(hidden), heads * head_dim,
+                   get("num_key_value_heads", heads) * head_dim, int(inter), max_weight, tied)
+
+
+def layer_recompute_bytes(shape: ModelShape, tokens: int, compute_dtype: torch.dtype) -> int:
+    """Peak of one decoder layer's recompute + backward for ``tokens`` tokens (SDPA/flash: no T x T term).
+
+    Saved activations per token: 2 norms (normalised + scaled: 4H), q/k/v after RoPE and the attention output
+    (+ its contiguous copy: 3Q + 2KV), MLP gate, up, act(gate), act*up (4I); backward transients: ~2I of
+    activation gradients less the H-sized ones already freed, and one weight gradient before it is accumulated
+    into the slot's gradient buffer. In bf16 the norms upcast to fp32 (+8H bytes). Calibrated on CPU (Llama, fp32
+    and bf16, GQA and MHA): within +2..+6 % of the allocator's peak.
+    """
+    c, H = _elt(compute_dtype), shape.hidden
+    per_token = c * (3 * H + 3 * shape.q_dim + 2 * shape.kv_dim + 6 * shape.intermediate)
+    per_token += 8 * H if c < 4 else 0
+    return tokens * per_token + c * shape.max_weight
+
+
+def resident_on_device(numel: int, config: MegaTrainConfig, device_type: str, gpu_free: int | None) -> bool:
+    """Engine rule: resident FP32 master + AdamW state on the device (``resident_placement``)."""
+    place = config.resident_placement
+    if place == "host" or device_type != "cuda":
+        return device_type == "cpu" and place != "host"
+    if place == "device":
+        return True
+    return numel * (16 + (2 if config.torch_compute_dtype != torch.float32 else 0)) <= \
+        config.resident_device_fraction * (gpu_free or 0)
+
+
+def device_step_count(num_layers: int, max_numel: int, config: MegaTrainConfig, device_type: str,
+                      gpu_free: int | None) -> int:
+    """Engine rule: how many streamed layers run AdamW on the GPU (``device_step_layers``; -1 = auto)."""
+    k = config.device_step_layers
+    if k == -1:
+        if device_type != "cuda":
+            return 0
+        per_layer, fixed = 4 * max_numel, 2 * (12 + _elt(config.torch_compute_dtype)) * max_numel
+        k = num_layers // 2
+        while k > 0 and k * per_layer + fixed > 0.3 * (gpu_free or 0):
+            k -= 1
+    return min(k, num_layers)
+
+
+@dataclass
+class Plan:
+    """Bytes per component. ``device`` lists what the engine puts on its device (host RAM when it is the CPU)."""
+
+    host: dict[str, int] = field(default_factory=dict)
+    device: dict[str, int] = field(default_factory=dict)
+    disk: dict[str, int] = field(default_factory=dict)
+    phases: dict[str, dict[str, int]] = field(default_factory=dict)  # device memory alive in each step phase
+    device_type: str = "cuda"
+    construction_extra: int = 0  # host bytes only alive while the engine converts the model (the source copy)
+    pinned: bool = False  # page-locking faults every store page in at allocation (else grad/copy pages come later)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def host_total(self) -> int:
+        """Host peak: the training peak or the conversion peak, whichever is higher. With the CPU as the device the
+        device buffers are host RAM too; unpinned store pages are first touched when written (gradients in the
+        backward), so the loss phases, which run before, do not coincide with them."""
+        steady = sum(self.host.values())
+        later = 0 if self.pinned else self.host.get("grad fp32", 0) + self.host.get("compute copy", 0)
+        construct = steady - later + self.construction_extra
+        if self.device_type != "cpu":
+            return max(steady, construct)
+        fixed = steady + sum(self.device.values())
+        ph = {k: sum_values(v) for k, v in self.phases.items()}
+        grad = 0 if self.pinned else self.host.get("grad fp32", 0)
+        train = max(fixed - grad + max(ph.get("loss forward", 0), ph.get("loss backward", 0)),
+                    fixed + max(ph.get("layer backward", 0), ph.get("gradients to host", 0)))
+        return max(train + min(max(ph.values(), default=0), CPU_MALLOC_RETENTION), construct)
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=lambda k: sum_values(self.phases[k])) if self.phases else ""
+
+    @property
+    def device_total(self) -> int:
+        """Fixed device buffers + the largest phase of a step."""
+        return sum(self.device.values()) + (sum_values(self.phases[self.peak_phase]) if self.phases else 0)
+
+
+def estimate(shape: ModelShape, config: MegaTrainConfig, seq_len: int, batch_size: int, *, device_type: str = "cuda",
+             gpu_free: int | None = None, grad_accum: int = 1, source_bytes: int = 0, gpus: int = 1) -> Plan:
+    """Predict what ``MegaTrainEngine`` allocates for ``shape`` under ``config`` on ``device_type``.
+
+    ``gpu_free``: free memory of the target GPU (drives the engine's placement choices); ``source_bytes``: the
+    live HF model handed to the engine (freed during conversion; 0 for ``from_pretrained_streamed``)."""
+    cdt, odt = config.torch_compute_dtype, config.torch_grad_offload_dtype
+    c, o, cuda = _elt(cdt), _elt(odt), device_type == "cuda"
+    plan = Plan(device_type=device_type, construction_extra=source_bytes, pinned=cuda and config.pin_memory)
+    on_dev = resident_on_device(shape.resident_numel, config, device_type, gpu_free)
+    res_host = 0 if (on_dev and cuda) else shape.resident_numel
+    n_host = sum(shape.layer_numels) + res_host
+    n_max = max(shape.layer_numels, default=0)
+    slot = max((a + b for a, b in zip(shape.layer_numels, shape.layer_frozen)), default=0)
+    h = plan.host
+    h["baseline (python, torch, transformers)"] = HOST_BASELINE_BYTES + (CUDA_CONTEXT_HOST_BYTES if cuda else 0)
+    h["master fp32"] = 4 * n_host
+    h["grad fp32"] = 4 * n_host
+    h["exp_avg fp32"] = 4 * n_host
+    h["exp_avg_sq fp32"] = 4 * n_host
+    h["compute copy"] = (bytes_per_param(cdt) - 16) * n_host  # the store's rule: none in fp32 compute
+    h["frozen params (compute dtype)"] = c * shape.frozen
+    # Staging is touched only when pinned (CUDA) or used: a second accumulation step or a non-fp32 offload.
+    staged = plan.pinned or grad_accum > 1 or o != 4
+    h["executor staging (2 x layer, offload dtype)"] = 2 * n_max * o if staged else 0
+
+    d = plan.device
+    tokens, V, H, L = batch_size * seq_len, shape.vocab, shape.hidden, shape.num_layers
+    chunk_seqs = config.micro_batch_size if 0 < config.micro_batch_size < batch_size else batch_size
+    if cuda:
+        d["CUDA context"] = CUDA_CONTEXT_GPU_BYTES
+    res, cc = shape.resident_numel, (c if c < 4 else 0)  # cc: a separate compute-dtype copy exists
+    if on_dev and cuda:
+        d["resident master, grad, AdamW, copy"] = (16 + cc) * res
+    elif not on_dev:
+        d["resident params (compute dtype)"] = c * res
+    d["weight slots"] = config.num_slots * slot * c
+    d["grad_param (1 x layer)"] = n_max * c
+    d["grad offload (2 x layer)"] = 2 * n_max * o
+    k = device_step_count(L, n_max, config, device_type, gpu_free)
+    if k:
+        d[f"GPU AdamW: {k} layers' fp32 grads + 2 state buffers"] = k * 4 * n_max + 2 * (12 + c) * n_max
+    # Activations and gradients: the phases of a step follow each other; the peak is the largest one.
+    boundaries = {"boundary activations ((L+1) x B x T x H)": (L + 1) * tokens * H * c,
+                  "final norm + loss input/grad": tokens * H * (2 * c + 4)}
+    chunk = min(config.loss_chunk_tokens, tokens)
+    plan.phases = {
+        "loss forward": {**boundaries, "loss chunk ([chunk, V] fp32 blocks)": int(LOSS_CHUNK_FACTOR * chunk * V * 4),
+                         "lm_head grad fp32 + chunk grad": V * H * (4 + c)},
+        "loss backward": {**boundaries, "lm_head grad fp32, scaled, cast": V * H * (8 + cc)},
+        "layer backward": {**boundaries, "lm_head grad (compute dtype)": V * H * c,
+                           "one layer's recompute (micro-batch chunk)": layer_recompute_bytes(
+                               shape, chunk_seqs * seq_len, cdt),
+                           "backward grad_out / grad_in": 2 * tokens * H * c},
+        "gradients to host": {"resident grads (compute dtype)": c * res,
+                              "tied embedding grad temp": V * H * c if shape.tied else 0},
+    }
+    if cuda:
+        d["allocator fragmentation"] = int(GPU_FRAGMENTATION_FRACTION * (
+            sum(v for n, v in d.items() if n != "CUDA context") + max(map(sum_values, plan.phases.values()))))
+    s = config.torch_save_dtype
+    plan.disk["model export (save_dtype)"] = shape.trainable * _elt(s) + shape.frozen * c
+    plan.disk["training state (AdamW m, v + fp32 master if export not fp32)"] = (
+        8 * shape.trainable + (4 * shape.trainable if s != torch.float32 else 0))
+    if gpus > 1:
+        plan.notes.append(f"hf_megatrain trains on one GPU (the Trainer refuses world_size > 1); the host numbers "
+                          f"are for one process: {gpus} independent processes would need {gpus}x.")
+        for key in list(h):
+            h[key] *= gpus
+    return plan
+
+
+def _fmt_fits(need: int, avail: int | None) -> str:
+    if avail is None:
+        return "no GPU here"
+    return ("fits" if need <= avail else "DOES NOT FIT") + f" ({format_bytes(avail)} available)"
+
+
+def check_fits(engine_or_shape: Any, config: MegaTrainConfig | None = None, seq_len: int | None = None,
+               batch_size: int = 1, *, host_available: int | None = None, gpu_available: int | None = None,
+               device_type: str | None = None) -> None:
+    """Raise ``MemoryError`` with what to change when the run cannot fit. Accepts a ``MegaTrainEngine`` (after
+    construction: GPU need is compared with free + what this process's allocator already holds) or a
+    ``ModelShape`` (before anything is allocated). ``seq_len=None`` checks host RAM only."""
+    engine = None if isinstance(engine_or_shape, ModelShape) else engine_or_shape
+    shape = engine_or_shape if engine is None else ModelShape.from_engine(engine)
+    config = config or (engine.config if engine is not None else MegaTrainConfig())
+    if device_type is None:
+        device_type = engine.device.type if engine is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    if gpu_available is None and device_type == "cuda" and torch.cuda.is_available():
+        dev = engine.device if engine is not None else torch.device("cuda", torch.cuda.current_device())
+        free, _ = torch.cuda.mem_get_info(dev)
+        gpu_available = free + torch.cuda.memory_reserved(dev) + CUDA_CONTEXT_GPU_BYTES  # context already paid
+    plan = estimate(shape, config, seq_len or 1, batch_size, device_type=device_type, gpu_free=gpu_available)
+    errors = []
+    if engine is None:  # before the store exists: the whole host plan must fit the reserve
+        host_available = available_host_bytes() if host_available is None else host_available
+        need = plan.host_total
+        if need > config.host_memory_fraction * host_available:
+            errors.append(f"needs {format_bytes(need)} host RAM, {format_bytes(host_available)} available "
+                          f"(host_memory_fraction={config.host_memory_fraction}); reduce the model size, use "
+                          "compute_dtype='float32' (no separate streaming copy, -2 B/param) or a larger machine")
+    if seq_len is not None and device_type == "cuda" and gpu_available is not None:
+        need = plan.device_total
+        if need > gpu_available:
+            errors.append(f"needs {format_bytes(need)} GPU memory for seq_len={seq_len}, batch_size={batch_size}, "
+                          f"{format_bytes(gpu_available)} available; reduce seq_len or batch_size, set "
+                          "micro_batch_size (splits the layer recompute), loss_chunk_tokens, or num_slots=2")
+    if errors:
+        raise MemoryError("hf_megatrain: this run does not fit: " + "; ".join(errors))
+
+
+# -- megatrain estimate ----------------------------------------------------------------------------------------------
+def load_shape(path: str, layers_path: str | None = None, trust_remote_code: bool = False) -> ModelShape:
+    """Build ``path``'s model on the meta device (local dir, config.json, or hub id) and measure its layout."""
+    import transformers
+
+    local = os.path.exists(path)
+    looks_local = path.startswith(("/", ".", "~")) or path.endswith(".json") or path.count("/") > 1
+    if not local and looks_local:
+        raise FileNotFoundError(f"{path}: no such file or directory; pass a model directory holding config.json, "
+                                "a config.json path, or a Hugging Face hub id")
+    try:
+        cfg = transformers.AutoConfig.from_pretrained(os.path.expanduser(path), trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        where = "the local config" if local else "the hub (no network, or not cached?)"
+        raise FileNotFoundError(f"could not load a model config for {path!r} from {where}: {e}. Pass a local "
+                                "directory with config.json or a config.json path.") from e
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, trust_remote_code=trust_remote_code)
+    model.tie_weights()
+    return ModelShape.from_model(model, layers_path)
+
+
+def _table(title: str, items: dict[str, int], total: int, verdict: str) -> list[str]:
+    lines = [f"{title}"] + [f"  {k:<52} {format_bytes(v):>12}" for k, v in items.items() if v]
+    return lines + [f"  {'total':<52} {format_bytes(total):>12}   {verdict}"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="megatrain estimate", description="Host RAM, GPU memory and disk a "
+                                "hf_megatrain run needs, from the model config alone (nothing is allocated).")
+    p.add_argument("model", help="model directory with config.json, a config.json path, or a hub id")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--batch-size", type=int, default=1, help="sequences per optimizer micro-step")
+    p.add_argument("--micro-batch-size", type=int, default=None, help="split inside a layer visit (0 = none)")
+    p.add_argument("--gpus", type=int, default=1)
+    p.add_argument("--compute-dtype", default=None, choices=["bfloat16", "float32"])
+    p.add_argument("--num-slots", type=int, default=None)
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--config", default=None, help="megatrain yaml (other MegaTrainConfig keys)")
+    p.add_argument("--gpu-memory", type=float, default=None,
+                   help="GiB of the target GPU when planning for another machine (default: this GPU, else 80)")
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    a = p.parse_args(argv)
+    try:
+        over = {k: v for k, v in (("compute_dtype", a.compute_dtype), ("num_slots", a.num_slots),
+                                  ("micro_batch_size", a.micro_batch_size)) if v is not None}
+        config = MegaTrainConfig.from_dict({**MegaTrainConfig.from_any(a.config).to_dict(), **over})
+        if a.seq_len <= 0 or a.batch_size <= 0 or a.gpus <= 0:
+            raise ValueError("--seq-len, --batch-size and --gpus must be positive")
+        shape = load_shape(a.model, config.layers_path, a.trust_remote_code)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"megatrain estimate: error: {e}", file=sys.stderr)
+        return 2
+    gpu_here = torch.cuda.is_available()
+    gpu_avail = torch.cuda.mem_get_info()[0] + CUDA_CONTEXT_GPU_BYTES if gpu_here else None
+    gpu_plan = a.gpu_memory * GiB if a.gpu_memory else (gpu_avail or 80 * GiB)
+    plan = estimate(shape, config, a.seq_len, a.batch_size, device_type="cuda", gpu_free=gpu_plan,
+                    grad_accum=a.grad_accum, gpus=a.gpus)
+    host_avail = available_host_bytes()
+    host_need = plan.host_total
+    host_ok = host_need <= config.host_memory_fraction * host_avail
+    gpu_ok = None if gpu_avail is None else plan.device_total <= gpu_avail
+    if a.json:
+        print(json.dumps({"params": {"trainable": shape.trainable, "frozen": shape.frozen},
+                          "shape": asdict(shape) | {"layer_numels": None, "layer_frozen": None},
+                          "host": plan.host, "gpu": plan.device, "disk": plan.disk,
+                          "host_total": host_need, "gpu_total": plan.device_total, "disk_total": sum(plan.disk.values()),
+                          "host_available": host_avail, "gpu_available": gpu_avail, "host_fits": host_ok,
+                          "gpu_fits": gpu_ok, "notes": plan.notes}, indent=1))
+        return 0
+    print(f"{a.model}: {shape.trainable / 1e9:.3f}B trainable parameters ({shape.num_layers} streamed layers, "
+          f"{shape.resident_numel / 1e6:.1f}M resident), {config.compute_dtype} compute, seq_len={a.seq_len}, "
+          f"batch_size={a.batch_size}")
+    host_v = _fmt_fits(host_need, int(config.host_memory_fraction * host_avail)) + " (host_memory_fraction)"
+    for line in (_table("Host RAM", plan.host, host_need, host_v)
+                 + _table("GPU memory (per GPU)", plan.device, plan.device_total, _fmt_fits(plan.device_total, gpu_avail))
+                 + _table("Disk (per checkpoint)", plan.disk, sum(plan.disk.values()), "")):
+        print(line)
+    for note in plan.notes + ([] if gpu_here else [f"no GPU here: placement planned for a "
+                                                     f"{format_bytes(gpu_plan)} GPU (--gpu-memory)"]):
+        print("note:", note)
+    fits = host_ok and gpu_ok is not False
+    print("verdict:", "fits this machine" if fits else "does NOT fit this machine")
+    return 0

@@ -1,0 +1,157 @@
+"""Memory planner: layouts shared with the engine, host prediction vs measured RSS on three model sizes, the
+activation formula vs the allocator, ``check_fits`` errors, and ``megatrain estimate`` (``planner.main``)."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+
+from hf_megatrain import MegaTrainConfig, MegaTrainEngine, planner
+from hf_megatrain.host_store import bytes_per_param
+from hf_megatrain.layers import find_layer_stack, unit_layouts
+
+from .models import COMMON, tiny
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _config_dir(tmp_path, **over) -> str:
+    transformers.LlamaConfig(**{**COMMON, **over}).save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_layouts_and_shape_match_engine(tie):
+    meta_cfg = tiny("llama", tie=tie).config
+    with torch.device("meta"):
+        meta = transformers.LlamaForCausalLM(meta_cfg)
+    meta.tie_weights()
+    ul = unit_layouts(meta, find_layer_stack(meta))
+    engine = MegaTrainEngine(tiny("llama", tie=tie), MegaTrainConfig(compute_dtype="float32"), device="cpu")
+    assert ul.numels == [u.numel for u in engine.store.units]
+    assert [[x[0] for x in lay] for lay in ul.layouts] == [[p.name for p in u.params] for u in engine.store.units]
+    assert planner.ModelShape.from_model(meta) == planner.ModelShape.from_engine(engine)
+    shape = planner.ModelShape.from_model(meta)
+    assert shape.tied == tie and shape.trainable == engine.num_parameters()
+    plan = planner.estimate(shape, MegaTrainConfig(), 64, 2, device_type="cuda", gpu_free=80 << 30)
+    n_host = sum(shape.layer_numels)  # the small resident part goes to the GPU (resident_placement="auto")
+    store = sum(plan.host[k] for k in ("master fp32", "grad fp32", "exp_avg fp32", "exp_avg_sq fp32", "compute copy"))
+    assert store == bytes_per_param(torch.bfloat16) * n_host
+
+
+def test_host_prediction_within_10_percent_of_measured(tmp_path):
+    """Three Llama sizes x {fp32, bf16}: engine + one train step in forked children of one subprocess; peak RSS
+    growth (store + executor buffers + step transients) vs the planner's host total less its baseline constant."""
+    out = tmp_path / "mem.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "integration", "measure_memory.py"), "--json", str(out)],
+                          capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert len(results) == 6
+    for r in results:
+        assert 0.9 <= r["host_ratio"] <= 1.1, (r, proc.stdout)
+
+
+def _alloc_peak(fn) -> int:
+    """Peak bytes in use by glibc malloc, sampled after every aten op of ``fn``."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class MI(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                   "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = MI
+
+    def inuse() -> int:
+        m = libc.mallinfo2()
+        return m.uordblks + m.hblkhd
+
+    class Peak(TorchDispatchMode):
+        peak = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            Peak.peak = max(Peak.peak, inuse())
+            return out
+
+    base = inuse()
+    Peak.peak = base
+    with Peak():
+        fn()
+    return Peak.peak - base
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_recompute_formula_vs_allocator(dtype):
+    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=1024, num_hidden_layers=1, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=64, attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(cfg).to(dtype)
+    layer = model.model.layers[0]
+    for p in layer.parameters():
+        p.grad = torch.zeros_like(p)
+    B, T = 2, 256
+    h, g = torch.randn(B, T, 256, dtype=dtype), torch.randn(B, T, 256, dtype=dtype)
+    pos = torch.arange(T)[None].expand(B, T)
+    pe = model.model.rotary_emb(h, pos)
+
+    def step():
+        x = h.detach().requires_grad_()
+        out = layer(x, attention_mask=None, position_ids=pos, position_embeddings=pe)
+        out = out[0] if isinstance(out, tuple) else out
+        torch.autograd.backward(out, g, inputs=[x] + list(layer.parameters()))
+
+    step()
+    measured = _alloc_peak(step)
+    predicted = planner.layer_recompute_bytes(planner.ModelShape.from_model(model), B * T, dtype)
+    assert 0.95 * measured <= predicted <= 1.2 * measured, (predicted, measured)
+
+
+def test_check_fits_errors_say_what_to_change():
+    shape = planner.ModelShape.from_model(tiny("llama"))
+    cfg = MegaTrainConfig()
+    with pytest.raises(MemoryError, match=r"needs .* host RAM, .* available .*; reduce"):
+        planner.check_fits(shape, cfg, host_available=1 << 20, device_type="cpu")
+    planner.check_fits(shape, cfg, host_available=1 << 40, device_type="cpu")
+    with pytest.raises(MemoryError, match=r"GPU memory for seq_len=4096.*reduce seq_len"):
+        planner.check_fits(shape, cfg, 4096, 8, host_available=1 << 40, gpu_available=256 << 20, device_type="cuda")
+    planner.check_fits(shape, cfg, 4096, 8, host_available=1 << 40, gpu_available=1 << 40, device_type="cuda")
+
+
+def test_check_fits_on_a_built_engine():
+    engine = MegaTrainEngine(tiny("llama"), MegaTrainConfig(compute_dtype="float32"), device="cpu")
+    planner.check_fits(engine, seq_len=16, batch_size=2)  # CPU engine: store already allocated, nothing to check
+
+
+def test_estimate_cli_table_and_verdict(tmp_path, capsys):
+    d = _config_dir(tmp_path)
+    assert planner.main([d, "--seq-len", "128", "--batch-size", "2"]) == 0
+    out = capsys.readouterr().out
+    for key in ("Host RAM", "master fp32", "GPU memory", "weight slots", "Disk", "model export", "verdict: "):
+        assert key in out, out
+    assert "fits this machine" in out
+    assert planner.main([os.path.join(d, "config.json"), "--compute-dtype", "float32", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["host"]["compute copy"] == 0 and data["host_fits"] is True
+    assert data["params"]["trainable"] == sum(p.numel() for p in tiny("llama").parameters())
+
+
+def test_estimate_cli_does_not_fit(tmp_path, capsys):
+    d = _config_dir(tmp_path, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                    num_attention_heads=64, num_key_value_heads=8, vocab_size=128256)
+    assert planner.main([d, "--seq-len", "8192"]) == 0
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" in out and "verdict: does NOT fit this machine" in out
+
+
+def test_estimate_cli_missing_path(capsys):
+    assert planner.main(["/nonexistent/model-dir"]) == 2
+    err = capsys.readouterr().err
+    assert "no such file or directory" in err and "config.json" in err

@@ -109,7 +109,8 @@ class ModelShape:
         head_dim = get("head_dim", hidden // heads)
         inter = get("intermediate_size", 4 * hidden)
         if get("num_experts_per_tok") and get("moe_intermediate_size"):
-            inter = get("num_experts_per_tok") * get("moe_intermediate_size") + get("shared_expert_intermediate_size", 0)
+            inter = (get("num_experts_per_tok") * get("moe_intermediate_size")
+                     + get("shared_expert_intermediate_size", 0))
         return cls(layers, frozen, resident, resident_frozen, int(vocab), int(hidden), heads * head_dim,
                    get("num_key_value_heads", heads) * head_dim, int(inter), max_weight, tied)
 
@@ -256,7 +257,7 @@ def estimate(shape: ModelShape, config: MegaTrainConfig, seq_len: int, batch_siz
             sum(v for n, v in d.items() if n != "CUDA context") + max(map(sum_values, plan.phases.values()))))
     s = config.torch_save_dtype
     plan.disk["model export (save_dtype)"] = shape.trainable * _elt(s) + shape.frozen * c
-    plan.disk["training state (AdamW m, v + fp32 master if export not fp32)"] = (
+    plan.disk["training state (AdamW m, v [+ fp32 master])"] = (
         8 * shape.trainable + (4 * shape.trainable if s != torch.float32 else 0))
     if gpus > 1:
         plan.notes.append(f"hf_megatrain trains on one GPU (the Trainer refuses world_size > 1); the host numbers "
@@ -264,12 +265,6 @@ def estimate(shape: ModelShape, config: MegaTrainConfig, seq_len: int, batch_siz
         for key in list(h):
             h[key] *= gpus
     return plan
-
-
-def _fmt_fits(need: int, avail: int | None) -> str:
-    if avail is None:
-        return "no GPU here"
-    return ("fits" if need <= avail else "DOES NOT FIT") + f" ({format_bytes(avail)} available)"
 
 
 def check_fits(engine_or_shape: Any, config: MegaTrainConfig | None = None, seq_len: int | None = None,
@@ -328,9 +323,18 @@ def load_shape(path: str, layers_path: str | None = None, trust_remote_code: boo
     return ModelShape.from_model(model, layers_path)
 
 
-def _table(title: str, items: dict[str, int], total: int, verdict: str) -> list[str]:
-    lines = [f"{title}"] + [f"  {k:<52} {format_bytes(v):>12}" for k, v in items.items() if v]
-    return lines + [f"  {'total':<52} {format_bytes(total):>12}   {verdict}"]
+def _rows(items: dict[str, int], indent: str = "  ") -> list[str]:
+    return [f"{indent}{k:<{56 - len(indent)}} {format_bytes(v):>11}" for k, v in items.items() if v]
+
+
+def _report(plan: Plan, host_verdict: str, gpu_verdict: str) -> list[str]:
+    peak = plan.peak_phase
+    others = ", ".join(f"{k} {format_bytes(sum_values(v))}" for k, v in plan.phases.items() if k != peak)
+    return (["Host RAM"] + _rows(plan.host) + [f"  {'total (peak)':<54} {format_bytes(plan.host_total):>11}   "
+                                                f"{host_verdict}", "GPU memory (per GPU)"] + _rows(plan.device)
+            + [f"  step peak = {peak}:"] + _rows(plan.phases.get(peak, {}), "    ") + [f"    (other phases: {others})"]
+            + [f"  {'total':<54} {format_bytes(plan.device_total):>11}   {gpu_verdict}", "Disk (per checkpoint)"]
+            + _rows(plan.disk) + [f"  {'total':<54} {format_bytes(sum_values(plan.disk)):>11}"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -372,19 +376,21 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         print(json.dumps({"params": {"trainable": shape.trainable, "frozen": shape.frozen},
                           "shape": asdict(shape) | {"layer_numels": None, "layer_frozen": None},
-                          "host": plan.host, "gpu": plan.device, "disk": plan.disk,
-                          "host_total": host_need, "gpu_total": plan.device_total, "disk_total": sum(plan.disk.values()),
+                          "host": plan.host, "gpu": plan.device, "gpu_phases": plan.phases,
+                          "gpu_peak_phase": plan.peak_phase, "disk": plan.disk,
+                          "host_total": host_need, "gpu_total": plan.device_total,
+                          "disk_total": sum(plan.disk.values()),
                           "host_available": host_avail, "gpu_available": gpu_avail, "host_fits": host_ok,
                           "gpu_fits": gpu_ok, "notes": plan.notes}, indent=1))
         return 0
     print(f"{a.model}: {shape.trainable / 1e9:.3f}B trainable parameters ({shape.num_layers} streamed layers, "
           f"{shape.resident_numel / 1e6:.1f}M resident), {config.compute_dtype} compute, seq_len={a.seq_len}, "
           f"batch_size={a.batch_size}")
-    host_v = _fmt_fits(host_need, int(config.host_memory_fraction * host_avail)) + " (host_memory_fraction)"
-    for line in (_table("Host RAM", plan.host, host_need, host_v)
-                 + _table("GPU memory (per GPU)", plan.device, plan.device_total, _fmt_fits(plan.device_total, gpu_avail))
-                 + _table("Disk (per checkpoint)", plan.disk, sum(plan.disk.values()), "")):
-        print(line)
+    host_v = (("fits" if host_ok else "DOES NOT FIT") + f" ({config.host_memory_fraction:g} x "
+              f"{format_bytes(host_avail)} available)")
+    gpu_v = "no GPU here" if gpu_ok is None else (("fits" if gpu_ok else "DOES NOT FIT")
+                                                   + f" ({format_bytes(gpu_avail)} free)")
+    print("\n".join(_report(plan, host_v, gpu_v)))
     for note in plan.notes + ([] if gpu_here else [f"no GPU here: placement planned for a "
                                                      f"{format_bytes(gpu_plan)} GPU (--gpu-memory)"]):
         print("note:", note)

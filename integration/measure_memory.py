@@ -109,7 +109,8 @@ def run_case(size: str, dtype: str, device: str, seq_len: int, batch_size: int, 
     plan = planner.estimate(shape, config, seq_len, batch_size, device_type=device, gpu_free=gpu_free,
                             source_bytes=4 * n_params)
     res = {"size": size, "dtype": dtype, "device": device, "params": n_params, "seq_len": seq_len,
-           "batch_size": batch_size, "seconds": round(time.perf_counter() - t0, 2), "rss_after_imports": imported, "baseline_rss": base,
+           "batch_size": batch_size, "seconds": round(time.perf_counter() - t0, 2),
+           "rss_after_imports": imported, "baseline_rss": base,
            "host_measured": peak,
            "host_predicted": plan.host_total - plan.host["baseline (python, torch, transformers)"],
            "store_nbytes": engine.store.nbytes, "loss": float(out.loss.detach())}

@@ -14,6 +14,7 @@ parameters, named as in ``PeftModel.named_parameters()`` (what PEFT's adapter st
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -27,8 +28,12 @@ from .executor import StreamedLayer, StreamingExecutor
 from .families import ModelHead, check_supported
 from .host_store import HostStore, Unit
 from .layers import find_layer_stack, group_layers
+from . import planner
+from .memory import available_device_bytes
 from .optimizer import CPUAdamW
 from .template import LayerTemplate
+
+logger = logging.getLogger(__name__)
 
 # transformers.Trainer.get_decay_parameter_names: no decay for biases and norm weights.
 _NO_DECAY = [re.compile(p) for p in (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")]
@@ -173,14 +178,10 @@ class MegaTrainEngine:
 
     # -- parameters ------------------------------------------------------------------------------------------------------
     def _resident_on_device(self, numel: int) -> bool:
-        place = self.config.resident_placement
-        if place == "host" or self.device.type != "cuda":
-            return self.device.type == "cpu" and place != "host"
-        if place == "device":
-            return True
-        per_param = 16 + (2 if self.compute_dtype != torch.float32 else 0)
-        free, _ = torch.cuda.mem_get_info(self.device)
-        return numel * per_param <= self.config.resident_device_fraction * free
+        on = planner.resident_on_device(numel, self.config, self.device.type, available_device_bytes(self.device))
+        logger.info("hf_megatrain: resident parts (%.1fM params): FP32 master and AdamW on the %s", numel / 1e6,
+                    "device" if on and self.device.type == "cuda" else "host")
+        return on
 
     def _push_resident(self, unit: Unit | None = None) -> None:
         """Copy the resident masters (via their streaming copy) into the device working parameters."""
@@ -284,21 +285,16 @@ class MegaTrainEngine:
     def _device_step_units(self) -> list[Unit]:
         """Streamed layers whose AdamW runs on the GPU (see device_stepper.py): every other layer, so the CPU and
         GPU workers alternate in the order the next forward consumes layers."""
-        k = self.config.device_step_layers
         units = [u for u in self.layer_units if u.numel > 0]  # frozen layers have nothing to step
         if not units:
             return []
-        if k == -1:
-            if self.device.type != "cuda":
-                return []
-            n = max(u.numel for u in units)
-            per_layer, fixed = 4 * n, 2 * (12 + torch.empty((), dtype=self.compute_dtype).element_size()) * n
-            free, _ = torch.cuda.mem_get_info(self.device)
-            k = len(units) // 2
-            while k > 0 and k * per_layer + fixed > 0.3 * free:
-                k -= 1
+        k = planner.device_step_count(len(units), max(u.numel for u in units), self.config, self.device.type,
+                                      available_device_bytes(self.device))
         order = list(range(1, len(units), 2)) + list(range(0, len(units), 2))
-        return [units[i] for i in sorted(order[:min(k, len(units))])]
+        chosen = [units[i] for i in sorted(order[:k])]
+        logger.info("hf_megatrain: AdamW of %d of %d streamed layers runs on the GPU, the rest on the CPU",
+                    len(chosen), len(units))
+        return chosen
 
     def _before_step(self) -> None:
         self.finish_backward()

@@ -38,12 +38,12 @@ def random_batches(steps, ga, batch, seq, vocab, seed, pad_some=True):
 
 
 def run_parity(model, *, steps=3, ga=2, batch=2, seq=12, lr=1e-3, wd=0.1, max_grad_norm=1.0, seed=0,
-               config: MegaTrainConfig | None = None, split_in_layer: bool = False, tol=1e-5):
+               config: MegaTrainConfig | None = None, split_in_layer: bool = False, tol=1e-5, device="cpu"):
     """Train a copy of ``model`` both ways; assert loss, every gradient and every updated weight match."""
-    ref = copy.deepcopy(model)
+    ref = copy.deepcopy(model).to(device)
     ours = copy.deepcopy(model)
     config = config or MegaTrainConfig(compute_dtype="float32")
-    engine = MegaTrainEngine(ours, config, device="cpu")
+    engine = MegaTrainEngine(ours, config, device=device)
     opt = engine.create_optimizer(lr=lr, weight_decay=wd, max_grad_norm=max_grad_norm)
     ropt = reference_optimizer(ref, lr, wd)
     vocab = model.config.vocab_size
@@ -56,7 +56,8 @@ def run_parity(model, *, steps=3, ga=2, batch=2, seq=12, lr=1e-3, wd=0.1, max_gr
         n_items = sum(int((lab[:, 1:] != -100).sum()) for _, lab in micro)
         ref_losses = []
         for ids, lab in micro:
-            out = ref(input_ids=ids, labels=lab, num_items_in_batch=torch.tensor(n_items))
+            out = ref(input_ids=ids.to(device), labels=lab.to(device),
+                      num_items_in_batch=torch.tensor(n_items, device=device))
             out.loss.backward()
             ref_losses.append(out.loss.detach())
         if split_in_layer:  # one big batch, split into micro-batches inside each layer visit
@@ -64,12 +65,12 @@ def run_parity(model, *, steps=3, ga=2, batch=2, seq=12, lr=1e-3, wd=0.1, max_gr
             lab = torch.cat([m[1] for m in micro])
             loss = engine(input_ids=ids, labels=lab, num_items_in_batch=n_items).loss
             loss.backward()
-            worst["loss"] = max(worst["loss"], rel(loss.detach(), sum(ref_losses)))
+            worst["loss"] = max(worst["loss"], rel(loss.detach().cpu(), sum(ref_losses).cpu()))
         else:
             for (ids, lab), rl in zip(micro, ref_losses):
                 loss = engine(input_ids=ids, labels=lab, num_items_in_batch=n_items).loss
                 loss.backward()
-                worst["loss"] = max(worst["loss"], rel(loss.detach(), rl))
+                worst["loss"] = max(worst["loss"], rel(loss.detach().cpu(), rl.cpu()))
         engine.finish_backward()
         total = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in ref.parameters()))
         for n, p in ref.named_parameters():
@@ -78,7 +79,7 @@ def run_parity(model, *, steps=3, ga=2, batch=2, seq=12, lr=1e-3, wd=0.1, max_gr
                 null_grad.add(n)
                 continue
             grad = unit.grad_device if unit.grad_device is not None else unit.grad  # GPU-stepped units keep it there
-            worst["grad"] = max(worst["grad"], rel(unit.view(grad, ps).cpu(), p.grad))
+            worst["grad"] = max(worst["grad"], rel(unit.view(grad, ps).cpu(), p.grad.cpu()))
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_grad_norm) if max_grad_norm else None
         ropt.step()
         ropt.zero_grad()
@@ -88,7 +89,8 @@ def run_parity(model, *, steps=3, ga=2, batch=2, seq=12, lr=1e-3, wd=0.1, max_gr
         if ref_norm is not None:
             assert abs(opt.last_grad_norm - float(ref_norm)) <= 1e-5 * float(ref_norm)
         for n, p in ref.named_parameters():
-            ours_w = engine.store.master_tensor(n)
+            ours_w = engine.store.master_tensor(n).cpu()
+            p = p.cpu()
             if n in null_grad:
                 assert float((ours_w - p.detach()).abs().max()) <= 1e-3 * lr, n
                 continue

@@ -1,0 +1,47 @@
+"""GPU parity (run through the device machine; skipped where CUDA is absent).
+
+The CPU suite runs the same executor synchronously; these run it with real streams, events, pinned memory,
+the GPU-resident embeddings/lm_head optimizer and the DeviceStepper (AdamW of streamed layers on the GPU).
+Compute is fp32 with TF32 off, so the tolerance stays at the CPU suite's 1e-5.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_megatrain import MegaTrainConfig
+
+from .models import tiny
+from .parity import run_parity
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+@pytest.mark.parametrize("device_step_layers", [0, 2])
+@pytest.mark.parametrize("family,tie", [("llama", False), ("qwen2", True)])
+def test_gpu_parity_streams_and_device_stepper(family, tie, device_step_layers):
+    cfg = MegaTrainConfig(compute_dtype="float32", device_step_layers=device_step_layers)
+    worst, engine, _ = run_parity(tiny(family, tie=tie, num_hidden_layers=4), config=cfg, device="cuda")
+    assert engine.resident_on_device
+    assert sum(u.grad_device is not None for u in engine.layer_units) == device_step_layers
+
+
+def test_gpu_parity_split_inside_layer_visit():
+    # One-sequence chunks make cuBLAS reduce the weight gradient over a different split than the reference's
+    # batch-2 GEMMs; measured on an H100: grads 2.3e-5, weights 1.3e-5 relative (the same test is 1e-5 on CPU).
+    cfg = MegaTrainConfig(compute_dtype="float32", micro_batch_size=1, device_step_layers=1)
+    run_parity(tiny("mistral"), config=cfg, split_in_layer=True, device="cuda", tol=5e-5)
+
+
+def test_gpu_moe_parity():
+    cfg = MegaTrainConfig(compute_dtype="float32")
+    run_parity(tiny("mixtral"), config=cfg, device="cuda")

@@ -10,7 +10,7 @@ import json
 from typing import Any
 
 
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     out: list[tuple[float, float]] = []
     for a, b in sorted(intervals):
         if out and a <= out[-1][1]:
@@ -20,11 +20,11 @@ def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return out
 
 
-def _length(iv: list[tuple[float, float]]) -> float:
+def length(iv: list[tuple[float, float]]) -> float:
     return sum(b - a for a, b in iv)
 
 
-def _intersect(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> float:
+def intersect(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> float:
     i = j = 0
     total = 0.0
     while i < len(x) and j < len(y):
@@ -65,16 +65,16 @@ def summarize(trace_path: str, window: tuple[float, float] | None = None) -> dic
         return {"error": "no GPU events in trace"}
     lo, hi = window or (min(a for a, _ in allgpu), max(b for _, b in allgpu))
     clip = lambda ivs: [(max(a, lo), min(b, hi)) for a, b in ivs if b > lo and a < hi]  # noqa: E731
-    K, H, D = _union(clip(kern)), _union(clip(h2d)), _union(clip(d2h))
+    K, H, D = union(clip(kern)), union(clip(h2d)), union(clip(d2h))
     wall = hi - lo
     out = {
         "wall_ms": wall / 1e3,
-        "compute_ms": _length(K) / 1e3,
-        "h2d_ms": _length(H) / 1e3,
-        "d2h_ms": _length(D) / 1e3,
-        "h2d_overlapped_with_compute_frac": _intersect(H, K) / max(_length(H), 1e-9),
-        "d2h_overlapped_with_compute_frac": _intersect(D, K) / max(_length(D), 1e-9),
-        "gpu_idle_frac": 1.0 - _length(K) / wall,
+        "compute_ms": length(K) / 1e3,
+        "h2d_ms": length(H) / 1e3,
+        "d2h_ms": length(D) / 1e3,
+        "h2d_overlapped_with_compute_frac": intersect(H, K) / max(length(H), 1e-9),
+        "d2h_overlapped_with_compute_frac": intersect(D, K) / max(length(D), 1e-9),
+        "gpu_idle_frac": 1.0 - length(K) / wall,
     }
     # Per labelled region (record_function names such as "megatrain.forward" / "megatrain.backward").
     regions: dict[str, dict[str, float]] = {}
@@ -85,10 +85,10 @@ def summarize(trace_path: str, window: tuple[float, float] | None = None) -> dic
         if b <= a:
             continue
         r = regions.setdefault(name, {"wall_ms": 0.0, "h2d_ms": 0.0, "h2d_under_compute_ms": 0.0})
-        Hs, Ks = _union(clip([(max(x, a), min(y, b)) for x, y in H if y > a and x < b])), \
-            _union([(max(x, a), min(y, b)) for x, y in K if y > a and x < b])
+        Hs, Ks = union(clip([(max(x, a), min(y, b)) for x, y in H if y > a and x < b])), \
+            union([(max(x, a), min(y, b)) for x, y in K if y > a and x < b])
         r["wall_ms"] += (b - a) / 1e3
-        r["h2d_ms"] += _length(Hs) / 1e3
-        r["h2d_under_compute_ms"] += _intersect(Hs, Ks) / 1e3
+        r["h2d_ms"] += length(Hs) / 1e3
+        r["h2d_under_compute_ms"] += intersect(Hs, Ks) / 1e3
     out["regions"] = regions
     return out

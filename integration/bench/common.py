@@ -29,6 +29,9 @@ from typing import Any, Callable
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from trace_summary import intersect as _overlap, length as _length, union as _union  # noqa: E402
+
 FULL_WIDTH = dict(hidden_size=5120, intermediate_size=13824, num_attention_heads=40, num_key_value_heads=8,
                   vocab_size=152064, max_position_embeddings=4096)
 TINY_WIDTH = dict(hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2,
@@ -195,33 +198,6 @@ def versions() -> dict[str, Any]:
 
 
 # -- profiler trace -> phases ---------------------------------------------------------------------------------------------
-def _union(iv: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[tuple[float, float]] = []
-    for a, b in sorted(iv):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return out
-
-
-def _length(iv: list[tuple[float, float]]) -> float:
-    return sum(b - a for a, b in iv)
-
-
-def _overlap(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> float:
-    i = j = 0
-    total = 0.0
-    while i < len(x) and j < len(y):
-        a, b = max(x[i][0], y[j][0]), min(x[i][1], y[j][1])
-        total += max(0.0, b - a)
-        if x[i][1] < y[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
-
-
 def _stream(e: dict) -> Any:
     args = e.get("args") or {}
     if "stream" in args:

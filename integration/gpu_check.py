@@ -167,6 +167,38 @@ def part_overlap(layers: int, sizes: list[int], steps: int, warmup: int, out_dir
     return res
 
 
+def part_variants(layers: int, steps: int) -> dict:
+    """Same engine, 8k tokens/step, timed three ways: with device syncs between phases (as part_overlap), without
+    (as the benchmark harness), and without but passing num_items_in_batch (as Trainer does)."""
+    model, _ = build_qwen2_14b_width(layers)
+    engine = MegaTrainEngine(model, MegaTrainConfig(compute_dtype="bfloat16"))
+    opt = engine.create_optimizer(lr=1e-5, weight_decay=0.1, max_grad_norm=1.0)
+    gen = torch.Generator().manual_seed(0)
+    out = {"device_step_layers": sum(u.grad_device is not None for u in engine.layer_units)}
+    for name, syncs, items in (("syncs", True, None), ("no_syncs", False, None), ("no_syncs_items", False, 8188),
+                               ("syncs_again", True, None)):
+        times = []
+        for i in range(steps + 2):
+            ids = torch.randint(0, 152064, (4, 2048), generator=gen)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            loss = engine(input_ids=ids, labels=ids, num_items_in_batch=items).loss
+            if syncs:
+                torch.cuda.synchronize()
+            loss.backward()
+            if syncs:
+                torch.cuda.synchronize()
+            opt.step()
+            opt.zero_grad()
+            torch.cuda.synchronize()
+            if i >= 2:
+                times.append(time.perf_counter() - t0)
+        out[name] = {"median_step_s": statistics.median(times), "steps": times}
+        print(name, out[name], flush=True)
+    opt.wait()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "integration/results"))
@@ -187,6 +219,8 @@ def main() -> None:
             if part == "parity":
                 result["parity"] = part_parity()
                 print("parity:", {k: v for k, v in result["parity"].items() if not k.startswith("loss_")}, flush=True)
+            elif part == "variants":
+                result["variants"] = part_variants(args.layers, args.steps)
             elif part == "overlap":
                 result["overlap"] = part_overlap(args.layers, [int(s) for s in args.sizes.split(",")], args.steps,
                                                  args.warmup, args.out, args.mbs)

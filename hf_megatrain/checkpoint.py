@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from .safetensors_io import (DEFAULT_MAX_SHARD_SIZE, WEIGHTS_PREFIX, CheckpointError, LazyTensors, copy_tensor_into,
+from .safetensors_io import (read_json_key, DEFAULT_MAX_SHARD_SIZE, WEIGHTS_PREFIX, CheckpointError, LazyTensors, copy_tensor_into,
                              open_safetensors, parse_size, save_weights, weight_files, write_json, write_safetensors)
 
 MASTER_PREFIX = "megatrain_master"  # FP32 master, written only when the exported weights are not FP32
@@ -148,11 +148,7 @@ def verify_checkpoint(path: str, *, training_state: bool = True) -> None:
         raise CheckpointError(f"checkpoint folder {path} does not exist")
     manifest_path = os.path.join(path, MANIFEST)
     if os.path.isfile(manifest_path):
-        try:
-            with open(manifest_path) as f:
-                files = json.load(f)["files"]
-        except (ValueError, KeyError) as e:
-            raise CheckpointError(f"corrupt manifest {manifest_path}: {e}") from e
+        files = read_json_key(manifest_path, "files")
         for fname, size in files.items():
             p = os.path.join(path, fname)
             if not os.path.isfile(p):

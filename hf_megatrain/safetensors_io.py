@@ -132,15 +132,20 @@ def write_json(path: str, obj: Any) -> None:
 
 
 # -- reading ---------------------------------------------------------------------------------------------------------
+def read_json_key(path: str, key: str) -> Any:
+    """``json.load(path)[key]``, or a ``CheckpointError`` naming the corrupt file."""
+    try:
+        with open(path) as f:
+            return json.load(f)[key]
+    except (ValueError, KeyError) as e:
+        raise CheckpointError(f"{path} is corrupt ({e}); re-save the checkpoint or pick another one") from e
+
+
 def weight_files(path: str, prefix: str = WEIGHTS_PREFIX) -> dict[str, list[str]] | None:
     """{shard file: [tensor names]} for the ``prefix`` weights in ``path`` (None when there are none)."""
     index = os.path.join(path, f"{prefix}.safetensors.index.json")
     if os.path.isfile(index):
-        try:
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-        except (ValueError, KeyError) as e:
-            raise CheckpointError(f"{index} is corrupt ({e}); re-save the checkpoint or pick another one") from e
+        weight_map = read_json_key(index, "weight_map")
         out: dict[str, list[str]] = {}
         for name, fname in weight_map.items():
             out.setdefault(fname, []).append(name)

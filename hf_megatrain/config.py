@@ -54,6 +54,9 @@ class MegaTrainConfig:
         device_step_layers: how many streamed layers run AdamW on the GPU (state streamed through PCIe) while the
             CPU steps the others at the same time; -1 = auto (every other layer on CUDA, as GPU memory allows;
             none on CPU-only machines).
+        optimizer_state_dir: disk tier: keep the AdamW moments (8 of the 18 host bytes per parameter) in
+            memory-mapped files in this directory (a fast local NVMe) instead of host RAM, for models beyond RAM.
+            Exact, slower (see README); with it, ``device_step_layers=-1`` steps every layer on the CPU.
     """
 
     compute_dtype: str = "bfloat16"
@@ -70,6 +73,7 @@ class MegaTrainConfig:
     skip_nonfinite: bool = True
     resident_placement: str = "auto"
     device_step_layers: int = -1
+    optimizer_state_dir: str | None = None
     resident_device_fraction: float = 0.5
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -91,6 +95,9 @@ class MegaTrainConfig:
         if self.device_step_layers < -1:
             raise ValueError(f"device_step_layers={self.device_step_layers}: use -1 (auto), 0 (all on the CPU) "
                              "or a number of layers")
+        if self.optimizer_state_dir is not None and not os.path.isdir(self.optimizer_state_dir):
+            raise ValueError(f"optimizer_state_dir={self.optimizer_state_dir!r} is not an existing directory; create "
+                             "it on a local disk with room for 8 bytes per parameter, or leave it unset")
         if self.resident_placement not in ("auto", "device", "host"):
             raise ValueError(f"resident_placement={self.resident_placement!r}; use 'auto', 'device' or 'host'")
         if self.extra:

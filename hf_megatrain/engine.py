@@ -119,7 +119,7 @@ class MegaTrainEngine:
         devices = [None] * (len(layouts) - 1) + [self.device if self.resident_on_device else None]
         self.store = HostStore(layouts, compute_dtype=self.compute_dtype, pin=pin,
                                memory_fraction=config.host_memory_fraction, streamed=streamed, devices=devices,
-                               frozen_layouts=frozen_layouts)
+                               frozen_layouts=frozen_layouts, state_dir=config.optimizer_state_dir)
         self.layer_units = self.store.units[:-1]
         self.resident_unit = self.store.units[-1]
         self.resident_params: dict[str, nn.Parameter] = dict(resident)
@@ -286,8 +286,8 @@ class MegaTrainEngine:
         """Streamed layers whose AdamW runs on the GPU (see device_stepper.py): every other layer, so the CPU and
         GPU workers alternate in the order the next forward consumes layers."""
         units = [u for u in self.layer_units if u.numel > 0]  # frozen layers have nothing to step
-        if not units:
-            return []
+        if not units or (self.config.optimizer_state_dir and self.config.device_step_layers == -1):
+            return []  # disk-tier moments cannot be page-locked for fast PCIe streaming: keep AdamW on the CPU
         k = planner.device_step_count(len(units), max(u.numel for u in units), self.config, self.device.type,
                                       available_device_bytes(self.device))
         order = list(range(1, len(units), 2)) + list(range(0, len(units), 2))

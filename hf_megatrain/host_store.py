@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .memory import alloc_host, check_host_memory
+from .memory import alloc_host, alloc_on_disk, check_disk_space, check_host_memory
 
 
 @dataclass
@@ -85,10 +85,12 @@ class HostStore:
     def __init__(self, layouts: list[list[tuple[str, str, tuple[int, ...], bool]]], *, compute_dtype: torch.dtype,
                  pin: bool, memory_fraction: float = 0.9, streamed: list[bool] | None = None,
                  devices: list[torch.device | None] | None = None,
-                 frozen_layouts: list[list[tuple[str, str, tuple[int, ...]]]] | None = None) -> None:
+                 frozen_layouts: list[list[tuple[str, str, tuple[int, ...]]]] | None = None,
+                 state_dir: str | None = None) -> None:
         """``devices[i]`` places unit i's buffers on an accelerator instead of the host (resident parts whose
         optimizer runs on the GPU); ``None`` = host. ``frozen_layouts[i]`` lists unit i's frozen parameters
-        (name, local name, shape): host compute-dtype buffer only."""
+        (name, local name, shape): host compute-dtype buffer only. ``state_dir`` puts the AdamW moments of host
+        units in memory-mapped files there (the disk tier), taking 8 bytes per parameter off host RAM."""
         self.compute_dtype = compute_dtype
         devices = devices or [None] * len(layouts)
         frozen_layouts = frozen_layouts or [[] for _ in layouts]
@@ -98,9 +100,13 @@ class HostStore:
         self.frozen_numel = sum(frozen_sizes)
         elt = torch.empty((), dtype=compute_dtype).element_size()
         host_numel = sum(n for n, d in zip(sizes, devices) if d is None or d.type == "cpu")
-        check_host_memory(host_numel * bytes_per_param(compute_dtype) + self.frozen_numel * elt, memory_fraction,
+        self.state_dir = state_dir
+        ram_per_param = bytes_per_param(compute_dtype) - (8 if state_dir else 0)
+        if state_dir:
+            check_disk_space(8 * host_numel, state_dir, f"the AdamW state of {host_numel / 1e6:.1f}M parameters")
+        check_host_memory(host_numel * ram_per_param + self.frozen_numel * elt, memory_fraction,
                           what=f"the host store for {host_numel / 1e6:.1f}M trainable parameters "
-                               f"({bytes_per_param(compute_dtype)} bytes each) and {self.frozen_numel / 1e6:.1f}M "
+                               f"({ram_per_param} bytes each) and {self.frozen_numel / 1e6:.1f}M "
                                f"frozen ones ({elt} bytes each)")
         self.units: list[Unit] = []
         self.by_name: dict[str, tuple[Unit, ParamSlice]] = {}
@@ -112,14 +118,18 @@ class HostStore:
                 params.append(ParamSlice(name, local, tuple(shape), off, n, decay))
                 off += n
             dev = devices[i]
-            if dev is None or dev.type == "cpu":
+            on_host = dev is None or dev.type == "cpu"
+            if on_host:
                 alloc = lambda n, dt, pinned=pin: alloc_host(n, dt, pinned)  # noqa: E731
             else:
                 alloc = lambda n, dt, pinned=False: torch.empty(n, dtype=dt, device=dev)  # noqa: E731
+            if on_host and state_dir:
+                moment = lambda n: alloc_on_disk(n, torch.float32, state_dir)  # noqa: E731  (sparse file: zeros)
+            else:
+                moment = lambda n: alloc(n, torch.float32, False).zero_()  # noqa: E731
             master = alloc(off, torch.float32)
             compute = master if compute_dtype == torch.float32 else alloc(off, compute_dtype)
-            unit = Unit(i, params, off, master, alloc(off, torch.float32),
-                        alloc(off, torch.float32, False).zero_(), alloc(off, torch.float32, False).zero_(), compute,
+            unit = Unit(i, params, off, master, alloc(off, torch.float32), moment(off), moment(off), compute,
                         streamed=True if streamed is None else streamed[i])
             unit.by_name = {p.name: p for p in params}
             for p in params:

@@ -4,6 +4,8 @@ up-front "will it fit" check that runs before any large allocation."""
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import weakref
 
 import torch
@@ -59,6 +61,29 @@ def pin_(t: torch.Tensor) -> torch.Tensor:
     if int(err) == 0:
         weakref.finalize(t, torch.cuda.cudart().cudaHostUnregister, t.data_ptr())
     return t
+
+
+def alloc_on_disk(numel: int, dtype: torch.dtype, directory: str) -> torch.Tensor:
+    """A zero-filled buffer backed by a memory-mapped file in ``directory`` (the disk tier).
+
+    The file is created sparse and unlinked right after mapping: the kernel pages it in and out as the optimizer
+    touches it, nothing is left behind if the process dies, and no host RAM is reserved for it up front.
+    """
+    fd, path = tempfile.mkstemp(prefix="megatrain-state-", suffix=".bin", dir=directory)
+    try:
+        os.ftruncate(fd, max(numel, 1) * torch.empty((), dtype=dtype).element_size())
+        t = torch.from_file(path, shared=True, size=max(numel, 1), dtype=dtype)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return t[:numel]
+
+
+def check_disk_space(needed: int, directory: str, what: str) -> None:
+    free = shutil.disk_usage(directory).free
+    if needed > free:
+        raise HostMemoryError(f"not enough disk in {directory} for {what}: need {format_bytes(needed)}, free "
+                              f"{format_bytes(free)}. Point optimizer_state_dir at a larger local disk.")
 
 
 def alloc_host(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:

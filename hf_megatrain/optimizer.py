@@ -71,7 +71,10 @@ class CPUAdamW(torch.optim.Optimizer):
         self._on_device = {u.index for u in device_stepper.units} if device_stepper else set()
         self._counts = [0] * len(store.units)  # AdamW step count per unit
         self.skipped_steps = 0
-        self.last_step_seconds = 0.0  # wall time of the last step's unit updates (worker threads when overlapped)
+        # Wall time of the last *finished* step's unit updates (worker threads when overlapped); published by
+        # wait(), so reading it right after step() returns gives the previous step, never a partial figure.
+        self.last_step_seconds = 0.0
+        self._running_seconds = 0.0
         self.last_norm_seconds = 0.0
         self.last_grad_norm: float | None = None
         self._done = [threading.Event() for _ in store.units]
@@ -122,7 +125,7 @@ class CPUAdamW(torch.optim.Optimizer):
         dev = [i for i in self.unit_order if i in self._on_device]
         jobs = [(self._run_host, host)] + ([(self._run_device, dev)] if dev else [])
         t0 = time.perf_counter()
-        self.last_step_seconds = 0.0
+        self._running_seconds = 0.0
         if self.overlap:
             for e in self._done:
                 e.clear()
@@ -133,13 +136,14 @@ class CPUAdamW(torch.optim.Optimizer):
         else:
             for fn, order in jobs:
                 self._guard(fn, order, hyper, grad_scale, t0)
+            self.last_step_seconds = self._running_seconds
         return loss
 
     def _guard(self, fn: Callable, order: list[int], hyper: list[dict], grad_scale: float | None,
                t0: float) -> None:
         try:
             fn(order, hyper, grad_scale)
-            self.last_step_seconds = max(self.last_step_seconds, time.perf_counter() - t0)
+            self._running_seconds = max(self._running_seconds, time.perf_counter() - t0)
         except BaseException as e:  # surfaced by wait()
             self._error = e
             for ev in self._done:
@@ -196,6 +200,7 @@ class CPUAdamW(torch.optim.Optimizer):
         for w in self._workers:
             w.join()
         self._workers = []
+        self.last_step_seconds = self._running_seconds
         self._raise_pending()
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]

@@ -27,7 +27,7 @@ from .device_stepper import DeviceStepper
 from .executor import StreamedLayer, StreamingExecutor
 from .families import ModelHead, check_supported
 from .host_store import HostStore, Unit
-from .layers import find_layer_stack, group_layers
+from .layers import UnitLayouts, find_layer_stack, group_layers, unit_layouts
 from . import planner
 from .memory import available_device_bytes
 from .optimizer import CPUAdamW
@@ -99,27 +99,20 @@ class MegaTrainEngine:
         layers = self.stack.layers
         decay = default_decay_names(model) if decay_names is None else set(decay_names)
 
-        # Layouts: one unit per layer, then one resident unit (parameters shared by tying appear once).
-        # Frozen parameters get a compute-dtype layout of their own (no master, no optimizer state).
+        # Layouts (layers.unit_layouts, shared with the planner): one unit per layer, then one resident unit
+        # (parameters shared by tying appear once). Frozen layer parameters get a compute-dtype layout of their own
+        # (no master, no optimizer state); frozen resident ones stay on the device (``frozen_resident``).
+        ul = unit_layouts(model, self.stack, decay)
         layer_param_ids = {id(p) for p in layers.parameters()}
-        layouts, frozen_layouts, streamed = [], [], []
-        for i, layer in enumerate(layers):
-            prefix = f"{self.stack.path}.{i}."
-            named = list(layer.named_parameters())
-            layouts.append([(prefix + n, n, tuple(p.shape), prefix + n in decay) for n, p in named if p.requires_grad])
-            frozen_layouts.append([(prefix + n, n, tuple(p.shape)) for n, p in named if not p.requires_grad])
-            streamed.append(True)
         outside = [(n, p) for n, p in model.named_parameters() if id(p) not in layer_param_ids]
         resident = [(n, p) for n, p in outside if p.requires_grad]
-        layouts.append([(n, n, tuple(p.shape), n in decay) for n, p in resident])
-        frozen_layouts.append([])
-        streamed.append(False)
-        resident_numel = sum(p.numel() for _, p in resident)
-        self.resident_on_device = self._resident_on_device(resident_numel)
-        devices = [None] * (len(layouts) - 1) + [self.device if self.resident_on_device else None]
-        self.store = HostStore(layouts, compute_dtype=self.compute_dtype, pin=pin,
-                               memory_fraction=config.host_memory_fraction, streamed=streamed, devices=devices,
-                               frozen_layouts=frozen_layouts, state_dir=config.optimizer_state_dir)
+        self.resident_on_device = self._resident_on_device(ul.numels[-1])
+        self._check_host_fits(ul)  # the planner's numbers, before any large allocation
+        devices = [None] * (len(ul.layouts) - 1) + [self.device if self.resident_on_device else None]
+        self.store = HostStore(ul.layouts, compute_dtype=self.compute_dtype, pin=pin,
+                               memory_fraction=config.host_memory_fraction,
+                               streamed=[True] * (len(ul.layouts) - 1) + [False], devices=devices,
+                               frozen_layouts=ul.frozen[:-1] + [[]], state_dir=config.optimizer_state_dir)
         self.layer_units = self.store.units[:-1]
         self.resident_unit = self.store.units[-1]
         self.resident_params: dict[str, nn.Parameter] = dict(resident)
@@ -175,6 +168,7 @@ class MegaTrainEngine:
         chosen = self._device_step_units()
         self.device_stepper = DeviceStepper(chosen, self.device, self.compute_dtype) if chosen else None
         self.optimizer: CPUAdamW | None = None
+        self._checked_shapes: set[tuple[int, int]] = set()  # (batch, seq) shapes the GPU check passed
 
     # -- parameters ------------------------------------------------------------------------------------------------------
     def _resident_on_device(self, numel: int) -> bool:
@@ -182,6 +176,27 @@ class MegaTrainEngine:
         logger.info("hf_megatrain: resident parts (%.1fM params): FP32 master and AdamW on the %s", numel / 1e6,
                     "device" if on and self.device.type == "cuda" else "host")
         return on
+
+    def _check_host_fits(self, ul: UnitLayouts) -> None:
+        """Refuse a model whose host store (+ the executor's host buffers) will not fit the available RAM, with the
+        planner's needed-vs-available message, before anything large is allocated or the model is touched."""
+        shape = planner.ModelShape.from_layouts(self.model, ul)
+        planner.check_fits(shape, self.config, device_type=self.device.type,
+                           gpu_available=available_device_bytes(self.device), baseline_paid=True,
+                           resident_on_dev=self.resident_on_device)
+
+    def _check_step_fits(self, input_ids: torch.Tensor | None, kwargs: dict[str, Any]) -> None:
+        """CUDA, training: the first time a (batch, seq) shape comes, check the planner's GPU peak for a step of
+        it against the GPU memory this process can use, so a step that cannot fit fails with what to change
+        instead of an out-of-memory error mid-backward."""
+        ref = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
+        if self.device.type != "cuda" or not self.model.training or not isinstance(ref, torch.Tensor) \
+                or ref.dim() < 2:
+            return
+        key = (int(ref.shape[0]), int(ref.shape[1]))
+        if key not in self._checked_shapes:
+            planner.check_fits(self, seq_len=key[1], batch_size=key[0])
+            self._checked_shapes.add(key)
 
     def _push_resident(self, unit: Unit | None = None) -> None:
         """Copy the resident masters (via their streaming copy) into the device working parameters."""
@@ -246,6 +261,7 @@ class MegaTrainEngine:
         if self.executor.backward_ran or any(p.grad is not None for p in self.resident_params.values()):
             self.finish_backward()
         self.executor.training = self.model.training
+        self._check_step_fits(input_ids, kwargs)
         dev = self.device
         move = lambda t: t.to(dev, non_blocking=True) if isinstance(t, torch.Tensor) else t  # noqa: E731
         kwargs = {k: move(v) for k, v in kwargs.items()}

@@ -23,7 +23,7 @@ import torch
 
 from .config import MegaTrainConfig, parse_dtype
 from .host_store import bytes_per_param
-from .layers import find_layer_stack, unit_layouts
+from .layers import UnitLayouts, find_layer_stack, unit_layouts
 from .memory import available_host_bytes, format_bytes
 
 GiB = 1024 ** 3
@@ -82,8 +82,11 @@ class ModelShape:
     @classmethod
     def from_model(cls, model: torch.nn.Module, layers_path: str | None = None) -> "ModelShape":
         """From an HF causal LM (meta device is fine), with the engine's own layout code."""
-        stack = find_layer_stack(model, layers_path)
-        ul = unit_layouts(model, stack)
+        return cls.from_layouts(model, unit_layouts(model, find_layer_stack(model, layers_path)))
+
+    @classmethod
+    def from_layouts(cls, model: torch.nn.Module, ul: UnitLayouts) -> "ModelShape":
+        """From layouts already computed (the engine's own, before it allocates: no second walk of the model)."""
         numels, frozen = ul.numels, ul.frozen_numels
         layer_weights = [math.prod(x[2]) for lay in ul.layouts[:-1] + ul.frozen[:-1] for x in lay]
         return cls._with_dims(model, numels[:-1], frozen[:-1], numels[-1], frozen[-1], max(layer_weights, default=0))
@@ -146,7 +149,7 @@ def device_step_count(num_layers: int, max_numel: int, config: MegaTrainConfig, 
     """Engine rule: how many streamed layers run AdamW on the GPU (``device_step_layers``; -1 = auto)."""
     k = config.device_step_layers
     if k == -1:
-        if device_type != "cuda":
+        if device_type != "cuda" or config.optimizer_state_dir:  # disk-tier moments stay with the CPU AdamW
             return 0
         per_layer, fixed = 4 * max_numel, 2 * (12 + _elt(config.torch_compute_dtype)) * max_numel
         k = num_layers // 2
@@ -196,15 +199,18 @@ class Plan:
 
 
 def estimate(shape: ModelShape, config: MegaTrainConfig, seq_len: int, batch_size: int, *, device_type: str = "cuda",
-             gpu_free: int | None = None, grad_accum: int = 1, source_bytes: int = 0, gpus: int = 1) -> Plan:
+             gpu_free: int | None = None, grad_accum: int = 1, source_bytes: int = 0, gpus: int = 1,
+             resident_on_dev: bool | None = None, device_steps: int | None = None) -> Plan:
     """Predict what ``MegaTrainEngine`` allocates for ``shape`` under ``config`` on ``device_type``.
 
     ``gpu_free``: free memory of the target GPU (drives the engine's placement choices); ``source_bytes``: the
-    live HF model handed to the engine (freed during conversion; 0 for ``from_pretrained_streamed``)."""
+    live HF model handed to the engine (freed during conversion; 0 for ``from_pretrained_streamed``).
+    ``resident_on_dev`` / ``device_steps``: placement an engine already chose (else derived from ``gpu_free``)."""
     cdt, odt = config.torch_compute_dtype, config.torch_grad_offload_dtype
     c, o, cuda = _elt(cdt), _elt(odt), device_type == "cuda"
     plan = Plan(device_type=device_type, construction_extra=source_bytes, pinned=cuda and config.pin_memory)
-    on_dev = resident_on_device(shape.resident_numel, config, device_type, gpu_free)
+    on_dev = (resident_on_device(shape.resident_numel, config, device_type, gpu_free) if resident_on_dev is None
+              else resident_on_dev)
     res_host = 0 if (on_dev and cuda) else shape.resident_numel
     n_host = sum(shape.layer_numels) + res_host
     n_max = max(shape.layer_numels, default=0)
@@ -213,10 +219,13 @@ def estimate(shape: ModelShape, config: MegaTrainConfig, seq_len: int, batch_siz
     h["baseline (python, torch, transformers)"] = HOST_BASELINE_BYTES + (CUDA_CONTEXT_HOST_BYTES if cuda else 0)
     h["master fp32"] = 4 * n_host
     h["grad fp32"] = 4 * n_host
-    h["exp_avg fp32"] = 4 * n_host
-    h["exp_avg_sq fp32"] = 4 * n_host
+    # Disk tier: the host units' moments live in memory-mapped files (page cache, reclaimable), not in RSS.
+    on_disk = bool(config.optimizer_state_dir)
+    h["exp_avg fp32"] = 0 if on_disk else 4 * n_host
+    h["exp_avg_sq fp32"] = 0 if on_disk else 4 * n_host
     h["compute copy"] = (bytes_per_param(cdt) - 16) * n_host  # the store's rule: none in fp32 compute
-    h["frozen params (compute dtype)"] = c * shape.frozen
+    # Frozen resident parameters (a PEFT base's embeddings) stay on the GPU with CUDA; streamed ones on the host.
+    h["frozen params (compute dtype)"] = c * (shape.frozen - (shape.resident_frozen if cuda else 0))
     # Staging is touched only when pinned (CUDA) or used: a second accumulation step or a non-fp32 offload.
     staged = plan.pinned or grad_accum > 1 or o != 4
     h["executor staging (2 x layer, offload dtype)"] = 2 * n_max * o if staged else 0
@@ -231,10 +240,12 @@ def estimate(shape: ModelShape, config: MegaTrainConfig, seq_len: int, batch_siz
         d["resident master, grad, AdamW, copy"] = (16 + cc) * res
     elif not on_dev:
         d["resident params (compute dtype)"] = c * res
+    if cuda:
+        d["frozen resident params (compute dtype)"] = c * shape.resident_frozen
     d["weight slots"] = config.num_slots * slot * c
     d["grad_param (1 x layer)"] = n_max * c
     d["grad offload (2 x layer)"] = 2 * n_max * o
-    k = device_step_count(L, n_max, config, device_type, gpu_free)
+    k = device_step_count(L, n_max, config, device_type, gpu_free) if device_steps is None else device_steps
     if k:
         d[f"GPU AdamW: {k} layers' fp32 grads + 2 state buffers"] = k * 4 * n_max + 2 * (12 + c) * n_max
     # Activations and gradients: the phases of a step follow each other; the peak is the largest one.
@@ -256,6 +267,8 @@ def estimate(shape: ModelShape, config: MegaTrainConfig, seq_len: int, batch_siz
         d["allocator fragmentation"] = int(GPU_FRAGMENTATION_FRACTION * (
             sum(v for n, v in d.items() if n != "CUDA context") + max(map(sum_values, plan.phases.values()))))
     s = config.torch_save_dtype
+    if on_disk:
+        plan.disk["AdamW moments while training (optimizer_state_dir)"] = 8 * n_host
     plan.disk["model export (save_dtype)"] = shape.trainable * _elt(s) + shape.frozen * c
     plan.disk["training state (AdamW m, v [+ fp32 master])"] = (
         8 * shape.trainable + (4 * shape.trainable if s != torch.float32 else 0))
@@ -269,10 +282,15 @@ def estimate(shape: ModelShape, config: MegaTrainConfig, seq_len: int, batch_siz
 
 def check_fits(engine_or_shape: Any, config: MegaTrainConfig | None = None, seq_len: int | None = None,
                batch_size: int = 1, *, host_available: int | None = None, gpu_available: int | None = None,
-               device_type: str | None = None) -> None:
+               device_type: str | None = None, baseline_paid: bool = False,
+               resident_on_dev: bool | None = None) -> None:
     """Raise ``MemoryError`` with what to change when the run cannot fit. Accepts a ``MegaTrainEngine`` (after
     construction: GPU need is compared with free + what this process's allocator already holds) or a
-    ``ModelShape`` (before anything is allocated). ``seq_len=None`` checks host RAM only."""
+    ``ModelShape`` (before anything is allocated). ``seq_len=None`` checks host RAM only.
+
+    ``baseline_paid``: the caller is a running process (python, torch, the model already imported), so that part
+    of the host baseline is in use already and MemAvailable reflects it (the engine's pre-allocation check);
+    ``resident_on_dev``: the resident placement the caller already chose."""
     engine = None if isinstance(engine_or_shape, ModelShape) else engine_or_shape
     shape = engine_or_shape if engine is None else ModelShape.from_engine(engine)
     config = config or (engine.config if engine is not None else MegaTrainConfig())
@@ -282,21 +300,34 @@ def check_fits(engine_or_shape: Any, config: MegaTrainConfig | None = None, seq_
         dev = engine.device if engine is not None else torch.device("cuda", torch.cuda.current_device())
         free, _ = torch.cuda.mem_get_info(dev)
         gpu_available = free + torch.cuda.memory_reserved(dev) + CUDA_CONTEXT_GPU_BYTES  # context already paid
-    plan = estimate(shape, config, seq_len or 1, batch_size, device_type=device_type, gpu_free=gpu_available)
+    steps = None
+    if engine is not None:  # what the engine placed, not what the rules would pick for today's free memory
+        resident_on_dev = engine.resident_on_device
+        stepper = getattr(engine, "device_stepper", None)
+        steps = len(stepper.units) if stepper is not None else 0
+    plan = estimate(shape, config, seq_len or 1, batch_size, device_type=device_type, gpu_free=gpu_available,
+                    resident_on_dev=resident_on_dev, device_steps=steps)
     errors = []
     if engine is None:  # before the store exists: the whole host plan must fit the reserve
         host_available = available_host_bytes() if host_available is None else host_available
-        need = plan.host_total
+        need = plan.host_total - (HOST_BASELINE_BYTES if baseline_paid else 0)
         if need > config.host_memory_fraction * host_available:
+            per_param = (bytes_per_param(config.torch_compute_dtype)
+                         - (8 if config.optimizer_state_dir else 0))
             errors.append(f"needs {format_bytes(need)} host RAM, {format_bytes(host_available)} available "
-                          f"(host_memory_fraction={config.host_memory_fraction}); reduce the model size, use "
-                          "compute_dtype='float32' (no separate streaming copy, -2 B/param) or a larger machine")
+                          f"(host_memory_fraction={config.host_memory_fraction}; {shape.trainable / 1e6:.1f}M "
+                          f"trainable parameters at {per_param} B each, {shape.frozen / 1e6:.1f}M frozen); reduce "
+                          "the model size, freeze parameters (PEFT/LoRA: frozen ones cost only their compute "
+                          "dtype), use compute_dtype='float32' (no separate streaming copy, -2 B/param), "
+                          "optimizer_state_dir (AdamW moments on disk, -8 B/param) or a machine with more RAM")
     if seq_len is not None and device_type == "cuda" and gpu_available is not None:
         need = plan.device_total
         if need > gpu_available:
             errors.append(f"needs {format_bytes(need)} GPU memory for seq_len={seq_len}, batch_size={batch_size}, "
-                          f"{format_bytes(gpu_available)} available; reduce seq_len or batch_size, set "
-                          "micro_batch_size (splits the layer recompute), loss_chunk_tokens, or num_slots=2")
+                          f"{format_bytes(gpu_available)} available (step peak: {plan.peak_phase}); reduce "
+                          f"seq_len or batch_size, set micro_batch_size (now {config.micro_batch_size}; splits "
+                          f"the layer recompute), lower loss_chunk_tokens (now {config.loss_chunk_tokens}), "
+                          f"or num_slots=2 (now {config.num_slots})")
     if errors:
         raise MemoryError("hf_megatrain: this run does not fit: " + "; ".join(errors))
 
@@ -333,7 +364,8 @@ def _report(plan: Plan, host_verdict: str, gpu_verdict: str) -> list[str]:
     return (["Host RAM"] + _rows(plan.host) + [f"  {'total (peak)':<54} {format_bytes(plan.host_total):>11}   "
                                                 f"{host_verdict}", "GPU memory (per GPU)"] + _rows(plan.device)
             + [f"  step peak = {peak}:"] + _rows(plan.phases.get(peak, {}), "    ") + [f"    (other phases: {others})"]
-            + [f"  {'total':<54} {format_bytes(plan.device_total):>11}   {gpu_verdict}", "Disk (per checkpoint)"]
+            + [f"  {'total':<54} {format_bytes(plan.device_total):>11}   {gpu_verdict}",
+               "Disk (per checkpoint; + AdamW moments with optimizer_state_dir)"]
             + _rows(plan.disk) + [f"  {'total':<54} {format_bytes(sum_values(plan.disk)):>11}"])
 
 

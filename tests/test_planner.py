@@ -155,3 +155,89 @@ def test_estimate_cli_missing_path(capsys):
     assert planner.main(["/nonexistent/model-dir"]) == 2
     err = capsys.readouterr().err
     assert "no such file or directory" in err and "config.json" in err
+
+
+# -- the engine runs the planner's checks (host before allocating; GPU at the first step of each shape) ------------
+def _refuse_store(monkeypatch):
+    import hf_megatrain.engine as engine_mod
+
+    def no_store(*a, **k):
+        raise AssertionError("HostStore was built: the planner's host check must refuse first")
+
+    monkeypatch.setattr(engine_mod, "HostStore", no_store)
+
+
+@pytest.mark.parametrize("meta", [False, True])
+def test_engine_refuses_model_over_host_ram_before_allocating(monkeypatch, meta):
+    monkeypatch.setattr(planner, "available_host_bytes", lambda: 1 << 16)
+    _refuse_store(monkeypatch)
+    if meta:
+        with torch.device("meta"):
+            model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**COMMON, "hidden_size": 1024,
+                                                                              "intermediate_size": 4096}))
+    else:
+        model = tiny("llama")
+    with pytest.raises(MemoryError, match=r"needs .* host RAM, 64\.0 KiB available .*; reduce"):
+        MegaTrainEngine(model, MegaTrainConfig(), device="cpu")
+    assert type(model.model.layers[0]).__name__ == "LlamaDecoderLayer"  # refused before the model was touched
+
+
+def test_engine_host_check_counts_peft_frozen_base_at_compute_dtype(monkeypatch):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny("llama"), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    shape = planner.ModelShape.from_model(model)
+    assert shape.trainable == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert shape.frozen == sum(p.numel() for p in model.parameters() if not p.requires_grad) > shape.trainable
+    plan = planner.estimate(shape, MegaTrainConfig(), 16, 1, device_type="cpu")
+    assert plan.host["frozen params (compute dtype)"] == 2 * shape.frozen
+    assert plan.host["master fp32"] == 4 * shape.trainable
+    monkeypatch.setattr(planner, "available_host_bytes", lambda: 1 << 16)
+    _refuse_store(monkeypatch)
+    with pytest.raises(MemoryError, match=r"needs .* host RAM.*M frozen\); reduce"):
+        MegaTrainEngine(model, MegaTrainConfig(), device="cpu")
+
+
+def test_engine_host_check_knows_the_disk_tier(monkeypatch, tmp_path):
+    """optimizer_state_dir takes the AdamW moments out of RAM: a budget between the two needs refuses the RAM run
+    and builds the disk-tier one."""
+    shape = planner.ModelShape.from_model(tiny("llama"))
+    ram, disk = (MegaTrainConfig(compute_dtype="float32", **kw) for kw in ({}, {"optimizer_state_dir": str(tmp_path)}))
+    need_ram, need_disk = (planner.estimate(shape, c, 1, 1, device_type="cpu").host_total - planner.HOST_BASELINE_BYTES
+                           for c in (ram, disk))
+    n_host = shape.trainable
+    assert need_ram - need_disk == 8 * n_host
+    assert planner.estimate(shape, disk, 1, 1, device_type="cpu").disk[
+        "AdamW moments while training (optimizer_state_dir)"] == 8 * n_host
+    budget = int((need_ram + need_disk) / 2 / ram.host_memory_fraction)
+    monkeypatch.setattr(planner, "available_host_bytes", lambda: budget)
+    with pytest.raises(MemoryError, match="needs .* host RAM"):
+        MegaTrainEngine(tiny("llama"), ram, device="cpu")
+    engine = MegaTrainEngine(tiny("llama"), disk, device="cpu")
+    assert engine.store.state_dir == str(tmp_path)
+
+
+def test_gpu_step_check_once_per_shape_in_training_only(monkeypatch):
+    engine = MegaTrainEngine(tiny("llama"), MegaTrainConfig(compute_dtype="float32"), device="cpu")
+    calls = []
+    monkeypatch.setattr(planner, "check_fits", lambda eng, seq_len=None, batch_size=1, **k: calls.append(
+        (batch_size, seq_len)))
+    ids = torch.randint(0, 96, (2, 12))
+    engine.model.train()
+    engine(input_ids=ids, labels=ids).loss.backward()  # CPU: the GPU check never runs
+    assert calls == []
+    engine.device = torch.device("cuda")  # only the gate is exercised below: no tensor moves
+    for shape in ((2, 12), (2, 12), (1, 12), (2, 12)):
+        engine._check_step_fits(torch.zeros(shape, dtype=torch.long), {})
+    engine._check_step_fits(None, {"inputs_embeds": torch.zeros(2, 7, 32)})
+    engine.model.eval()
+    engine._check_step_fits(torch.zeros(4, 12, dtype=torch.long), {})
+    assert calls == [(2, 12), (1, 12), (2, 7)]
+
+
+def test_gpu_check_on_an_engine_says_what_to_change():
+    engine = MegaTrainEngine(tiny("llama"), MegaTrainConfig(compute_dtype="float32"), device="cpu")
+    with pytest.raises(MemoryError, match=r"GPU memory for seq_len=4096, batch_size=8.*micro_batch_size \(now 0"
+                                          r".*loss_chunk_tokens \(now \d+\)"):
+        planner.check_fits(engine, seq_len=4096, batch_size=8, gpu_available=64 << 20, device_type="cuda")
+    planner.check_fits(engine, seq_len=16, batch_size=2, gpu_available=1 << 40, device_type="cuda")

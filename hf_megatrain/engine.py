@@ -195,8 +195,13 @@ class MegaTrainEngine:
             return
         key = (int(ref.shape[0]), int(ref.shape[1]))
         if key not in self._checked_shapes:
-            planner.check_fits(self, seq_len=key[1], batch_size=key[0])
             self._checked_shapes.add(key)
+            try:
+                planner.check_fits(self, seq_len=key[1], batch_size=key[0])
+            except MemoryError as e:
+                # Advisory until the planner's GPU model is calibrated on real runs (it has not been yet): a
+                # step that truly does not fit still fails with CUDA's out-of-memory error.
+                logger.warning("hf_megatrain: %s", e)
 
     def _push_resident(self, unit: Unit | None = None) -> None:
         """Copy the resident masters (via their streaming copy) into the device working parameters."""

@@ -241,3 +241,18 @@ def test_gpu_check_on_an_engine_says_what_to_change():
                                           r".*loss_chunk_tokens \(now \d+\)"):
         planner.check_fits(engine, seq_len=4096, batch_size=8, gpu_available=64 << 20, device_type="cuda")
     planner.check_fits(engine, seq_len=16, batch_size=2, gpu_available=1 << 40, device_type="cuda")
+
+
+def test_engine_gpu_step_check_is_advisory(monkeypatch, caplog):
+    """Until calibrated on GPUs, a predicted GPU shortfall is logged, never raised (CUDA OOM still stops a step)."""
+    engine = MegaTrainEngine(tiny("llama"), MegaTrainConfig(compute_dtype="float32"), device="cpu")
+
+    def too_big(*a, **k):
+        raise MemoryError("needs 99 GiB GPU memory, 10 GiB available; reduce micro_batch_size")
+
+    monkeypatch.setattr(planner, "check_fits", too_big)
+    engine.device = torch.device("cuda")  # only the gate is exercised: no tensor moves
+    engine.model.train()
+    with caplog.at_level("WARNING"):
+        engine._check_step_fits(torch.zeros(2, 12, dtype=torch.long), {})
+    assert "reduce micro_batch_size" in caplog.text

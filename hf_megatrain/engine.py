@@ -132,6 +132,7 @@ class MegaTrainEngine:
                 for n, p in layer.named_parameters():
                     self.store.load_(f"{self.stack.path}.{i}.{n}", p.detach())
             buffers.append({n: b.to(self.device) for n, b in layer.named_buffers()})
+            layer.to("meta")  # free this layer's weights now that the store holds them: peak = store + one layer
         self.executor = StreamingExecutor(
             self.layer_units, kinds, [templates[k] for k in range(len(templates))], buffers, device=self.device,
             compute_dtype=self.compute_dtype, grad_offload_dtype=config.torch_grad_offload_dtype,
@@ -140,7 +141,6 @@ class MegaTrainEngine:
         self.head_extras = ModelHead(model, self.stack, self.executor)
         for i, layer in enumerate(originals):
             layers[i] = StreamedLayer(self.executor, i, layer)
-            layer.to("meta")  # free the original weights now that the store holds them
         del originals
 
         # Resident parameters: FP32 master (host or device) + a working copy in compute dtype on the device.

@@ -97,14 +97,19 @@ def test_accelerate_loop_parity(fresh_accelerate, clean_env, tie, ga, clip_in_lo
     assert moved > 1e-4  # the weights really trained
 
 
-def test_save_pretrained_roundtrip(clean_env, tmp_path):
-    model = tiny("llama", tie=True)
+def _train_two_steps_and_save(model, path):
     mt_model, opt = MegaTrainPlugin({"compute_dtype": "float32"}, device="cpu").prepare(model, lr=1e-2)
     for b in _batches(2, model.config.vocab_size):
         mt_model(**b).loss.backward()
         opt.step()
         opt.zero_grad()
-    mt_model.save_pretrained(str(tmp_path))
+    mt_model.save_pretrained(str(path))
+    return mt_model
+
+
+def test_save_pretrained_roundtrip(clean_env, tmp_path):
+    model = tiny("llama", tie=True)
+    mt_model = _train_two_steps_and_save(model, tmp_path)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path))
     sd = mt_model.state_dict()
     for n, p in reloaded.named_parameters():
@@ -121,12 +126,7 @@ def test_save_pretrained_with_frozen_parts(clean_env, tmp_path):
         if n.startswith(("model.embed_tokens", "model.layers.0.")):
             p.requires_grad_(False)
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
-    mt_model, opt = MegaTrainPlugin({"compute_dtype": "float32"}, device="cpu").prepare(model, lr=1e-2)
-    for b in _batches(2, model.config.vocab_size):
-        mt_model(**b).loss.backward()
-        opt.step()
-        opt.zero_grad()
-    mt_model.save_pretrained(str(tmp_path))
+    mt_model = _train_two_steps_and_save(model, tmp_path)
     reloaded = dict(transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).named_parameters())
     for n, t in frozen.items():
         assert torch.equal(reloaded[n].detach(), t), n

@@ -1,0 +1,572 @@
+"""How fast would hf_megatrain train a 123B model on one H100? Measure a few Mistral-Large-width layers, extrapolate.
+
+The full model (Mistral Large 2 shape: hidden 12288, MLP 28672, 96 heads / 8 KV heads, head_dim 128, vocab 32768,
+untied, 88 layers) needs ~2.2 TB of host RAM for its FP32 master, gradients and AdamW state, far more than a
+128 GiB device host. Every decoder layer costs the same and only one streams through the GPU at a time, so the
+step time is ``intercept + L x per-layer`` (the intercept: embeddings, lm_head, loss, resident optimizer). This
+script trains the same width with as many layers as the host holds (``--layers auto``: the planner's estimate +
+``--margin-gib``), again with fewer layers, each in its own subprocess, fits the line and extrapolates to 88 layers
+(step time, tokens/s, MFU, host RAM from the planner, GPU peak). Each run also times every layer visit with CUDA
+events, so one run alone still gives a per-layer estimate when the budget has no room for the second.
+
+Timing as in ``bench/run_megatrain.py``: ``MegaTrainEngine`` + ``create_optimizer`` in a plain loop, bf16 compute,
+FP32 master, CPU AdamW with max_grad_norm 1.0, random tokens, a step is the interval between device-synchronised
+step ends (with the overlapped optimizer it carries the previous step's optimizer stall), medians after warm-up.
+The model is never whole on the host: the skeleton is built on ``meta``, the resident parameters are drawn on the
+GPU, and every layer's N(0, 0.02) values go from the GPU straight into the engine's pinned FP32 master.
+
+    python integration/scale_123b.py --mirror $OUT            # H100: auto layers, then auto - 2; ~6-8 minutes
+    python integration/scale_123b.py --tiny --out /tmp/scale  # CPU smoke of the same code (seconds)
+"""
+
+from __future__ import annotations
+
+import time
+
+T_START = time.perf_counter()  # the child's deadline counts from process start (before the heavy imports)
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import shlex  # noqa: E402
+import signal  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
+from typing import Any  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path[:0] = [HERE, ROOT]
+
+import torch  # noqa: E402
+
+from bench.common import GIB, PEAK_TFLOPS, StepClock, _vm_hwm_bytes, runner_main, throughput, versions  # noqa: E402
+from bench_vs_deepspeed import gpu_slug, log_tail, mirror  # noqa: E402
+from hf_megatrain import MegaTrainConfig, MegaTrainEngine, planner  # noqa: E402
+from hf_megatrain.layers import find_layer_stack  # noqa: E402
+from hf_megatrain.memory import available_host_bytes  # noqa: E402
+
+FULL_LAYERS = 88
+WIDTH = dict(hidden_size=12288, intermediate_size=28672, num_attention_heads=96, num_key_value_heads=8,
+             head_dim=128, vocab_size=32768)
+TINY_WIDTH = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=32, vocab_size=512)
+LR, MAX_GRAD_NORM = 1e-5, 1.0
+
+
+# -- model ------------------------------------------------------------------------------------------------------------
+def model_config(spec: dict, layers: int) -> Any:
+    from transformers import MistralConfig
+
+    width = TINY_WIDTH if spec.get("tiny") else WIDTH
+    return MistralConfig(**width, num_hidden_layers=layers, tie_word_embeddings=False, sliding_window=None,
+                         max_position_embeddings=max(131072, int(spec["seq"])), attn_implementation="sdpa",
+                         use_cache=False)
+
+
+def skeleton(spec: dict, layers: int) -> torch.nn.Module:
+    """The model with parameters on ``meta`` (buffers such as the rotary table real): nothing allocated."""
+    from accelerate import init_empty_weights
+    from transformers import MistralForCausalLM
+
+    with init_empty_weights(include_buffers=False):
+        return MistralForCausalLM(model_config(spec, layers))
+
+
+_ONE_LAYER: dict[bool, planner.ModelShape] = {}
+
+
+def model_shape(spec: dict, layers: int) -> planner.ModelShape:
+    """The planner's shape for ``layers`` layers from a one-layer skeleton (all layers are identical)."""
+    tiny = bool(spec.get("tiny"))
+    if tiny not in _ONE_LAYER:
+        _ONE_LAYER[tiny] = planner.ModelShape.from_model(skeleton(spec, 1))
+    shape = _ONE_LAYER[tiny]
+    return dataclasses.replace(shape, layer_numels=shape.layer_numels * layers, layer_frozen=[0] * layers)
+
+
+def random_value(name: str, shape: tuple[int, ...], device: torch.device, gen: torch.Generator) -> torch.Tensor:
+    """bench.common's init (norms 1, biases 0, weights N(0, 0.02) drawn in bf16), left on ``device``: here values go
+    from the GPU straight into pinned FP32 masters, where ``_init_value`` would stage them in pageable host RAM."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape, dtype=torch.bfloat16, device=device)
+    if name.endswith("bias"):
+        return torch.zeros(shape, dtype=torch.bfloat16, device=device)
+    return torch.empty(shape, dtype=torch.bfloat16, device=device).normal_(0.0, 0.02, generator=gen)
+
+
+def build_engine(spec: dict, config: MegaTrainConfig, gen_device: torch.device) -> tuple[MegaTrainEngine, dict]:
+    """Skeleton -> resident parameters drawn on ``gen_device`` -> engine (store allocated and pinned, layers stay
+    meta) -> each layer's masters filled from ``gen_device`` -> streaming copies synced. Returns phase times."""
+    gen = torch.Generator(device=gen_device).manual_seed(int(spec.get("seed", 0)))
+    times: dict[str, float] = {}
+    t = time.perf_counter()
+    model = skeleton(spec, int(spec["layers"]))
+    layer_ids = {id(p) for p in find_layer_stack(model, config.layers_path).layers.parameters()}
+    with torch.no_grad():
+        for mname, module in model.named_modules():
+            for pname, p in list(module._parameters.items()):
+                if p is not None and id(p) not in layer_ids:
+                    name = f"{mname}.{pname}" if mname else pname
+                    module._parameters[pname] = torch.nn.Parameter(random_value(name, p.shape, gen_device, gen))
+    model.train()
+    times["model_build_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    engine = MegaTrainEngine(model, config)
+    times["engine_build_s"] = time.perf_counter() - t  # store allocation + page-locking dominate
+    t = time.perf_counter()
+    store, resident = engine.store, engine.resident_unit
+    with torch.no_grad():
+        for name in store.names():
+            unit, sl = store.by_name[name]
+            if unit is not resident:
+                store.load_(name, random_value(name, sl.shape, gen_device, gen).float())
+    times["fill_layers_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    engine.sync_device_()  # master -> bf16 streaming copy of every unit
+    times["sync_s"] = time.perf_counter() - t
+    return engine, times
+
+
+def count_params(spec: dict, layers: int) -> int:
+    return model_shape(spec, layers).trainable
+
+
+# -- planning -----------------------------------------------------------------------------------------------------------
+def run_config(spec: dict) -> MegaTrainConfig:
+    return MegaTrainConfig.from_any({"compute_dtype": "bfloat16", "host_memory_fraction": spec["host_fraction"],
+                                     **(spec.get("megatrain_config") or {})})
+
+
+def plan_for(spec: dict, layers: int, device_type: str, gpu_free: int | None) -> planner.Plan:
+    return planner.estimate(model_shape(spec, layers), run_config(spec), int(spec["seq"]), int(spec["batch"]),
+                            device_type=device_type, gpu_free=gpu_free)
+
+
+def plan_record(plan: planner.Plan, n_params: int) -> dict[str, Any]:
+    gib = lambda d: {k: v / GIB for k, v in d.items() if v}  # noqa: E731
+    return {"host_total_gib": plan.host_total / GIB, "host_gib": gib(plan.host),
+            "host_bytes_per_param": plan.host_total / n_params, "gpu_total_gib": plan.device_total / GIB,
+            "gpu_gib": gib(plan.device), "gpu_peak_phase": plan.peak_phase,
+            "gpu_peak_phase_gib": gib(plan.phases.get(plan.peak_phase, {}))}
+
+
+def auto_layers(spec: dict, avail: int, margin: int, device_type: str, gpu_free: int | None,
+                cap: int) -> tuple[int, list[dict]]:
+    """Largest L whose planned host peak + ``margin`` fits ``avail`` bytes (and the engine's own fraction check)."""
+    rows, best = [], 0
+    for layers in range(1, cap + 1):
+        need = plan_for(spec, layers, device_type, gpu_free).host_total
+        ok = need + margin <= avail and need <= spec["host_fraction"] * avail
+        rows.append({"layers": layers, "host_need_gib": need / GIB, "fits": ok})
+        if not ok:
+            break
+        best = layers
+    if best == 0:
+        raise SystemExit(f"[scale] not even one layer fits: {rows[0]['host_need_gib']:.1f} GiB needed + "
+                         f"{margin / GIB:.0f} GiB margin, {avail / GIB:.1f} GiB available")
+    return best, rows
+
+
+# -- one run (child process) --------------------------------------------------------------------------------------------
+class LayerTimer:
+    """Time of every layer visit (forward, backward recompute) per step: CUDA events on the compute stream (the
+    start waits for the work queued before it, so visits tile the stream, optimizer stalls included), wall clock on
+    the CPU. Wraps this executor instance's ``forward_layer`` / ``backward_layer``; the core is not touched."""
+
+    def __init__(self, executor: Any, layers: int, cuda: bool) -> None:
+        self.layers, self.cuda, self.pending = layers, cuda, []
+        for kind in ("forward", "backward"):
+            setattr(executor, f"{kind}_layer", self._wrap(kind, getattr(executor, f"{kind}_layer")))
+
+    def _mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def _wrap(self, kind: str, fn: Any) -> Any:
+        def timed(index: int, *args: Any, **kwargs: Any) -> Any:
+            start = self._mark()
+            out = fn(index, *args, **kwargs)
+            self.pending.append((kind, index, start, self._mark()))
+            return out
+        return timed
+
+    def collect(self) -> dict[str, list[float]]:
+        """Seconds per layer of the step just ended (call after a device synchronise)."""
+        out = {"forward": [0.0] * self.layers, "backward": [0.0] * self.layers}
+        for kind, i, a, b in self.pending:
+            out[kind][i] += a.elapsed_time(b) / 1e3 if self.cuda else b - a
+        self.pending = []
+        return out
+
+
+class HostSampler(threading.Thread):
+    """Lowest MemAvailable and highest RSS seen (every 0.2 s): how close the host came to running out."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.start_avail = self.min_avail = available_host_bytes()
+        self.max_rss = 0
+
+    def run(self) -> None:
+        while True:
+            self.min_avail = min(self.min_avail, available_host_bytes())
+            try:
+                with open("/proc/self/status") as f:
+                    rss = next((int(x.split()[1]) * 1024 for x in f if x.startswith("VmRSS:")), 0)
+                self.max_rss = max(self.max_rss, rss)
+            except OSError:
+                pass
+            time.sleep(0.2)
+
+    def record(self) -> dict[str, float]:
+        return {"mem_available_start_gib": self.start_avail / GIB, "mem_available_min_gib": self.min_avail / GIB,
+                "host_rss_sampled_max_gib": self.max_rss / GIB}
+
+
+def engine_plan(engine: MegaTrainEngine, spec: dict) -> planner.Plan:
+    """The planner's numbers for what this engine placed (as ``planner.check_fits(engine, ...)`` computes them)."""
+    gpu = None
+    if engine.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(engine.device)
+        gpu = free + torch.cuda.memory_reserved(engine.device) + planner.CUDA_CONTEXT_GPU_BYTES
+    stepper = engine.device_stepper
+    return planner.estimate(planner.ModelShape.from_engine(engine), engine.config, int(spec["seq"]),
+                            int(spec["batch"]), device_type=engine.device.type, gpu_free=gpu,
+                            resident_on_dev=engine.resident_on_device,
+                            device_steps=len(stepper.units) if stepper is not None else 0)
+
+
+def train(engine: MegaTrainEngine, spec: dict, timer: LayerTimer) -> dict[str, Any]:
+    """Warm-up + timed steps; stops early (``truncated``) when the next step would pass the child's deadline."""
+    opt = engine.create_optimizer(lr=LR, weight_decay=0.0, max_grad_norm=MAX_GRAD_NORM)
+    ex, batch, seq = engine.executor, int(spec["batch"]), int(spec["seq"])
+    total = int(spec["warmup"]) + int(spec["steps"])
+    vocab = (TINY_WIDTH if spec.get("tiny") else WIDTH)["vocab_size"]
+    rows = torch.randint(0, vocab, (total * batch, seq), generator=torch.Generator().manual_seed(1000))
+    deadline = T_START + float(spec.get("deadline_s") or 1e9)
+    clock, steps, truncated = StepClock(), [], False
+    clock.mark()
+    for i in range(total):
+        if i >= 2 and time.perf_counter() + 1.3 * clock.periods[-1] > deadline:
+            truncated = True
+            break
+        ids = rows[i * batch:(i + 1) * batch]
+        w0 = ex.wait_optimizer_s
+        loss = engine(input_ids=ids, labels=ids, num_items_in_batch=batch * (seq - 1)).loss
+        loss.backward()
+        t0 = time.perf_counter()
+        opt.step()
+        opt.zero_grad()
+        call_s = time.perf_counter() - t0
+        clock.mark()
+        visits = timer.collect()
+        steps.append({"period_s": clock.periods[-1], "loss": float(loss.detach()), "grad_norm": opt.last_grad_norm,
+                      "optimizer_step_call_s": call_s, "forward_wait_for_optimizer_s": ex.wait_optimizer_s - w0,
+                      "optimizer_worker_prev_s": opt.last_step_seconds, "layer_forward_s": visits["forward"],
+                      "layer_backward_s": visits["backward"]})
+        print(f"[run L={spec['layers']}] step {i}: {steps[-1]['period_s']:.3f}s loss {steps[-1]['loss']:.4f}",
+              flush=True)
+    opt.wait()
+    return {"steps": steps, "truncated": truncated, "periods": clock.periods}
+
+
+def event_split(steps: list[dict], layers: int) -> dict[str, Any]:
+    """Per-layer and resident time from the layer-visit events (medians over the given steps)."""
+    per_layer = [(sum(s["layer_forward_s"]) + sum(s["layer_backward_s"])) / layers for s in steps]
+    rest = [s["period_s"] - layers * p for s, p in zip(steps, per_layer)]
+    med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
+    return {"per_layer_s": med(per_layer), "intercept_s": med(rest),
+            "layer_forward_s": [med([s["layer_forward_s"][i] for s in steps]) for i in range(layers)],
+            "layer_backward_s": [med([s["layer_backward_s"][i] for s in steps]) for i in range(layers)]}
+
+
+def run_one(spec: dict) -> dict[str, Any]:
+    sampler = HostSampler()
+    sampler.start()
+    cuda = torch.cuda.is_available()
+    config, layers = run_config(spec), int(spec["layers"])
+    engine, times = build_engine(spec, config, torch.device("cuda") if cuda else torch.device("cpu"))
+    n_params = engine.num_parameters()
+    print(f"[run L={layers}] {n_params / 1e9:.3f}B params, setup {times}", flush=True)
+    plan = engine_plan(engine, spec)
+    hwm = _vm_hwm_bytes()
+    setup_mem: dict[str, Any] = {"setup_vm_hwm_gib": hwm / GIB if hwm is not None else None}
+    if cuda:
+        setup_mem.update(setup_peak_gpu_alloc_gib=torch.cuda.max_memory_allocated() / GIB,
+                         setup_peak_gpu_reserved_gib=torch.cuda.max_memory_reserved() / GIB)
+        torch.cuda.reset_peak_memory_stats()  # runner_main's peaks are then those of training
+    timer = LayerTimer(engine.executor, layers, cuda)
+    res = train(engine, spec, timer)
+    periods = res.pop("periods")
+    warm = min(int(spec["warmup"]), max(len(periods) - 1, 0))
+    out = throughput({**spec, "warmup": warm}, n_params, periods)
+    hidden = (TINY_WIDTH if spec.get("tiny") else WIDTH)["hidden_size"]
+    out["model_tflops_with_attention"] = (6.0 * n_params + 12.0 * layers * hidden * int(spec["seq"])) \
+        * out["tokens_per_s"] / 1e12
+    out.update(res, layers=layers, n_params=n_params, setup=times, warmup_used=warm,
+               events=event_split(res["steps"][warm:], layers), planner=plan_record(plan, n_params),
+               resident_on_device=engine.resident_on_device, megatrain_config=config.to_dict(),
+               device_step_layers=len(engine.device_stepper.units) if engine.device_stepper is not None else 0,
+               h2d_gb=engine.executor.h2d_bytes / 1e9, d2h_gb=engine.executor.d2h_bytes / 1e9,
+               torch_threads=torch.get_num_threads(), **setup_mem, **sampler.record())
+    return out
+
+
+# -- parent: plan, spawn, fit, extrapolate ------------------------------------------------------------------------------
+def machine() -> dict[str, Any]:
+    info: dict[str, Any] = {"cpu_count": os.cpu_count(), "cpu_affinity": len(os.sched_getaffinity(0)),
+                            "mem_available_gib": available_host_bytes() / GIB}
+    try:
+        with open("/proc/meminfo") as f:
+            info["mem_total_gib"] = int(next(x for x in f if x.startswith("MemTotal:")).split()[1]) * 1024 / GIB
+    except (OSError, StopIteration):
+        pass
+    try:
+        q = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,memory.free,driver_version",
+                            "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30)
+        name, total, free, driver = [x.strip() for x in q.stdout.strip().splitlines()[0].split(",")]
+        info.update(gpu=name, gpu_total_gib=float(total) / 1024, gpu_free_gib=float(free) / 1024, driver=driver)
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        info["gpu"] = None
+    return info
+
+
+def spawn(spec: dict, timeout: float, log_path: str, env: dict[str, str]) -> dict[str, Any]:
+    """One run in its own process group (killed whole on timeout); an error record when no result came back."""
+    result = tempfile.NamedTemporaryFile(prefix="scale_123b_", suffix=".json", delete=False).name
+    cmd = [sys.executable, os.path.abspath(__file__), "--spec", json.dumps(spec), "--result", result]
+    t0, status = time.perf_counter(), None
+    with open(log_path, "w") as log:
+        log.write("$ " + shlex.join(cmd) + "\n")
+        log.flush()
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            status = "timeout"
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.killpg(p.pid, sig)
+                    p.wait(timeout=15)
+                    break
+                except (subprocess.TimeoutExpired, ProcessLookupError):
+                    continue
+    record: dict[str, Any] = {}
+    try:
+        with open(result) as f:
+            record = json.loads(f.read().strip().splitlines()[-1])
+    except (OSError, ValueError, IndexError):
+        tail = log_tail(log_path)
+        record = {"layers": spec["layers"], "spec": spec, "status": status or "error",
+                  "oom": "out of memory" in tail.lower(),
+                  "error": (f"timed out after {timeout:.0f}s" if status else
+                            f"exited with code {p.returncode} without a result") + "\n" + tail[-3000:]}
+    finally:
+        if os.path.exists(result):
+            os.remove(result)
+    record.update(subprocess_wall_s=time.perf_counter() - t0, log=os.path.basename(log_path))
+    return record
+
+
+def fit(runs: list[dict]) -> dict[str, Any] | None:
+    """Least squares of median step time vs layers over the runs that finished (needs two layer counts)."""
+    pts = sorted({r["layers"]: r["step_time_s"] for r in runs if r.get("status") == "ok"}.items())
+    if len(pts) < 2:
+        return None
+    xs, ys = [float(x) for x, _ in pts], [y for _, y in pts]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x in xs)
+    return {"method": "slope of median step time over runs", "points": pts, "per_layer_s": slope,
+            "intercept_s": my - slope * mx}
+
+
+def extrapolate(spec: dict, runs: list[dict], line: dict, layers: int, device_type: str,
+                gpu_free: int | None) -> dict[str, Any]:
+    n = count_params(spec, layers)
+    tokens = int(spec["batch"]) * int(spec["seq"])
+    step = line["intercept_s"] + layers * line["per_layer_s"]
+    tflops = 6.0 * n * tokens / step / 1e12
+    out = {"layers": layers, "method": line["method"], "per_layer_s": line["per_layer_s"],
+           "intercept_s": line["intercept_s"], "n_params": n, "step_time_s": step, "tokens_per_step": tokens,
+           "tokens_per_s": tokens / step, "model_tflops": tflops, "mfu": tflops / float(spec["peak_tflops"]),
+           "planner": plan_record(plan_for(spec, layers, device_type, gpu_free), n)}
+    ok = [r for r in runs if r.get("status") == "ok"]
+    if ok:
+        big = max(ok, key=lambda r: r["layers"])
+        c = torch.empty((), dtype=run_config(spec).torch_compute_dtype).element_size()
+        hidden = (TINY_WIDTH if spec.get("tiny") else WIDTH)["hidden_size"]
+        boundary = tokens * hidden * c  # one more saved layer-boundary activation per layer; the rest is per-visit
+        measured = big.get("peak_gpu_reserved_gib")
+        out["gpu"] = {"measured_at_layers": big["layers"], "measured_peak_alloc_gib": big.get("peak_gpu_alloc_gib"),
+                      "measured_peak_reserved_gib": measured, "boundary_activation_per_layer_gib": boundary / GIB,
+                      "predicted_peak_reserved_gib": None if measured is None else
+                      measured + (layers - big["layers"]) * boundary / GIB}
+    return out
+
+
+def summary(doc: dict) -> str:
+    f = lambda x, fmt="{:.2f}": "-" if x is None else fmt.format(x)  # noqa: E731
+    lines = [f"hf_megatrain at Mistral-Large width on {doc['machine'].get('gpu') or 'cpu'} "
+             f"({doc['spec']['batch']} x {doc['spec']['seq']} tokens/step)", "",
+             "| layers | params | status | step s | tokens/s | MFU | GPU alloc/reserved GiB | host HWM GiB | "
+             "planner host GiB | setup s |", "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in doc["runs"]:
+        setup = sum((r.get("setup") or {}).values()) or None
+        lines.append(f"| {r['layers']} | {f(r.get('n_params') and r['n_params'] / 1e9, '{:.2f}B')} | "
+                     f"{r.get('status')} | {f(r.get('step_time_s'), '{:.3f}')} | {f(r.get('tokens_per_s'), '{:,.0f}')} "
+                     f"| {f(r.get('mfu'), '{:.1%}')} | {f(r.get('peak_gpu_alloc_gib'), '{:.1f}')} / "
+                     f"{f(r.get('peak_gpu_reserved_gib'), '{:.1f}')} | {f(r.get('vm_hwm_gib'), '{:.1f}')} | "
+                     f"{f((r.get('planner') or {}).get('host_total_gib'), '{:.1f}')} | {f(setup, '{:.0f}')} |")
+    for key in ("fit", "events_fit"):
+        line = doc.get(key)
+        if line:
+            lines.append(f"\n{key}: {line['method']}: per layer {line['per_layer_s']:.3f} s, intercept "
+                         f"{line['intercept_s']:.3f} s")
+    x = doc.get("extrapolation")
+    if x:
+        gpu = (x.get("gpu") or {}).get("predicted_peak_reserved_gib")
+        lines.append(f"{x['layers']} layers ({x['n_params'] / 1e9:.1f}B): step {x['step_time_s']:.2f} s, "
+                     f"{x['tokens_per_s']:,.0f} tokens/s, MFU {x['mfu']:.1%}; host RAM "
+                     f"{x['planner']['host_total_gib']:,.0f} GiB ({x['planner']['host_bytes_per_param']:.1f}"
+                     f" B/param); GPU peak ~{f(gpu, '{:.1f}')} GiB")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true", help="tiny width on the CPU (smoke test of the same code)")
+    ap.add_argument("--layers", default=None, help="'auto' (largest that fits host RAM) or N; default auto (tiny 3)")
+    ap.add_argument("--layer-counts", default=None, help="comma list of layer counts to run instead (e.g. 4,2)")
+    ap.add_argument("--second-offset", type=int, default=2, help="second run: L - this many layers (0 = none)")
+    ap.add_argument("--max-layers", type=int, default=FULL_LAYERS, help="cap for --layers auto")
+    ap.add_argument("--full-layers", type=int, default=FULL_LAYERS, help="extrapolate to this many layers")
+    ap.add_argument("--batch", type=int, default=None, help="sequences per step (default 4; tiny 2)")
+    ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 4096; tiny 64)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps (default 10; tiny 3)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed first steps (default 2; tiny 1)")
+    ap.add_argument("--margin-gib", type=float, default=8.0, help="host RAM left free by --layers auto")
+    ap.add_argument("--host-fraction", type=float, default=1.0,
+                    help="engine host_memory_fraction (the absolute --margin-gib replaces its relative reserve)")
+    ap.add_argument("--megatrain-config", default=None, help="JSON dict of MegaTrainConfig overrides")
+    ap.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS)
+    ap.add_argument("--budget", type=float, default=570, help="seconds for the whole command")
+    ap.add_argument("--timeout", type=float, default=420, help="seconds per run (subprocess)")
+    ap.add_argument("--alloc-conf", default="expandable_segments:True", help="PYTORCH_CUDA_ALLOC_CONF for runs")
+    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--mirror", default=None, metavar="DIR", help="copy the JSON and logs here after every run")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan (layer counts, host RAM) and exit")
+    return ap.parse_args(argv)
+
+
+def layer_counts(a: argparse.Namespace, spec: dict, info: dict, device_type: str,
+                 gpu_free: int | None) -> tuple[list[int], list[dict]]:
+    if a.layer_counts:
+        return [int(x) for x in a.layer_counts.split(",") if x.strip()], []
+    layers, table = (a.layers or ("3" if a.tiny else "auto")), []
+    if layers == "auto":
+        avail = int(info["mem_available_gib"] * GIB)
+        big, table = auto_layers(spec, avail, int(a.margin_gib * GIB), device_type, gpu_free, a.max_layers)
+    else:
+        big = int(layers)
+    small = big - a.second_offset if big - a.second_offset >= 1 else big - 1
+    return [big] + ([small] if a.second_offset > 0 and small >= 1 else []), table
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    t_start = time.perf_counter()
+    info = machine()
+    device_type = "cuda" if info.get("gpu") else "cpu"
+    if device_type == "cpu" and not a.tiny:
+        raise SystemExit("[scale] no GPU found (nvidia-smi); the full-width run needs an H100. Use --tiny on a CPU.")
+    gpu_free = int(info["gpu_free_gib"] * GIB) if info.get("gpu") else None
+    spec = {"tiny": a.tiny, "batch": a.batch or (2 if a.tiny else 4), "seq": a.seq or (64 if a.tiny else 4096),
+            "steps": a.steps or (3 if a.tiny else 10), "warmup": a.warmup if a.warmup is not None else
+            (1 if a.tiny else 2), "peak_tflops": a.peak_tflops, "host_fraction": a.host_fraction, "seed": 0,
+            "megatrain_config": json.loads(a.megatrain_config) if a.megatrain_config else {}}
+    counts, table = layer_counts(a, spec, info, device_type, gpu_free)
+    _, slug = gpu_slug(a.tiny)
+    os.makedirs(os.path.join(a.out, "logs"), exist_ok=True)
+    path = os.path.join(a.out, f"scale_123b_{slug}.json")
+    command = "python " + shlex.join([os.path.relpath(os.path.abspath(__file__), ROOT)]
+                                     + (sys.argv[1:] if argv is None else argv))
+    doc: dict[str, Any] = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "versions": versions(),
+                           "machine": info, "spec": spec, "width": TINY_WIDTH if a.tiny else WIDTH,
+                           "layer_counts": counts, "auto_layers": table, "margin_gib": a.margin_gib, "runs": []}
+    print(f"[scale] {info.get('gpu') or 'cpu'}, {info['mem_available_gib']:.1f} GiB host RAM available: runs with "
+          f"{counts} layers -> {path}", flush=True)
+    for row in table:
+        print(f"[scale]   {row['layers']} layers: planner host peak {row['host_need_gib']:.1f} GiB "
+              f"{'fits' if row['fits'] else 'does not fit'}", flush=True)
+    if a.dry_run:
+        return 0
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join([ROOT] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH")
+                                                   else []))}
+    if a.alloc_conf and "PYTORCH_CUDA_ALLOC_CONF" not in env:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = a.alloc_conf
+    logs: list[str] = []
+
+    def write() -> None:
+        doc["wall_s"] = time.perf_counter() - t_start
+        with open(path + ".tmp", "w") as f:
+            json.dump(doc, f, indent=1, default=str)
+        os.replace(path + ".tmp", path)
+        with open(path[:-5] + ".md", "w") as f:
+            f.write(summary(doc))
+        if a.mirror:
+            mirror(a.mirror, [path, path[:-5] + ".md"], logs)
+
+    write()
+    for k, layers in enumerate(counts):
+        left = a.budget - (time.perf_counter() - t_start)
+        done = [r for r in doc["runs"] if r.get("status") == "ok"]
+        guess = max((r["subprocess_wall_s"] * (layers + 1) / (r["layers"] + 1) for r in done), default=0.0)
+        if left < 60 or (k > 0 and guess + 20 > left):
+            doc["runs"].append({"layers": layers, "status": "skipped", "error": f"{left:.0f}s left of --budget "
+                                f"{a.budget:.0f}s, this run needs ~{guess:.0f}s"})
+            print(f"[scale] skipping {layers} layers: {doc['runs'][-1]['error']}", flush=True)
+            continue
+        timeout = min(a.timeout, left - 10)
+        log = os.path.join(a.out, "logs", f"scale_123b_L{layers}.log")
+        logs.append(log)
+        print(f"[scale] run {k + 1}/{len(counts)}: {layers} layers (timeout {timeout:.0f}s)", flush=True)
+        rec = spawn({**spec, "layers": layers, "deadline_s": timeout - 25}, timeout, log, env)
+        doc["runs"].append(rec)
+        msg = (f"step {rec['step_time_s']:.3f}s, {rec['tokens_per_s']:,.0f} tokens/s, MFU {rec['mfu']:.1%}"
+               if rec.get("status") == "ok" else (rec.get("error") or "")[:400])
+        print(f"[scale]   -> {rec.get('status')} in {rec['subprocess_wall_s']:.0f}s: {msg}", flush=True)
+        if rec.get("status") != "ok":
+            print(log_tail(log, 25), flush=True)
+        analyse(doc, device_type, gpu_free, a.full_layers)
+        write()
+    print(f"[scale] wrote {path}\n", flush=True)
+    print(summary(doc), flush=True)
+    return 0
+
+
+def analyse(doc: dict, device_type: str, gpu_free: int | None, full_layers: int) -> None:
+    """Per-layer line: two-run slope when there are two layer counts, else the largest run's layer-visit events."""
+    ok = [r for r in doc["runs"] if r.get("status") == "ok"]
+    doc["fit"] = fit(doc["runs"])
+    big = max(ok, key=lambda r: r["layers"], default=None)
+    if big is not None and big.get("events", {}).get("per_layer_s") is not None:
+        doc["events_fit"] = {"method": f"layer-visit events of the {big['layers']}-layer run",
+                             "per_layer_s": big["events"]["per_layer_s"], "intercept_s": big["events"]["intercept_s"]}
+    line = doc.get("fit") or doc.get("events_fit")
+    if line:
+        doc["extrapolation"] = extrapolate(doc["spec"], doc["runs"], line, full_layers, device_type, gpu_free)
+
+
+if __name__ == "__main__":
+    if "--spec" in sys.argv:
+        runner_main("megatrain_123b", run_one)
+    sys.exit(main())

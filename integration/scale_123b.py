@@ -102,6 +102,8 @@ def random_value(name: str, shape: tuple[int, ...], device: torch.device, gen: t
 def build_engine(spec: dict, config: MegaTrainConfig, gen_device: torch.device) -> tuple[MegaTrainEngine, dict]:
     """Skeleton -> resident parameters drawn on ``gen_device`` -> engine (store allocated and pinned, layers stay
     meta) -> each layer's masters filled from ``gen_device`` -> streaming copies synced. Returns phase times."""
+    from transformers import MistralForCausalLM  # noqa: F401  (imported here: not part of the timed build)
+
     gen = torch.Generator(device=gen_device).manual_seed(int(spec.get("seed", 0)))
     times: dict[str, float] = {}
     t = time.perf_counter()
@@ -149,8 +151,8 @@ def plan_for(spec: dict, layers: int, device_type: str, gpu_free: int | None) ->
 
 def plan_record(plan: planner.Plan, n_params: int) -> dict[str, Any]:
     gib = lambda d: {k: v / GIB for k, v in d.items() if v}  # noqa: E731
-    return {"host_total_gib": plan.host_total / GIB, "host_gib": gib(plan.host),
-            "host_bytes_per_param": plan.host_total / n_params, "gpu_total_gib": plan.device_total / GIB,
+    return {"host_need_gib": plan.host_total / GIB, "host_gib": gib(plan.host),
+            "host_bytes_per_param": plan.host_total / n_params, "gpu_need_gib": plan.device_total / GIB,
             "gpu_gib": gib(plan.device), "gpu_peak_phase": plan.peak_phase,
             "gpu_peak_phase_gib": gib(plan.phases.get(plan.peak_phase, {}))}
 
@@ -161,7 +163,7 @@ def auto_layers(spec: dict, avail: int, margin: int, device_type: str, gpu_free:
     rows, best = [], 0
     for layers in range(1, cap + 1):
         need = plan_for(spec, layers, device_type, gpu_free).host_total
-        ok = need + margin <= avail and need <= spec["host_fraction"] * avail
+        ok = need + margin <= avail and need <= run_config(spec).host_memory_fraction * avail
         rows.append({"layers": layers, "host_need_gib": need / GIB, "fits": ok})
         if not ok:
             break
@@ -279,11 +281,13 @@ def train(engine: MegaTrainEngine, spec: dict, timer: LayerTimer) -> dict[str, A
 
 
 def event_split(steps: list[dict], layers: int) -> dict[str, Any]:
-    """Per-layer and resident time from the layer-visit events (medians over the given steps)."""
+    """Per-layer and resident time from the layer-visit events, and the optimizer's share (medians over steps)."""
     per_layer = [(sum(s["layer_forward_s"]) + sum(s["layer_backward_s"])) / layers for s in steps]
     rest = [s["period_s"] - layers * p for s, p in zip(steps, per_layer)]
     med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
     return {"per_layer_s": med(per_layer), "intercept_s": med(rest),
+            **{k: med([s[k] for s in steps]) for k in ("optimizer_worker_prev_s", "forward_wait_for_optimizer_s",
+                                                        "optimizer_step_call_s")},
             "layer_forward_s": [med([s["layer_forward_s"][i] for s in steps]) for i in range(layers)],
             "layer_backward_s": [med([s["layer_backward_s"][i] for s in steps]) for i in range(layers)]}
 
@@ -372,8 +376,15 @@ def spawn(spec: dict, timeout: float, log_path: str, env: dict[str, str]) -> dic
     finally:
         if os.path.exists(result):
             os.remove(result)
-    record.update(subprocess_wall_s=time.perf_counter() - t0, log=os.path.basename(log_path))
+    record.setdefault("layers", spec["layers"])
+    record.update(subprocess_wall_s=time.perf_counter() - t0, log=os.path.basename(log_path), returncode=p.returncode)
     return record
+
+
+def out_of_memory(rec: dict) -> bool:
+    """Host or GPU memory ran out: an OOM error, the planner's refusal, or SIGKILL (the kernel's OOM killer)."""
+    text = (rec.get("error") or "").lower()
+    return bool(rec.get("oom")) or "memory" in text or "does not fit" in text or rec.get("returncode") == -9
 
 
 def fit(runs: list[dict]) -> dict[str, Any] | None:
@@ -405,11 +416,17 @@ def extrapolate(spec: dict, runs: list[dict], line: dict, layers: int, device_ty
         hidden = (TINY_WIDTH if spec.get("tiny") else WIDTH)["hidden_size"]
         boundary = tokens * hidden * c  # one more saved layer-boundary activation per layer; the rest is per-visit
         measured = big.get("peak_gpu_reserved_gib")
+        total = big.get("gpu_total_gib")
+        predicted = None if measured is None else measured + (layers - big["layers"]) * boundary / GIB
         out["gpu"] = {"measured_at_layers": big["layers"], "measured_peak_alloc_gib": big.get("peak_gpu_alloc_gib"),
                       "measured_peak_reserved_gib": measured, "boundary_activation_per_layer_gib": boundary / GIB,
-                      "predicted_peak_reserved_gib": None if measured is None else
-                      measured + (layers - big["layers"]) * boundary / GIB}
+                      "predicted_peak_reserved_gib": predicted, "gpu_total_gib": total,
+                      "fits_gpu": None if predicted is None or total is None else predicted <= total}
     return out
+
+
+def _count(n: int | None) -> str:
+    return "-" if not n else f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
 
 
 def summary(doc: dict) -> str:
@@ -420,23 +437,26 @@ def summary(doc: dict) -> str:
              "planner host GiB | setup s |", "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in doc["runs"]:
         setup = sum((r.get("setup") or {}).values()) or None
-        lines.append(f"| {r['layers']} | {f(r.get('n_params') and r['n_params'] / 1e9, '{:.2f}B')} | "
-                     f"{r.get('status')} | {f(r.get('step_time_s'), '{:.3f}')} | {f(r.get('tokens_per_s'), '{:,.0f}')} "
-                     f"| {f(r.get('mfu'), '{:.1%}')} | {f(r.get('peak_gpu_alloc_gib'), '{:.1f}')} / "
+        plan = r.get("planner") or {}
+        lines.append(f"| {r['layers']} | {_count(r.get('n_params'))} | {r.get('status')} | "
+                     f"{f(r.get('step_time_s'), '{:.3f}')} | {f(r.get('tokens_per_s'), '{:,.0f}')} | "
+                     f"{f(r.get('mfu'), '{:.1%}')} | {f(r.get('peak_gpu_alloc_gib'), '{:.1f}')} / "
                      f"{f(r.get('peak_gpu_reserved_gib'), '{:.1f}')} | {f(r.get('vm_hwm_gib'), '{:.1f}')} | "
-                     f"{f((r.get('planner') or {}).get('host_total_gib'), '{:.1f}')} | {f(setup, '{:.0f}')} |")
+                     f"{f(plan.get('host_need_gib'), '{:.1f}')} | {f(setup, '{:.0f}')} |")
+    lines.append("")
     for key in ("fit", "events_fit"):
         line = doc.get(key)
         if line:
-            lines.append(f"\n{key}: {line['method']}: per layer {line['per_layer_s']:.3f} s, intercept "
+            lines.append(f"{key}: {line['method']}: per layer {line['per_layer_s']:.3f} s, intercept "
                          f"{line['intercept_s']:.3f} s")
     x = doc.get("extrapolation")
     if x:
-        gpu = (x.get("gpu") or {}).get("predicted_peak_reserved_gib")
+        gpu, plan = x.get("gpu") or {}, x["planner"]
         lines.append(f"{x['layers']} layers ({x['n_params'] / 1e9:.1f}B): step {x['step_time_s']:.2f} s, "
-                     f"{x['tokens_per_s']:,.0f} tokens/s, MFU {x['mfu']:.1%}; host RAM "
-                     f"{x['planner']['host_total_gib']:,.0f} GiB ({x['planner']['host_bytes_per_param']:.1f}"
-                     f" B/param); GPU peak ~{f(gpu, '{:.1f}')} GiB")
+                     f"{x['tokens_per_s']:,.0f} tokens/s, MFU {x['mfu']:.1%}; host RAM {plan['host_need_gib']:,.0f} "
+                     f"GiB ({plan['host_bytes_per_param']:.1f} B/param); GPU peak ~"
+                     f"{f(gpu.get('predicted_peak_reserved_gib'), '{:.1f}')} GiB (planner "
+                     f"{plan['gpu_need_gib']:.1f}; fits: {gpu.get('fits_gpu')})")
     return "\n".join(lines) + "\n"
 
 
@@ -482,7 +502,7 @@ def layer_counts(a: argparse.Namespace, spec: dict, info: dict, device_type: str
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    t_start = time.perf_counter()
+    t_start = T_START if argv is None else time.perf_counter()  # the budget counts from process start
     info = machine()
     device_type = "cuda" if info.get("gpu") else "cpu"
     if device_type == "cpu" and not a.tiny:
@@ -492,6 +512,7 @@ def main(argv: list[str] | None = None) -> int:
             "steps": a.steps or (3 if a.tiny else 10), "warmup": a.warmup if a.warmup is not None else
             (1 if a.tiny else 2), "peak_tflops": a.peak_tflops, "host_fraction": a.host_fraction, "seed": 0,
             "megatrain_config": json.loads(a.megatrain_config) if a.megatrain_config else {}}
+    run_config(spec)  # a bad --megatrain-config fails here, not in every run
     counts, table = layer_counts(a, spec, info, device_type, gpu_free)
     _, slug = gpu_slug(a.tiny)
     os.makedirs(os.path.join(a.out, "logs"), exist_ok=True)
@@ -526,26 +547,32 @@ def main(argv: list[str] | None = None) -> int:
             mirror(a.mirror, [path, path[:-5] + ".md"], logs)
 
     write()
-    for k, layers in enumerate(counts):
+    k = 0
+    while k < len(counts):
+        layers = counts[k]
+        k += 1
         left = a.budget - (time.perf_counter() - t_start)
         done = [r for r in doc["runs"] if r.get("status") == "ok"]
         guess = max((r["subprocess_wall_s"] * (layers + 1) / (r["layers"] + 1) for r in done), default=0.0)
-        if left < 60 or (k > 0 and guess + 20 > left):
+        if left < 60 or (k > 1 and guess + 20 > left):
             doc["runs"].append({"layers": layers, "status": "skipped", "error": f"{left:.0f}s left of --budget "
                                 f"{a.budget:.0f}s, this run needs ~{guess:.0f}s"})
             print(f"[scale] skipping {layers} layers: {doc['runs'][-1]['error']}", flush=True)
             continue
-        timeout = min(a.timeout, left - 10)
+        timeout = min(a.timeout, left - 35)  # room for the kill's grace periods and the last write
         log = os.path.join(a.out, "logs", f"scale_123b_L{layers}.log")
         logs.append(log)
-        print(f"[scale] run {k + 1}/{len(counts)}: {layers} layers (timeout {timeout:.0f}s)", flush=True)
-        rec = spawn({**spec, "layers": layers, "deadline_s": timeout - 25}, timeout, log, env)
+        print(f"[scale] run {k}/{len(counts)}: {layers} layers (timeout {timeout:.0f}s)", flush=True)
+        rec = spawn({**spec, "layers": layers, "deadline_s": timeout - 30}, timeout, log, env)
         doc["runs"].append(rec)
         msg = (f"step {rec['step_time_s']:.3f}s, {rec['tokens_per_s']:,.0f} tokens/s, MFU {rec['mfu']:.1%}"
                if rec.get("status") == "ok" else (rec.get("error") or "")[:400])
         print(f"[scale]   -> {rec.get('status')} in {rec['subprocess_wall_s']:.0f}s: {msg}", flush=True)
         if rec.get("status") != "ok":
             print(log_tail(log, 25), flush=True)
+            if k == 1 and out_of_memory(rec) and layers - 1 >= 1 and layers - 1 not in counts:
+                counts.insert(1, layers - 1)  # the largest count did not fit after all: one layer fewer next
+                print(f"[scale] {layers} layers failed: trying {layers - 1} next", flush=True)
         analyse(doc, device_type, gpu_free, a.full_layers)
         write()
     print(f"[scale] wrote {path}\n", flush=True)

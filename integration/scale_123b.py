@@ -15,7 +15,7 @@ step ends (with the overlapped optimizer it carries the previous step's optimize
 The model is never whole on the host: the skeleton is built on ``meta``, the resident parameters are drawn on the
 GPU, and every layer's N(0, 0.02) values go from the GPU straight into the engine's pinned FP32 master.
 
-    python integration/scale_123b.py --mirror $OUT            # H100: auto layers, then auto - 2; ~6-8 minutes
+    python integration/scale_123b.py --mirror $OUT            # H100: auto layers, then auto - 2; ~4-6 minutes
     python integration/scale_123b.py --tiny --out /tmp/scale  # CPU smoke of the same code (seconds)
 """
 
@@ -591,6 +591,9 @@ def analyse(doc: dict, device_type: str, gpu_free: int | None, full_layers: int)
     line = doc.get("fit") or doc.get("events_fit")
     if line:
         doc["extrapolation"] = extrapolate(doc["spec"], doc["runs"], line, full_layers, device_type, gpu_free)
+    if doc.get("fit") and doc.get("events_fit"):  # the cross-check: the same extrapolation from one run's events
+        doc["extrapolation_from_events"] = extrapolate(doc["spec"], doc["runs"], doc["events_fit"], full_layers,
+                                                       device_type, gpu_free)
 
 
 if __name__ == "__main__":

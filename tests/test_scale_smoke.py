@@ -52,6 +52,7 @@ def test_tiny_run_writes_results(tmp_path):
     assert x["step_time_s"] == pytest.approx(fit["intercept_s"] + 88 * fit["per_layer_s"])
     assert x["n_params"] == scale_123b.count_params(doc["spec"], 88)
     assert x["planner"]["host_need_gib"] > 0 and x["gpu"]["measured_at_layers"] == 3
+    assert doc["extrapolation_from_events"]["method"] == doc["events_fit"]["method"]
     assert "| 3 |" in (out / "scale_123b_cpu_tiny.md").read_text()
 
 

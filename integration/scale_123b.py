@@ -183,7 +183,8 @@ class LayerTimer:
     def __init__(self, executor: Any, layers: int, cuda: bool) -> None:
         self.layers, self.cuda, self.pending = layers, cuda, []
         for kind in ("forward", "backward"):
-            setattr(executor, f"{kind}_layer", self._wrap(kind, getattr(executor, f"{kind}_layer")))
+            if hasattr(executor, f"{kind}_layer"):  # else no events: the two-run slope still stands
+                setattr(executor, f"{kind}_layer", self._wrap(kind, getattr(executor, f"{kind}_layer")))
 
     def _mark(self) -> Any:
         if not self.cuda:
@@ -283,6 +284,8 @@ def train(engine: MegaTrainEngine, spec: dict, timer: LayerTimer) -> dict[str, A
 def event_split(steps: list[dict], layers: int) -> dict[str, Any]:
     """Per-layer and resident time from the layer-visit events, and the optimizer's share (medians over steps)."""
     per_layer = [(sum(s["layer_forward_s"]) + sum(s["layer_backward_s"])) / layers for s in steps]
+    if not any(per_layer):
+        return {"per_layer_s": None, "error": "no layer visits were timed"}
     rest = [s["period_s"] - layers * p for s, p in zip(steps, per_layer)]
     med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
     return {"per_layer_s": med(per_layer), "intercept_s": med(rest),
@@ -564,6 +567,8 @@ def main(argv: list[str] | None = None) -> int:
         logs.append(log)
         print(f"[scale] run {k}/{len(counts)}: {layers} layers (timeout {timeout:.0f}s)", flush=True)
         rec = spawn({**spec, "layers": layers, "deadline_s": timeout - 30}, timeout, log, env)
+        need, hwm = (rec.get("planner") or {}).get("host_need_gib"), rec.get("vm_hwm_gib")
+        rec["host_hwm_over_planner"] = hwm / need if need and hwm else None
         doc["runs"].append(rec)
         msg = (f"step {rec['step_time_s']:.3f}s, {rec['tokens_per_s']:,.0f} tokens/s, MFU {rec['mfu']:.1%}"
                if rec.get("status") == "ok" else (rec.get("error") or "")[:400])

@@ -78,7 +78,8 @@ class DeviceStepper:
                     unit.compute.copy_(comp, non_blocking=True)
                 self.free[j % 2] = st.record(st.d2h)
             if prev is not None:  # the previous unit's copies were queued before this one's: finish it now
-                st.synchronize(prev[1])
+                with torch.profiler.record_function("megatrain.optimizer.device_unit_wait"):
+                    st.synchronize(prev[1])
                 done(prev[0])
             prev = (unit, self.free[j % 2])
         if prev is not None:

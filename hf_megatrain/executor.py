@@ -102,7 +102,8 @@ class StreamingExecutor:
         s = min(free, key=lambda k: self.slot_tick[k])
         if self.wait_for_unit is not None:
             t0 = time.perf_counter()
-            self.wait_for_unit(index)
+            with torch.profiler.record_function("megatrain.wait_optimizer"):
+                self.wait_for_unit(index)
             self.wait_optimizer_s += time.perf_counter() - t0
         unit = self.units[index]
         st = self.streams

@@ -152,8 +152,9 @@ class CPUAdamW(torch.optim.Optimizer):
     def _run_host(self, order: list[int], hyper: list[dict], grad_scale: float | None) -> None:
         for i in order:
             u = self.store.units[i]
-            self._kernel(u, [u.master, u.grad, u.exp_avg, u.exp_avg_sq], hyper, grad_scale)
-            self.store.sync_compute_(u)
+            with torch.profiler.record_function("megatrain.optimizer.host_unit"):
+                self._kernel(u, [u.master, u.grad, u.exp_avg, u.exp_avg_sq], hyper, grad_scale)
+                self.store.sync_compute_(u)
             self._finish_unit(u)
 
     def _run_device(self, order: list[int], hyper: list[dict], grad_scale: float | None) -> None:

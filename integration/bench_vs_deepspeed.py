@@ -330,7 +330,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="seconds for this whole invocation: later runs get what is left, none start below 60 s")
     ap.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS)
     ap.add_argument("--no-profile", action="store_true", help="skip hf_megatrain's extra profiled step")
-    ap.add_argument("--keep-trace", action="store_true", help="keep the chrome trace next to the results")
+    ap.add_argument("--keep-trace", action="store_true", help="keep the chrome trace (gzipped) next to the results")
+    ap.add_argument("--profile-steps", type=int, default=1,
+                    help="consecutive steps in hf_megatrain's profile (2+ shows the overlapped optimizer)")
     ap.add_argument("--env", action="append", default=[], metavar="KEY=VAL", help="extra env for every runner")
     ap.add_argument("--alloc-conf", default="expandable_segments:True",
                     help="PYTORCH_CUDA_ALLOC_CONF for every runner unless already set ('' = none)")
@@ -376,7 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(os.path.join(a.out, "logs"), exist_ok=True)
     path_json = os.path.join(a.out, f"bench_vs_deepspeed_{slug}.json")
     base = {"tiny": a.tiny, "layers": a.layers, "seq": seq, "warmup": a.warmup, "steps": a.steps,
-            "profile": not a.no_profile, "keep_trace": a.keep_trace, "peak_tflops": a.peak_tflops, "seed": 0,
+            "profile": not a.no_profile, "profile_steps": a.profile_steps, "keep_trace": a.keep_trace,
+            "peak_tflops": a.peak_tflops, "seed": 0,
             "trace_dir": os.path.abspath(a.out) if a.keep_trace else None}
     command = "python " + shlex.join([os.path.relpath(os.path.abspath(sys.argv[0]), ROOT)] + sys.argv[1:]) \
         if argv is None else "bench_vs_deepspeed.main(" + shlex.join(argv) + ")"

@@ -269,10 +269,11 @@ def phase_breakdown(trace: str | dict, window_name: str = "bench.step") -> dict[
 
 
 class Profiled:
-    """Profile one step: ``with Profiled(path) as p: ... p.step_range()`` -> ``p.phases`` afterwards."""
+    """Profile ``steps`` consecutive steps (``start()`` before the first, ``stop()`` after the last) ->
+    ``p.phases`` afterwards, per step (times divided by ``steps``). ``keep`` leaves the trace gzipped."""
 
-    def __init__(self, trace_path: str, keep: bool = False) -> None:
-        self.path, self.keep = trace_path, keep
+    def __init__(self, trace_path: str, keep: bool = False, steps: int = 1) -> None:
+        self.path, self.keep, self.steps = trace_path, keep, max(1, steps)
         acts = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
             acts.append(torch.profiler.ProfilerActivity.CUDA)
@@ -294,11 +295,20 @@ class Profiled:
         self.prof.export_chrome_trace(self.path)
         try:
             self.phases = phase_breakdown(self.path)
+            if self.steps > 1:
+                self.phases = {k: v / self.steps if k.endswith("_ms") else v for k, v in self.phases.items()}
+                self.phases["profiled_steps"] = self.steps
         finally:
             if not self.keep:
                 os.remove(self.path)
             else:
-                self.phases["trace"] = self.path
+                import gzip
+                import shutil
+
+                with open(self.path, "rb") as src, gzip.open(self.path + ".gz", "wb") as dst:
+                    shutil.copyfileobj(src, dst)
+                os.remove(self.path)
+                self.phases["trace"] = self.path + ".gz"
 
 
 # -- process harness ----------------------------------------------------------------------------------------------------

@@ -32,6 +32,11 @@ def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def _profile_steps(spec: dict) -> int:
+    """Consecutive steps profiled after the timed ones (2+ shows the overlapped optimizer of the step before)."""
+    return int(spec.get("profile_steps", 1)) if spec.get("profile", True) else 0
+
+
 def _trace_path(spec: dict) -> str:
     d = spec.get("trace_dir") or tempfile.gettempdir()
     return os.path.join(d, f"trace_megatrain_b{spec['batch']}_{os.getpid()}.json")
@@ -52,14 +57,15 @@ def run_engine(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str,
     setup_s = time.perf_counter() - t
     ex = engine.executor
     warm, steps, batch = int(spec["warmup"]), int(spec["steps"]), int(spec["batch"])
-    total = warm + steps + (1 if spec.get("profile", True) else 0)
+    n_prof = _profile_steps(spec)
+    total = warm + steps + n_prof
     rows = token_rows(spec, total)
     items = batch * (int(spec["seq"]) - 1)  # what Trainer passes: label tokens after the shift (no padding)
-    clock, losses, per_step, phases = StepClock(), [], [], {}
+    clock, losses, per_step, phases, prof = StepClock(), [], [], {}, None
     clock.mark()
     for i in range(total):
-        prof = Profiled(_trace_path(spec), keep=bool(spec.get("keep_trace"))) if i == warm + steps else None
-        if prof:
+        if n_prof and i == warm + steps:
+            prof = Profiled(_trace_path(spec), keep=bool(spec.get("keep_trace")), steps=n_prof)
             prof.start()
         ids = rows[i * batch:(i + 1) * batch]
         w0 = getattr(ex, "wait_optimizer_s", None)
@@ -69,7 +75,7 @@ def run_engine(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str,
         opt.step()
         opt.zero_grad()
         call_s = time.perf_counter() - t0
-        if prof:
+        if n_prof and i == total - 1:
             prof.stop()
             phases = prof.phases
         clock.mark()
@@ -106,7 +112,8 @@ def run_trainer(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str
     from hf_megatrain.trainer import MegaTrainTrainer, MegaTrainTrainingArguments
 
     warm, steps, batch = int(spec["warmup"]), int(spec["steps"]), int(spec["batch"])
-    total = warm + steps + (1 if spec.get("profile", True) else 0)
+    n_prof = _profile_steps(spec)
+    total = warm + steps + n_prof
     clock, per_step, state = StepClock(), [], {"phases": {}}
     cuda = torch.cuda.is_available()
 
@@ -120,12 +127,12 @@ def run_trainer(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str
         def on_step_begin(self, args, st, control, **kw):
             ex = state.get("ex")
             state["w0"] = getattr(ex, "wait_optimizer_s", None)
-            if st.global_step == warm + steps and spec.get("profile", True):
-                state["prof"] = Profiled(_trace_path(spec), keep=bool(spec.get("keep_trace")))
+            if n_prof and st.global_step == warm + steps:
+                state["prof"] = Profiled(_trace_path(spec), keep=bool(spec.get("keep_trace")), steps=n_prof)
                 state["prof"].start()
 
         def on_step_end(self, args, st, control, **kw):
-            prof = state.pop("prof", None)
+            prof = state.pop("prof", None) if st.global_step == total else None
             if prof:
                 prof.stop()
                 state["phases"] = prof.phases

@@ -34,7 +34,7 @@ class CPUAdamW(torch.optim.Optimizer):
                  unit_order: list[int] | None = None, skip_nonfinite: bool = True, overlap: bool = False,
                  before_step: Callable[[], None] | None = None,
                  after_unit: Callable[[Unit], None] | None = None,
-                 device_stepper: DeviceStepper | None = None) -> None:
+                 device_stepper: DeviceStepper | None = None, host_chunk: int = 1 << 22) -> None:
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"invalid AdamW hyper-parameters lr={lr} betas={betas} eps={eps} "
                              f"weight_decay={weight_decay}")
@@ -68,6 +68,10 @@ class CPUAdamW(torch.optim.Optimizer):
         self.before_step = before_step
         self.after_unit = after_unit
         self.device_stepper = device_stepper
+        # Host units are stepped in chunks of this many elements, each chunk's compute-dtype copy written right
+        # after its update while the new master is still in cache: one pass over host memory instead of two
+        # (the CPU step is memory-bandwidth bound). 0 = whole unit, then a separate copy pass.
+        self.host_chunk = host_chunk
         self._on_device = {u.index for u in device_stepper.units} if device_stepper else set()
         self._counts = [0] * len(store.units)  # AdamW step count per unit
         self.skipped_steps = 0
@@ -153,8 +157,10 @@ class CPUAdamW(torch.optim.Optimizer):
         for i in order:
             u = self.store.units[i]
             with torch.profiler.record_function("megatrain.optimizer.host_unit"):
-                self._kernel(u, [u.master, u.grad, u.exp_avg, u.exp_avg_sq], hyper, grad_scale)
-                self.store.sync_compute_(u)
+                copy = u.compute is not u.master
+                chunk = self.host_chunk if self.host_chunk > 0 else u.numel
+                after = (lambda a, b, u=u: u.compute[a:b].copy_(u.master[a:b])) if copy else None
+                self._kernel(u, [u.master, u.grad, u.exp_avg, u.exp_avg_sq], hyper, grad_scale, chunk, after)
             self._finish_unit(u)
 
     def _run_device(self, order: list[int], hyper: list[dict], grad_scale: float | None) -> None:
@@ -162,18 +168,29 @@ class CPUAdamW(torch.optim.Optimizer):
         self.device_stepper.run([self.store.units[i] for i in order],
                                 lambda u, flats: self._kernel(u, flats, hyper, grad_scale), self._finish_unit)
 
-    def _kernel(self, unit: Unit, flats: list[torch.Tensor], hyper: list[dict], grad_scale: float | None) -> None:
-        """One fused AdamW update of ``unit`` on flat [master, grad, exp_avg, exp_avg_sq] buffers."""
+    def _kernel(self, unit: Unit, flats: list[torch.Tensor], hyper: list[dict], grad_scale: float | None,
+                chunk: int | None = None, after_chunk: Callable[[int, int], None] | None = None) -> None:
+        """One fused AdamW update of ``unit`` on flat [master, grad, exp_avg, exp_avg_sq] buffers, in ranges of
+        ``chunk`` elements (default: all at once); ``after_chunk(a, b)`` runs after each range is updated."""
         self._counts[unit.index] += 1
         device = flats[0].device
         step = torch.full((1,), float(self._counts[unit.index]), dtype=torch.float32, device=device)
         scale_t = None if grad_scale is None else torch.full((), grad_scale, dtype=torch.float32, device=device)
-        for g, slices in self._unit_groups[unit.index]:
-            h = hyper[self._group_of[g]]
-            master, grad, m, v = ([f[p.offset:p.offset + p.numel] for p in slices] for f in flats)
-            torch._fused_adamw_(master, grad, m, v, [], [step] * len(slices), lr=h["lr"], beta1=h["betas"][0],
-                                beta2=h["betas"][1], weight_decay=h["weight_decay"], eps=h["eps"], amsgrad=False,
-                                maximize=False, grad_scale=scale_t, found_inf=None)
+        chunk = chunk or max(unit.numel, 1)
+        for a in range(0, unit.numel, chunk):
+            b = min(a + chunk, unit.numel)
+            for g, slices in self._unit_groups[unit.index]:
+                parts = [(max(p.offset, a), min(p.offset + p.numel, b)) for p in slices]
+                parts = [(lo, hi) for lo, hi in parts if hi > lo]
+                if not parts:
+                    continue
+                h = hyper[self._group_of[g]]
+                master, grad, m, v = ([f[lo:hi] for lo, hi in parts] for f in flats)
+                torch._fused_adamw_(master, grad, m, v, [], [step] * len(parts), lr=h["lr"], beta1=h["betas"][0],
+                                    beta2=h["betas"][1], weight_decay=h["weight_decay"], eps=h["eps"],
+                                    amsgrad=False, maximize=False, grad_scale=scale_t, found_inf=None)
+            if after_chunk is not None:
+                after_chunk(a, b)
 
     def _finish_unit(self, unit: Unit) -> None:
         unit.grad_valid = False

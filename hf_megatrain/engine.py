@@ -106,13 +106,17 @@ class MegaTrainEngine:
         layer_param_ids = {id(p) for p in layers.parameters()}
         outside = [(n, p) for n, p in model.named_parameters() if id(p) not in layer_param_ids]
         resident = [(n, p) for n, p in outside if p.requires_grad]
+        self._resident_numel = ul.numels[-1]
         self.resident_on_device = self._resident_on_device(ul.numels[-1])
         self._check_host_fits(ul)  # the planner's numbers, before any large allocation
         devices = [None] * (len(ul.layouts) - 1) + [self.device if self.resident_on_device else None]
+        device_stepped = self._device_step_layers(ul.numels[:-1])
+        moment_devices = [self.device if i in device_stepped else None for i in range(len(ul.layouts))]
         self.store = HostStore(ul.layouts, compute_dtype=self.compute_dtype, pin=pin,
                                memory_fraction=config.host_memory_fraction,
                                streamed=[True] * (len(ul.layouts) - 1) + [False], devices=devices,
-                               frozen_layouts=ul.frozen[:-1] + [[]], state_dir=config.optimizer_state_dir)
+                               frozen_layouts=ul.frozen[:-1] + [[]], state_dir=config.optimizer_state_dir,
+                               moment_devices=moment_devices)
         self.layer_units = self.store.units[:-1]
         self.resident_unit = self.store.units[-1]
         self.resident_params: dict[str, nn.Parameter] = dict(resident)
@@ -165,7 +169,7 @@ class MegaTrainEngine:
             for bname, b in list(mod._buffers.items()):
                 if b is not None and not b.is_meta:
                     mod._buffers[bname] = b.to(self.device)
-        chosen = self._device_step_units()
+        chosen = [self.layer_units[i] for i in device_stepped]
         self.device_stepper = DeviceStepper(chosen, self.device, self.compute_dtype) if chosen else None
         self.optimizer: CPUAdamW | None = None
         self._checked_shapes: set[tuple[int, int]] = set()  # (batch, seq) shapes the GPU check passed
@@ -303,18 +307,19 @@ class MegaTrainEngine:
         self.executor.wait_for_unit = lambda i: opt.wait_unit(self.layer_units[i].index)
         return opt
 
-    def _device_step_units(self) -> list[Unit]:
-        """Streamed layers whose AdamW runs on the GPU (see device_stepper.py): every other layer, so the CPU and
-        GPU workers alternate in the order the next forward consumes layers."""
-        units = [u for u in self.layer_units if u.numel > 0]  # frozen layers have nothing to step
-        if not units or (self.config.optimizer_state_dir and self.config.device_step_layers == -1):
+    def _device_step_layers(self, numels: list[int]) -> list[int]:
+        """Streamed layers whose AdamW runs on the GPU (see device_stepper.py), chosen before the host store is
+        built so their moments are allocated on the GPU from the start (never in host RAM)."""
+        if not any(numels) or (self.config.optimizer_state_dir and self.config.device_step_layers == -1):
             return []  # disk-tier moments cannot be page-locked for fast PCIe streaming: keep AdamW on the CPU
-        k = planner.device_step_count(len(units), max(u.numel for u in units), self.config, self.device.type,
-                                      available_device_bytes(self.device))
-        order = list(range(1, len(units), 2)) + list(range(0, len(units), 2))
-        chosen = [units[i] for i in sorted(order[:k])]
+        free = available_device_bytes(self.device)
+        if free is not None and self.resident_on_device:  # what the resident parts will take first
+            free = max(free - planner.resident_device_bytes(self._resident_numel, self.config), 0)
+        trainable = [n for n in numels if n > 0]
+        k = planner.device_step_count(len(trainable), max(trainable), self.config, self.device.type, free)
+        chosen = planner.device_step_layers(numels, k)
         logger.info("hf_megatrain: AdamW of %d of %d streamed layers runs on the GPU, the rest on the CPU",
-                    len(chosen), len(units))
+                    len(chosen), len(trainable))
         return chosen
 
     def _before_step(self) -> None:

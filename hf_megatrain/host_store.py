@@ -86,11 +86,13 @@ class HostStore:
                  pin: bool, memory_fraction: float = 0.9, streamed: list[bool] | None = None,
                  devices: list[torch.device | None] | None = None,
                  frozen_layouts: list[list[tuple[str, str, tuple[int, ...]]]] | None = None,
-                 state_dir: str | None = None) -> None:
+                 state_dir: str | None = None, moment_devices: list[torch.device | None] | None = None) -> None:
         """``devices[i]`` places unit i's buffers on an accelerator instead of the host (resident parts whose
         optimizer runs on the GPU); ``None`` = host. ``frozen_layouts[i]`` lists unit i's frozen parameters
         (name, local name, shape): host compute-dtype buffer only. ``state_dir`` puts the AdamW moments of host
-        units in memory-mapped files there (the disk tier), taking 8 bytes per parameter off host RAM."""
+        units in memory-mapped files there (the disk tier), taking 8 bytes per parameter off host RAM.
+        ``moment_devices[i]`` puts only unit i's AdamW moments on that device (layers stepped on the GPU, see
+        device_stepper.py): 8 bytes per parameter off host RAM."""
         self.compute_dtype = compute_dtype
         devices = devices or [None] * len(layouts)
         frozen_layouts = frozen_layouts or [[] for _ in layouts]
@@ -100,11 +102,14 @@ class HostStore:
         self.frozen_numel = sum(frozen_sizes)
         elt = torch.empty((), dtype=compute_dtype).element_size()
         host_numel = sum(n for n, d in zip(sizes, devices) if d is None or d.type == "cpu")
+        moment_devices = moment_devices or [None] * len(layouts)
+        dev_moments = sum(n for n, d, md in zip(sizes, devices, moment_devices)
+                          if (d is None or d.type == "cpu") and md is not None and md.type != "cpu")
         self.state_dir = state_dir
         ram_per_param = bytes_per_param(compute_dtype) - (8 if state_dir else 0)
         if state_dir:
             check_disk_space(8 * host_numel, state_dir, f"the AdamW state of {host_numel / 1e6:.1f}M parameters")
-        check_host_memory(host_numel * ram_per_param + self.frozen_numel * elt, memory_fraction,
+        check_host_memory(host_numel * ram_per_param - 8 * dev_moments + self.frozen_numel * elt, memory_fraction,
                           what=f"the host store for {host_numel / 1e6:.1f}M trainable parameters "
                                f"({ram_per_param} bytes each) and {self.frozen_numel / 1e6:.1f}M "
                                f"frozen ones ({elt} bytes each)")
@@ -123,7 +128,9 @@ class HostStore:
                 alloc = lambda n, dt, pinned=pin: alloc_host(n, dt, pinned)  # noqa: E731
             else:
                 alloc = lambda n, dt, pinned=False: torch.empty(n, dtype=dt, device=dev)  # noqa: E731
-            if on_host and state_dir:
+            if moment_devices[i] is not None and moment_devices[i].type != "cpu":
+                moment = lambda n, md=moment_devices[i]: torch.zeros(n, dtype=torch.float32, device=md)  # noqa: E731
+            elif on_host and state_dir:
                 moment = lambda n: alloc_on_disk(n, torch.float32, state_dir)  # noqa: E731  (sparse file: zeros)
             else:
                 moment = lambda n: alloc(n, torch.float32, False).zero_()  # noqa: E731
@@ -146,11 +153,11 @@ class HostStore:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of every buffer the store allocated (trainable state + frozen copies)."""
+        """Host bytes of every buffer the store allocated (trainable state + frozen copies)."""
         seen, total = set(), 0
         for u in self.units:
             for t in (u.master, u.grad, u.exp_avg, u.exp_avg_sq, u.compute, u.frozen):
-                if t is not None and t.data_ptr() not in seen:
+                if t is not None and t.data_ptr() not in seen and t.device.type == "cpu":
                     seen.add(t.data_ptr())
                     total += t.numel() * t.element_size()
         return total

@@ -34,7 +34,7 @@ class CPUAdamW(torch.optim.Optimizer):
                  unit_order: list[int] | None = None, skip_nonfinite: bool = True, overlap: bool = False,
                  before_step: Callable[[], None] | None = None,
                  after_unit: Callable[[Unit], None] | None = None,
-                 device_stepper: DeviceStepper | None = None, host_chunk: int = 1 << 22) -> None:
+                 device_stepper: DeviceStepper | None = None, host_chunk: int = 0) -> None:
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"invalid AdamW hyper-parameters lr={lr} betas={betas} eps={eps} "
                              f"weight_decay={weight_decay}")
@@ -68,9 +68,10 @@ class CPUAdamW(torch.optim.Optimizer):
         self.before_step = before_step
         self.after_unit = after_unit
         self.device_stepper = device_stepper
-        # Host units are stepped in chunks of this many elements, each chunk's compute-dtype copy written right
-        # after its update while the new master is still in cache: one pass over host memory instead of two
-        # (the CPU step is memory-bandwidth bound). 0 = whole unit, then a separate copy pass.
+        # Host units may be stepped in chunks of this many elements, each chunk's compute-dtype copy written right
+        # after its update while the new master is still in cache (one pass over host memory instead of two).
+        # Measured on the H100 box (integration/PERF.md) it is slower from the overlap thread: every chunk pays
+        # OpenMP fork/join for ~10 small kernel calls. 0 = whole unit, then one copy pass (the default).
         self.host_chunk = host_chunk
         self._on_device = {u.index for u in device_stepper.units} if device_stepper else set()
         self._counts = [0] * len(store.units)  # AdamW step count per unit

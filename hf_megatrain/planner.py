@@ -140,22 +140,39 @@ def resident_on_device(numel: int, config: MegaTrainConfig, device_type: str, gp
         return device_type == "cpu" and place != "host"
     if place == "device":
         return True
-    return numel * (16 + (2 if config.torch_compute_dtype != torch.float32 else 0)) <= \
-        config.resident_device_fraction * (gpu_free or 0)
+    return resident_device_bytes(numel, config) <= config.resident_device_fraction * (gpu_free or 0)
+
+
+def resident_device_bytes(numel: int, config: MegaTrainConfig) -> int:
+    """GPU bytes of resident parts stepped on the device: FP32 master, grad, m, v + a compute-dtype copy."""
+    c = _elt(config.torch_compute_dtype)
+    return numel * (16 + (c if c < 4 else 0))
 
 
 def device_step_count(num_layers: int, max_numel: int, config: MegaTrainConfig, device_type: str,
                       gpu_free: int | None) -> int:
-    """Engine rule: how many streamed layers run AdamW on the GPU (``device_step_layers``; -1 = auto)."""
+    """Engine rule: how many streamed layers run AdamW on the GPU (``device_step_layers``; -1 = auto).
+    ``gpu_free``: GPU memory left once the resident parts are placed."""
     k = config.device_step_layers
     if k == -1:
         if device_type != "cuda" or config.optimizer_state_dir:  # disk-tier moments stay with the CPU AdamW
             return 0
-        per_layer, fixed = 4 * max_numel, 2 * (12 + _elt(config.torch_compute_dtype)) * max_numel
-        k = num_layers // 2
-        while k > 0 and k * per_layer + fixed > 0.3 * (gpu_free or 0):
+        k = num_layers
+        while k > 0 and device_step_bytes(k, max_numel, config) > config.device_step_fraction * (gpu_free or 0):
             k -= 1
     return min(k, num_layers)
+
+
+def device_step_bytes(k: int, max_numel: int, config: MegaTrainConfig) -> int:
+    """GPU bytes of ``k`` GPU-stepped layers: FP32 gradient + AdamW moments each, and the stepper's two
+    master + streaming-copy buffers."""
+    return 0 if k == 0 else 12 * k * max_numel + 2 * (4 + _elt(config.torch_compute_dtype)) * max_numel
+
+
+def device_step_layers(numels: list[int], k: int) -> list[int]:
+    """Which streamed layers the GPU steps: the first ``k`` trainable ones in forward order (the next forward
+    needs them first; the CPU's share, needed last, gets the most time)."""
+    return [i for i, n in enumerate(numels) if n > 0][:k]
 
 
 @dataclass
@@ -214,6 +231,13 @@ def estimate(shape: ModelShape, config: MegaTrainConfig, seq_len: int, batch_siz
     res_host = 0 if (on_dev and cuda) else shape.resident_numel
     n_host = sum(shape.layer_numels) + res_host
     n_max = max(shape.layer_numels, default=0)
+    if device_steps is None:
+        res_dev = resident_device_bytes(shape.resident_numel, config) if (on_dev and cuda) else 0
+        free_after = None if gpu_free is None else max(gpu_free - res_dev, 0)
+        device_steps = device_step_count(len([n for n in shape.layer_numels if n > 0]), n_max, config,
+                                         device_type, free_after)
+    k = device_steps
+    n_dev_moments = sum(shape.layer_numels[i] for i in device_step_layers(shape.layer_numels, k))
     slot = max((a + b for a, b in zip(shape.layer_numels, shape.layer_frozen)), default=0)
     h = plan.host
     h["baseline (python, torch, transformers)"] = HOST_BASELINE_BYTES + (CUDA_CONTEXT_HOST_BYTES if cuda else 0)
@@ -221,8 +245,9 @@ def estimate(shape: ModelShape, config: MegaTrainConfig, seq_len: int, batch_siz
     h["grad fp32"] = 4 * n_host
     # Disk tier: the host units' moments live in memory-mapped files (page cache, reclaimable), not in RSS.
     on_disk = bool(config.optimizer_state_dir)
-    h["exp_avg fp32"] = 0 if on_disk else 4 * n_host
-    h["exp_avg_sq fp32"] = 0 if on_disk else 4 * n_host
+    # GPU-stepped layers keep their moments on the GPU.
+    h["exp_avg fp32"] = 0 if on_disk else 4 * (n_host - n_dev_moments)
+    h["exp_avg_sq fp32"] = 0 if on_disk else 4 * (n_host - n_dev_moments)
     h["compute copy"] = (bytes_per_param(cdt) - 16) * n_host  # the store's rule: none in fp32 compute
     # Frozen resident parameters (a PEFT base's embeddings) stay on the GPU with CUDA; streamed ones on the host.
     h["frozen params (compute dtype)"] = c * (shape.frozen - (shape.resident_frozen if cuda else 0))
@@ -237,7 +262,7 @@ def estimate(shape: ModelShape, config: MegaTrainConfig, seq_len: int, batch_siz
         d["CUDA context"] = CUDA_CONTEXT_GPU_BYTES
     res, cc = shape.resident_numel, (c if c < 4 else 0)  # cc: a separate compute-dtype copy exists
     if on_dev and cuda:
-        d["resident master, grad, AdamW, copy"] = (16 + cc) * res
+        d["resident master, grad, AdamW, copy"] = resident_device_bytes(res, config)
     elif not on_dev:
         d["resident params (compute dtype)"] = c * res
     if cuda:
@@ -245,9 +270,8 @@ def estimate(shape: ModelShape, config: MegaTrainConfig, seq_len: int, batch_siz
     d["weight slots"] = config.num_slots * slot * c
     d["grad_param (1 x layer)"] = n_max * c
     d["grad offload (2 x layer)"] = 2 * n_max * o
-    k = device_step_count(L, n_max, config, device_type, gpu_free) if device_steps is None else device_steps
     if k:
-        d[f"GPU AdamW: {k} layers' fp32 grads + 2 state buffers"] = k * 4 * n_max + 2 * (12 + c) * n_max
+        d[f"GPU AdamW: {k} layers' fp32 grads + moments, 2 master/copy buffers"] = device_step_bytes(k, n_max, config)
     # Activations and gradients: the phases of a step follow each other; the peak is the largest one.
     boundaries = {"boundary activations ((L+1) x B x T x H)": (L + 1) * tokens * H * c,
                   "final norm + loss input/grad": tokens * H * (2 * c + 4)}

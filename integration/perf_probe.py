@@ -144,6 +144,8 @@ def set_device_units(engine: MegaTrainEngine, opt: CPUAdamW, layer_ids: list[int
     """Re-place the GPU AdamW (DeviceStepper) on exactly these streamed layers."""
     for u in engine.layer_units:
         u.grad_device = None
+        if u.index not in layer_ids:  # moments of layers the CPU steps live on the host
+            u.exp_avg, u.exp_avg_sq = u.exp_avg.cpu().pin_memory(), u.exp_avg_sq.cpu().pin_memory()
     units = [engine.layer_units[i] for i in layer_ids]
     engine.device_stepper = opt.device_stepper = None
     torch.cuda.empty_cache()
@@ -249,7 +251,7 @@ def part_sweep(sizes: list[int], configs: list[dict], steps: int, out_dir: str, 
         for cfg in configs:
             name = cfg["name"]
             set_device_units(engine, opt, cfg["device_layers"])
-            opt.host_chunk = cfg.get("host_chunk", 1 << 22)
+            opt.host_chunk = cfg.get("host_chunk", 0)
             prof = os.path.join(out_dir, f"trace_b{b}_{name}.json") if cfg.get("profile") else None
             try:
                 r = run_config(engine, opt, rows, b, steps, prof)
@@ -289,11 +291,11 @@ def main() -> None:
         save()
     if "sweep" in a.parts:
         configs = json.loads(a.configs) if a.configs else [
-            {"name": "alt4", "device_layers": [1, 3, 5, 7], "profile": True},
-            {"name": "alt4_whole", "device_layers": [1, 3, 5, 7], "host_chunk": 0},
+            {"name": "first6", "device_layers": [0, 1, 2, 3, 4, 5], "profile": True},
+            {"name": "first4", "device_layers": [0, 1, 2, 3]},
             {"name": "first5", "device_layers": [0, 1, 2, 3, 4]},
-            {"name": "first6", "device_layers": [0, 1, 2, 3, 4, 5]},
-            {"name": "cpu_only", "device_layers": []},
+            {"name": "first7", "device_layers": [0, 1, 2, 3, 4, 5, 6]},
+            {"name": "all8", "device_layers": [0, 1, 2, 3, 4, 5, 6, 7]},
         ]
         res["sweep"] = part_sweep([int(s) for s in a.sizes.split(",")], configs, a.steps, a.out, log)
         save()

@@ -40,10 +40,15 @@ def test_layouts_and_shape_match_engine(tie):
     assert planner.ModelShape.from_model(meta) == planner.ModelShape.from_engine(engine)
     shape = planner.ModelShape.from_model(meta)
     assert shape.tied == tie and shape.trainable == engine.num_parameters()
-    plan = planner.estimate(shape, MegaTrainConfig(), 64, 2, device_type="cuda", gpu_free=80 << 30)
+    keys = ("master fp32", "grad fp32", "exp_avg fp32", "exp_avg_sq fp32", "compute copy")
     n_host = sum(shape.layer_numels)  # the small resident part goes to the GPU (resident_placement="auto")
-    store = sum(plan.host[k] for k in ("master fp32", "grad fp32", "exp_avg fp32", "exp_avg_sq fp32", "compute copy"))
-    assert store == bytes_per_param(torch.bfloat16) * n_host
+    plan = planner.estimate(shape, MegaTrainConfig(device_step_layers=0), 64, 2, device_type="cuda",
+                            gpu_free=80 << 30)
+    assert sum(plan.host[k] for k in keys) == bytes_per_param(torch.bfloat16) * n_host
+    # auto: with room on the GPU every layer is stepped there and keeps its moments there (8 bytes off the host)
+    plan = planner.estimate(shape, MegaTrainConfig(), 64, 2, device_type="cuda", gpu_free=80 << 30)
+    assert sum(plan.host[k] for k in keys) == (bytes_per_param(torch.bfloat16) - 8) * n_host
+    assert any(k.startswith(f"GPU AdamW: {shape.num_layers} layers") for k in plan.device)
 
 
 def test_host_prediction_within_10_percent_of_measured(tmp_path):

@@ -344,6 +344,14 @@ class LeanAdamW(CPUAdamW):
                     self.store.sync_compute_(u)
             self._finish_unit(u)
 
+    def hyper_state(self) -> dict:
+        # The clip factor to speculate with travels with checkpoints, so a resumed run re-runs the same steps.
+        return {**super().hyper_state(), "lean_spec_grad_scale": self._spec_scale}
+
+    def load_hyper_state(self, state: dict) -> None:
+        super().load_hyper_state(state)
+        self._spec_scale = state.get("lean_spec_grad_scale")
+
     def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]
         """Dropping a backward's gradients without a step: take back the moment updates it speculated."""
         if self._seen:

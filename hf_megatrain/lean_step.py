@@ -225,6 +225,14 @@ class LeanAdamW(CPUAdamW):
         """Invert a moments update: same float expressions as the fused CPU kernel (m b1 + g (1-b1);
         v b2 + g g (1-b2)), so an update from zero moments inverts to exactly zero."""
         grad_scale, betas = key
+        if self._counts[unit.index] == 1:
+            # First update of this unit: the moments were zero (the step count and the moments only ever change
+            # together, checkpoints included), so undo exactly. (The rounding of the algebraic inverse would
+            # otherwise be amplified by (speculated / true clip factor)^2, largest on a first step that clips.)
+            unit.exp_avg.zero_()
+            unit.exp_avg_sq.zero_()
+            self._counts[unit.index] = 0
+            return
         for a, b, (b1, b2) in self._ranges(unit, list(betas)):
             g = grad[a:b] if grad_scale is None else grad[a:b] / grad_scale
             m, v = unit.exp_avg[a:b], unit.exp_avg_sq[a:b]

@@ -4,6 +4,7 @@ changes, skipped steps, RNG replay, Trainer save/resume, refusal of gradient acc
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -324,3 +325,21 @@ def test_trainer_parity_save_reload_and_exact_resume(tmp_path):
     resumed.engine.optimizer.wait()
     for n in full.engine.store.names():
         assert torch.equal(full.engine.store.master_tensor(n), resumed.engine.store.master_tensor(n)), n
+
+
+def test_estimate_cli_lean_store(tmp_path, capsys):
+    """``megatrain estimate --lean-store``: the layers lose their gradient and bf16 copy rows; GA is flagged."""
+    from .models import COMMON
+
+    transformers.LlamaConfig(**COMMON).save_pretrained(tmp_path)
+    rows = {}
+    for extra in ([], ["--lean-store", "--grad-accum", "2"]):
+        assert planner.main([str(tmp_path), "--seq-len", "64", "--gpu-memory", "80", "--json", *extra]) == 0
+        rows[bool(extra)] = json.loads(capsys.readouterr().out)
+    full, lean_ = rows[False], rows[True]
+    layers = full["host"]["master fp32"] // 4  # resident parts planned on the 80 GiB GPU: host = layers only
+    assert full["host"]["grad fp32"] == 4 * layers and full["host"]["compute copy"] == 2 * layers
+    assert lean_["host"]["grad fp32"] == 0 and lean_["host"].get("compute copy", 0) == 0
+    assert lean_["host"]["master fp32"] + lean_["host"]["exp_avg fp32"] + lean_["host"]["exp_avg_sq fp32"] \
+        == 12 * layers
+    assert any("lean_store refuses gradient accumulation" in n for n in lean_["notes"])

@@ -61,6 +61,11 @@ class MegaTrainConfig:
         optimizer_state_dir: disk tier: keep the AdamW moments (8 of the 18 host bytes per parameter) in
             memory-mapped files in this directory (a fast local NVMe) instead of host RAM, for models beyond RAM.
             Exact, slower (see README); with it, ``device_step_layers=-1`` steps every layer on the CPU.
+        lean_store: streamed layers keep only FP32 master + AdamW moments on the host (12 instead of 18 bytes per
+            parameter): weights stream as FP32 and are cast on the GPU, each layer's gradient updates the moments
+            as soon as its backward ends (speculatively, with the previous step's clip scale; corrected with a
+            re-run of the step's forward+backward when the scale turns out different). One backward per
+            optimizer step: gradient accumulation is refused (use ``micro_batch_size``). See lean_step.py.
     """
 
     compute_dtype: str = "bfloat16"
@@ -80,6 +85,7 @@ class MegaTrainConfig:
     optimizer_state_dir: str | None = None
     resident_device_fraction: float = 0.5
     device_step_fraction: float = 0.5
+    lean_store: bool = False
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -107,6 +113,13 @@ class MegaTrainConfig:
             raise ValueError(f"device_step_fraction={self.device_step_fraction} must be in [0, 1]")
         if self.resident_placement not in ("auto", "device", "host"):
             raise ValueError(f"resident_placement={self.resident_placement!r}; use 'auto', 'device' or 'host'")
+        if self.lean_store and self.torch_grad_offload_dtype != torch.float32:
+            raise ValueError("lean_store=True needs grad_offload_dtype='float32': the optimizer consumes each "
+                             "layer's gradient straight from the FP32 offload slab")
+        if self.lean_store and self.device_step_layers > 0:
+            raise ValueError(f"lean_store=True cannot run AdamW on the GPU (device_step_layers="
+                             f"{self.device_step_layers}): that path keeps each layer's gradient until the step. "
+                             "Use device_step_layers=-1 or 0")
         if self.extra:
             raise ValueError(f"unknown MegaTrain config keys {sorted(self.extra)}; valid keys: {self.valid_keys()}")
 

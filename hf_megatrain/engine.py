@@ -30,6 +30,7 @@ from .host_store import HostStore, Unit
 from .layers import UnitLayouts, find_layer_stack, group_layers, unit_layouts
 from . import planner
 from .memory import available_device_bytes
+from .lean_step import GA_MESSAGE, LeanAdamW, StepReplay
 from .optimizer import CPUAdamW
 from .template import LayerTemplate
 
@@ -116,7 +117,7 @@ class MegaTrainEngine:
                                memory_fraction=config.host_memory_fraction,
                                streamed=[True] * (len(ul.layouts) - 1) + [False], devices=devices,
                                frozen_layouts=ul.frozen[:-1] + [[]], state_dir=config.optimizer_state_dir,
-                               moment_devices=moment_devices)
+                               moment_devices=moment_devices, lean=config.lean_store)
         self.layer_units = self.store.units[:-1]
         self.resident_unit = self.store.units[-1]
         self.resident_params: dict[str, nn.Parameter] = dict(resident)
@@ -172,6 +173,9 @@ class MegaTrainEngine:
         chosen = [self.layer_units[i] for i in device_stepped]
         self.device_stepper = DeviceStepper(chosen, self.device, self.compute_dtype) if chosen else None
         self.optimizer: CPUAdamW | None = None
+        # Lean store: the training forward whose backward the current step's gradients came from (lean_step.py).
+        self._replay: StepReplay | None = None
+        self._replaying = False
         self._checked_shapes: set[tuple[int, int]] = set()  # (batch, seq) shapes the GPU check passed
 
     # -- parameters ------------------------------------------------------------------------------------------------------
@@ -265,6 +269,9 @@ class MegaTrainEngine:
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, num_items_in_batch: torch.Tensor | int | None = None,
                 return_logits: bool = False, **kwargs: Any) -> MegaTrainOutput:
+        replay = self._record_forward(dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
+                                           num_items_in_batch=num_items_in_batch, return_logits=return_logits,
+                                           **kwargs))
         if self.optimizer is not None:
             self.optimizer.wait_unit(self.resident_unit.index)
         if self.executor.backward_ran or any(p.grad is not None for p in self.resident_params.values()):
@@ -287,6 +294,8 @@ class MegaTrainEngine:
                                num_items_in_batch=num_items_in_batch, router_logits=router_logits,
                                attention_mask=attention_mask)
         logits = extras.logits(hidden, head) if return_logits else None
+        if replay is not None:
+            replay.watch({"loss": loss, "logits": logits}, self._bind_replay)
         return MegaTrainOutput(loss=loss, logits=logits)
 
     __call__ = forward
@@ -295,14 +304,57 @@ class MegaTrainEngine:
         # The module that owns the layer stack (e.g. LlamaModel) runs embeddings -> layers -> final norm.
         return self.stack.parent
 
+    # -- lean store: replaying a step ---------------------------------------------------------------------------------
+    def _record_forward(self, kwargs: dict[str, Any]) -> StepReplay | None:
+        """Lean store, training forward: keep what re-running it needs (inputs, RNG, autocast, mode)."""
+        if not self.config.lean_store or self._replaying or not torch.is_grad_enabled():
+            return None
+        if self._replay is not None:
+            raise RuntimeError(GA_MESSAGE.format(what="a second training forward came after a backward"))
+        return StepReplay(kwargs, self.device, self.model.training)
+
+    def _bind_replay(self, replay: StepReplay) -> None:
+        """First gradient into a recorded forward's outputs: this is the forward of the step being computed."""
+        if self._replay is not None and self._replay is not replay:
+            raise RuntimeError(GA_MESSAGE.format(what="the outputs of two forwards received gradients"))
+        self._replay = replay
+
+    def _end_step(self) -> None:
+        self._replay = None
+
+    def _regenerate_step(self) -> None:
+        """Lean store: run the current step's forward+backward again (same inputs, RNG, autocast, weights), so every
+        layer's gradient reaches the optimizer a second time; the resident gradients it produces are dropped (the
+        first run's were landed already)."""
+        replay = self._replay
+        if replay is None:
+            raise RuntimeError("hf_megatrain: lean_store must re-run this step's forward+backward, but no training "
+                               "forward of it was recorded (was the backward run on the engine's outputs?)")
+        self._replaying = True
+        try:
+            self.executor.invalidate()
+            with replay.replaying(self.model):
+                out = self.forward(**replay.kwargs)
+                replay.backward({"loss": out.loss, "logits": out.logits})
+            self.executor.finish()
+        finally:
+            self._replaying = False
+            for p in self.resident_params.values():
+                p.grad = None
+            self.executor.invalidate()
+
     # -- optimizer ---------------------------------------------------------------------------------------------------------
     def create_optimizer(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                          weight_decay: float = 0.0, max_grad_norm: float | None = None) -> CPUAdamW:
         order = [self.resident_unit.index] + [u.index for u in self.layer_units]
-        opt = CPUAdamW(self.store, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                       max_grad_norm=max_grad_norm, unit_order=order, skip_nonfinite=self.config.skip_nonfinite,
-                       overlap=self.config.overlap_optimizer, before_step=self._before_step,
-                       after_unit=self._after_unit, device_stepper=self.device_stepper)
+        kw = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
+                  unit_order=order, skip_nonfinite=self.config.skip_nonfinite, overlap=self.config.overlap_optimizer,
+                  before_step=self._before_step, after_unit=self._after_unit, device_stepper=self.device_stepper)
+        if self.config.lean_store:
+            opt = LeanAdamW(self.store, regenerate=self._regenerate_step, end_step=self._end_step, **kw)
+            self.executor.lean_sink = opt.lean_sink
+        else:
+            opt = CPUAdamW(self.store, **kw)
         self.optimizer = opt
         self.executor.wait_for_unit = lambda i: opt.wait_unit(self.layer_units[i].index)
         return opt
@@ -312,6 +364,8 @@ class MegaTrainEngine:
         built so their moments are allocated on the GPU from the start (never in host RAM)."""
         if not any(numels) or (self.config.optimizer_state_dir and self.config.device_step_layers == -1):
             return []  # disk-tier moments cannot be page-locked for fast PCIe streaming: keep AdamW on the CPU
+        if self.config.lean_store:
+            return []  # no layer gradient is kept until the step (lean_step.py)
         free = available_device_bytes(self.device)
         if free is not None and self.resident_on_device:  # what the resident parts will take first
             free = max(free - planner.resident_device_bytes(self._resident_numel, self.config), 0)

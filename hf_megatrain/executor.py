@@ -14,6 +14,11 @@ Streams (CUDA): H2D prefetch, compute (the current stream), D2H gradient offload
 
 On the CPU the same calls run in program order.
 
+Lean store (host_store.py): a lean unit's weights stream as the FP32 master and are cast to compute dtype on the
+GPU in chunks through a small FP32 staging buffer (``_copy_in``), and its gradient has no host buffer: it goes
+D2H into one of two staging slabs and is handed to ``lean_sink`` (the optimizer, lean_step.py), which must
+release the slab before the executor reuses it.
+
 Frozen parameters (PEFT base, frozen layers) stream in the same slot, after the trainable ones; they get no
 gradient, and a layer with nothing trainable only passes the input gradient through. Layers that draw random
 numbers (dropout, router jitter) record the RNG state of each forward chunk, and the recompute replays it, so the
@@ -34,6 +39,10 @@ from .layers import copy_plain_attributes
 from .memory import alloc_host
 from .streams import StreamSet
 from .template import LayerTemplate
+
+# Lean store: FP32 master chunks cast to compute dtype on the GPU go through a staging buffer of at most this size,
+# so no full FP32 copy of a layer ever sits in GPU memory.
+LEAN_H2D_CHUNK_BYTES = 128 * 1024 ** 2
 
 
 def _batch_slice(obj: Any, a: int, b: int, batch: int) -> Any:
@@ -76,6 +85,16 @@ class StreamingExecutor:
         self.staging = [alloc_host(n, grad_offload_dtype, pin) for _ in range(2)]
         self.offload_done: list[Any] = [None, None]
         self.pending: list[tuple[Unit, bool] | None] = [None, None]  # (unit, host must add staging)
+        # Lean store: units streamed as FP32 masters need an FP32 staging buffer on the GPU for the cast.
+        cast_numel = max((u.numel for u in units if u.compute.dtype != compute_dtype), default=0)
+        self.h2d_stage = (torch.empty(min(cast_numel, LEAN_H2D_CHUNK_BYTES // 4), dtype=torch.float32, device=device)
+                          if cast_numel and device.type == "cuda" else None)
+        # Lean store: the optimizer's sink for a finished layer gradient: (unit, host slab, host squared norm, D2H
+        # event) -> a wait() callable that returns once the slab (and squared-norm cell) may be overwritten.
+        self.lean_sink: Callable[[Unit, torch.Tensor, torch.Tensor, Any], Callable[[], None]] | None = None
+        self.lean_wait: list[Callable[[], None] | None] = [None, None]
+        self.sq_host = [alloc_host(1, torch.float32, pin) for _ in range(2)] if any(u.grad is None for u in units) \
+            else []
         self._next_offload = 0
         self.training = True
         self.backward_ran = False
@@ -109,13 +128,27 @@ class StreamingExecutor:
         st = self.streams
         with st.on(st.h2d):
             st.wait(st.h2d, self.slot_free[s])
-            self.slots[s][:unit.numel].copy_(unit.compute, non_blocking=True)
+            self._copy_in(self.slots[s][:unit.numel], unit.compute)
             if unit.frozen is not None:
                 self.slots[s][unit.numel:unit.numel + unit.frozen.numel()].copy_(unit.frozen, non_blocking=True)
             self.slot_ready[s] = st.record(st.h2d)
         self.slot_layer[s] = index
-        self.h2d_bytes += (unit.numel + unit.frozen_numel) * self.slots[s].element_size()
+        self.h2d_bytes += unit.numel * unit.compute.element_size() + unit.frozen_numel * self.slots[s].element_size()
         return s
+
+    def _copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Host -> slot copy on the current (H2D) stream. A lean unit's FP32 master goes through the FP32 staging
+        buffer chunk by chunk and is cast on the GPU (a direct non-blocking copy with a dtype change would allocate
+        a full FP32 temporary of the layer on the GPU); chunks reuse the buffer in stream order."""
+        if src.dtype == dst.dtype or self.h2d_stage is None:
+            dst.copy_(src, non_blocking=True)  # (on the CPU a cast copy: same rounding as the GPU cast)
+            return
+        c = self.h2d_stage.numel()
+        for a in range(0, src.numel(), c):
+            b = min(a + c, src.numel())
+            stage = self.h2d_stage[:b - a]
+            stage.copy_(src[a:b], non_blocking=True)
+            dst[a:b].copy_(stage)
 
     def _acquire(self, index: int, step: int) -> int:
         """Make layer ``index`` resident, prefetch the next layers in pass direction ``step`` (+1 / -1)."""
@@ -256,10 +289,12 @@ class StreamingExecutor:
         if n == 0:  # frozen layer: only the input gradient leaves
             return grad_in
         # Fold the gradient-norm reduction into the gradient's departure (first visit of this step only).
-        first = not unit.grad_valid and all(self.pending[j] is None or self.pending[j][0] is not unit
-                                            for j in (0, 1))
+        first = unit.grad is None or not unit.grad_valid and all(
+            self.pending[j] is None or self.pending[j][0] is not unit for j in (0, 1))
         sq = torch.linalg.vector_norm(off, dtype=torch.float32).square() if first else None
-        if unit.grad_device is not None:
+        if unit.grad is None:  # lean store: the optimizer consumes the gradient from a staging slab
+            self._offload_lean(k, unit, st.record(st.compute), sq)
+        elif unit.grad_device is not None:
             # AdamW of this unit runs on the GPU (DeviceStepper): its gradient stays here, FP32-accumulated.
             if unit.grad_valid:
                 unit.grad_device.add_(off)
@@ -288,7 +323,31 @@ class StreamingExecutor:
         self.d2h_bytes += off.numel() * off.element_size()
         self.pending[k] = (unit, not direct)
 
+    def _offload_lean(self, k: int, unit: Unit, ready: Any, sq: torch.Tensor) -> None:
+        if self.lean_sink is None:
+            raise RuntimeError("hf_megatrain: lean_store needs the optimizer before the first backward "
+                               "(engine.create_optimizer)")
+        self._drain(k)  # slab k released by the optimizer (it may still be reading the gradient of two layers up)
+        n = unit.numel
+        slab, sq_host = self.staging[k][:n], self.sq_host[k][0]
+        st = self.streams
+        with st.on(st.d2h):
+            st.wait(st.d2h, ready)
+            slab.copy_(self.offload[k][:n], non_blocking=True)
+            sq_host.copy_(sq, non_blocking=True)
+            self.offload_done[k] = st.record(st.d2h)
+        self.d2h_bytes += n * slab.element_size()
+        self.pending[k] = (unit, False)
+        unit.grad_sq = sq  # keeps the device scalar alive until its copy is done
+        self.lean_wait[k] = self.lean_sink(unit, slab, sq_host, self.offload_done[k])
+
     def _drain(self, k: int) -> None:
+        wait = self.lean_wait[k]
+        if wait is not None:
+            self.lean_wait[k] = None
+            self.pending[k] = None
+            wait()
+            return
         item = self.pending[k]
         if item is None:
             return

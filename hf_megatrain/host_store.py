@@ -12,6 +12,11 @@ norm, lm_head) form one more. Per unit the store holds, each as one flat buffer:
 = 18 host bytes per parameter in bf16 compute (16 in fp32 compute). Flat buffers make every host->GPU transfer
 one copy per unit and let the optimizer run one fused kernel call per unit.
 
+Lean store (``lean=True``): streamed units hold only master, exp_avg and exp_avg_sq = 12 bytes per parameter.
+``grad`` is None (each layer's gradient goes from a staging slab straight into the optimizer, lean_step.py) and
+``compute`` is the master itself (the executor casts to compute dtype on the GPU). The resident unit keeps its
+normal buffers.
+
 A unit may also hold *frozen* parameters (``requires_grad=False``: a PEFT/LoRA base, layers or embeddings the user
 froze). They get no master, gradient or optimizer state, only ``frozen`` = one pinned flat buffer in compute
 dtype (2 host bytes per parameter in bf16) that streams with the unit; ``names()``/``by_name`` and the optimizer
@@ -46,7 +51,7 @@ class Unit:
     params: list[ParamSlice]
     numel: int
     master: torch.Tensor
-    grad: torch.Tensor
+    grad: torch.Tensor | None  # None in a lean store's streamed units (no host gradient buffer)
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     compute: torch.Tensor
@@ -73,8 +78,10 @@ class Unit:
         return {p.local: self.view(flat, p) for p in self.params}
 
 
-def bytes_per_param(compute_dtype: torch.dtype) -> int:
-    """Host bytes per trainable parameter the store allocates."""
+def bytes_per_param(compute_dtype: torch.dtype, lean: bool = False) -> int:
+    """Host bytes per trainable parameter the store allocates (``lean``: a lean store's streamed units)."""
+    if lean:
+        return 12
     return 16 + (0 if compute_dtype == torch.float32 else torch.empty((), dtype=compute_dtype).element_size())
 
 
@@ -86,13 +93,15 @@ class HostStore:
                  pin: bool, memory_fraction: float = 0.9, streamed: list[bool] | None = None,
                  devices: list[torch.device | None] | None = None,
                  frozen_layouts: list[list[tuple[str, str, tuple[int, ...]]]] | None = None,
-                 state_dir: str | None = None, moment_devices: list[torch.device | None] | None = None) -> None:
+                 state_dir: str | None = None, moment_devices: list[torch.device | None] | None = None,
+                 lean: bool = False) -> None:
         """``devices[i]`` places unit i's buffers on an accelerator instead of the host (resident parts whose
         optimizer runs on the GPU); ``None`` = host. ``frozen_layouts[i]`` lists unit i's frozen parameters
         (name, local name, shape): host compute-dtype buffer only. ``state_dir`` puts the AdamW moments of host
         units in memory-mapped files there (the disk tier), taking 8 bytes per parameter off host RAM.
         ``moment_devices[i]`` puts only unit i's AdamW moments on that device (layers stepped on the GPU, see
-        device_stepper.py): 8 bytes per parameter off host RAM."""
+        device_stepper.py): 8 bytes per parameter off host RAM. ``lean``: streamed host units get no gradient
+        buffer and no compute-dtype copy (see the module docstring)."""
         self.compute_dtype = compute_dtype
         devices = devices or [None] * len(layouts)
         frozen_layouts = frozen_layouts or [[] for _ in layouts]
@@ -101,17 +110,25 @@ class HostStore:
         self.numel = sum(sizes)
         self.frozen_numel = sum(frozen_sizes)
         elt = torch.empty((), dtype=compute_dtype).element_size()
-        host_numel = sum(n for n, d in zip(sizes, devices) if d is None or d.type == "cpu")
+        streamed = streamed or [True] * len(layouts)
+        on_host_units = [d is None or d.type == "cpu" for d in devices]
+        host_numel = sum(n for n, h in zip(sizes, on_host_units) if h)
         moment_devices = moment_devices or [None] * len(layouts)
-        dev_moments = sum(n for n, d, md in zip(sizes, devices, moment_devices)
-                          if (d is None or d.type == "cpu") and md is not None and md.type != "cpu")
+        dev_moment = [md is not None and md.type != "cpu" for md in moment_devices]
         self.state_dir = state_dir
-        ram_per_param = bytes_per_param(compute_dtype) - (8 if state_dir else 0)
+        self.lean = lean
+        # Lean units: streamed ones on the host (the resident unit keeps its gradient and streaming copy).
+        self._lean_unit = [lean and s and h for s, h in zip(streamed, on_host_units)]
+        disk = 8 if state_dir else 0
+        # Moments on disk or on the GPU take their 8 bytes per parameter off host RAM.
+        ram = sum(n * (bytes_per_param(compute_dtype, lean=ln) - (8 if dm else disk))
+                  for n, h, ln, dm in zip(sizes, on_host_units, self._lean_unit, dev_moment) if h)
+        ram_per_param = ram / host_numel if host_numel else 0.0
         if state_dir:
             check_disk_space(8 * host_numel, state_dir, f"the AdamW state of {host_numel / 1e6:.1f}M parameters")
-        check_host_memory(host_numel * ram_per_param - 8 * dev_moments + self.frozen_numel * elt, memory_fraction,
+        check_host_memory(ram + self.frozen_numel * elt, memory_fraction,
                           what=f"the host store for {host_numel / 1e6:.1f}M trainable parameters "
-                               f"({ram_per_param} bytes each) and {self.frozen_numel / 1e6:.1f}M "
+                               f"({ram_per_param:g} bytes each) and {self.frozen_numel / 1e6:.1f}M "
                                f"frozen ones ({elt} bytes each)")
         self.units: list[Unit] = []
         self.by_name: dict[str, tuple[Unit, ParamSlice]] = {}
@@ -128,16 +145,17 @@ class HostStore:
                 alloc = lambda n, dt, pinned=pin: alloc_host(n, dt, pinned)  # noqa: E731
             else:
                 alloc = lambda n, dt, pinned=False: torch.empty(n, dtype=dt, device=dev)  # noqa: E731
-            if moment_devices[i] is not None and moment_devices[i].type != "cpu":
+            if dev_moment[i]:
                 moment = lambda n, md=moment_devices[i]: torch.zeros(n, dtype=torch.float32, device=md)  # noqa: E731
             elif on_host and state_dir:
                 moment = lambda n: alloc_on_disk(n, torch.float32, state_dir)  # noqa: E731  (sparse file: zeros)
             else:
                 moment = lambda n: alloc(n, torch.float32, False).zero_()  # noqa: E731
             master = alloc(off, torch.float32)
-            compute = master if compute_dtype == torch.float32 else alloc(off, compute_dtype)
-            unit = Unit(i, params, off, master, alloc(off, torch.float32), moment(off), moment(off), compute,
-                        streamed=True if streamed is None else streamed[i])
+            lean_unit = self._lean_unit[i]
+            compute = master if compute_dtype == torch.float32 or lean_unit else alloc(off, compute_dtype)
+            grad = None if lean_unit else alloc(off, torch.float32)
+            unit = Unit(i, params, off, master, grad, moment(off), moment(off), compute, streamed=streamed[i])
             unit.by_name = {p.name: p for p in params}
             for p in params:
                 self.by_name[p.name] = (unit, p)

@@ -48,7 +48,8 @@ class CPUAdamW(torch.optim.Optimizer):
             for p in unit.params:
                 g = 0 if p.decay else 1
                 view = unit.view(unit.master, p)
-                view.grad = unit.view(unit.grad, p)
+                if unit.grad is not None:  # (a lean store's streamed units have no host gradient: lean_step.py)
+                    view.grad = unit.view(unit.grad, p)
                 (decay if g == 0 else no_decay).append(view)
                 per_group.setdefault(g, []).append(p)
             self._unit_groups[unit.index] = sorted(per_group.items())
@@ -120,12 +121,23 @@ class CPUAdamW(torch.optim.Optimizer):
                            "AdamW state untouched (%d skipped so far)", norm, self.skipped_steps)
             self._invalidate_grads()
             return loss
+        self._launch(self._hyper(), self._grad_scale(norm))
+        return loss
+
+    def _grad_scale(self, norm: float) -> float | None:
+        """The kernel's ``grad_scale`` for global-norm clipping at ``norm`` (None: no clipping applies)."""
         scale = 1.0
         if self.max_grad_norm is not None and self.max_grad_norm > 0:
             scale = min(self.max_grad_norm / (norm + 1e-6), 1.0)
-        hyper = [dict(lr=float(g["lr"]), betas=g["betas"], eps=g["eps"], weight_decay=g["weight_decay"])
-                 for g in self.param_groups]
-        grad_scale = 1.0 / scale if scale < 1.0 else None
+        return 1.0 / scale if scale < 1.0 else None
+
+    def _hyper(self) -> list[dict]:
+        """Snapshot of each param group's hyper-parameters (the LR scheduler may change them mid-step)."""
+        return [dict(lr=float(g["lr"]), betas=g["betas"], eps=g["eps"], weight_decay=g["weight_decay"])
+                for g in self.param_groups]
+
+    def _launch(self, hyper: list[dict], grad_scale: float | None) -> None:
+        """Step every unit (host worker + device worker), overlapped or not."""
         host = [i for i in self.unit_order if i not in self._on_device]
         dev = [i for i in self.unit_order if i in self._on_device]
         jobs = [(self._run_host, host)] + ([(self._run_device, dev)] if dev else [])
@@ -142,7 +154,6 @@ class CPUAdamW(torch.optim.Optimizer):
             for fn, order in jobs:
                 self._guard(fn, order, hyper, grad_scale, t0)
             self.last_step_seconds = self._running_seconds
-        return loss
 
     def _guard(self, fn: Callable, order: list[int], hyper: list[dict], grad_scale: float | None,
                t0: float) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from .config import MegaTrainConfig, parse_dtype
+from .executor import LEAN_H2D_CHUNK_BYTES
 from .host_store import bytes_per_param
 from .layers import UnitLayouts, find_layer_stack, unit_layouts
 from .memory import available_host_bytes, format_bytes
@@ -154,6 +155,8 @@ def device_step_count(num_layers: int, max_numel: int, config: MegaTrainConfig, 
     """Engine rule: how many streamed layers run AdamW on the GPU (``device_step_layers``; -1 = auto).
     ``gpu_free``: GPU memory left once the resident parts are placed."""
     k = config.device_step_layers
+    if config.lean_store:
+        return 0  # no layer gradient is kept until the step
     if k == -1:
         if device_type != "cuda" or config.optimizer_state_dir:  # disk-tier moments stay with the CPU AdamW
             return 0
@@ -241,18 +244,21 @@ def estimate(shape: ModelShape, config: MegaTrainConfig, seq_len: int, batch_siz
     slot = max((a + b for a, b in zip(shape.layer_numels, shape.layer_frozen)), default=0)
     h = plan.host
     h["baseline (python, torch, transformers)"] = HOST_BASELINE_BYTES + (CUDA_CONTEXT_HOST_BYTES if cuda else 0)
+    # Lean store: streamed layers keep master + moments only (12 B/param); the resident unit keeps the rest.
+    lean = config.lean_store
+    n_full = res_host if lean else n_host  # parameters with a host gradient buffer and a compute-dtype copy
     h["master fp32"] = 4 * n_host
-    h["grad fp32"] = 4 * n_host
+    h["grad fp32"] = 4 * n_full
     # Disk tier: the host units' moments live in memory-mapped files (page cache, reclaimable), not in RSS.
     on_disk = bool(config.optimizer_state_dir)
     # GPU-stepped layers keep their moments on the GPU.
     h["exp_avg fp32"] = 0 if on_disk else 4 * (n_host - n_dev_moments)
     h["exp_avg_sq fp32"] = 0 if on_disk else 4 * (n_host - n_dev_moments)
-    h["compute copy"] = (bytes_per_param(cdt) - 16) * n_host  # the store's rule: none in fp32 compute
+    h["compute copy"] = (bytes_per_param(cdt) - 16) * n_full  # the store's rule: none in fp32 compute
     # Frozen resident parameters (a PEFT base's embeddings) stay on the GPU with CUDA; streamed ones on the host.
     h["frozen params (compute dtype)"] = c * (shape.frozen - (shape.resident_frozen if cuda else 0))
     # Staging is touched only when pinned (CUDA) or used: a second accumulation step or a non-fp32 offload.
-    staged = plan.pinned or grad_accum > 1 or o != 4
+    staged = plan.pinned or grad_accum > 1 or o != 4 or lean
     h["executor staging (2 x layer, offload dtype)"] = 2 * n_max * o if staged else 0
 
     d = plan.device
@@ -270,6 +276,8 @@ def estimate(shape: ModelShape, config: MegaTrainConfig, seq_len: int, batch_siz
     d["weight slots"] = config.num_slots * slot * c
     d["grad_param (1 x layer)"] = n_max * c
     d["grad offload (2 x layer)"] = 2 * n_max * o
+    if lean and c < 4:
+        d["lean FP32 H2D cast staging"] = min(4 * n_max, LEAN_H2D_CHUNK_BYTES)
     if k:
         d[f"GPU AdamW: {k} layers' fp32 grads + moments, 2 master/copy buffers"] = device_step_bytes(k, n_max, config)
     # Activations and gradients: the phases of a step follow each other; the peak is the largest one.
@@ -296,6 +304,9 @@ def estimate(shape: ModelShape, config: MegaTrainConfig, seq_len: int, batch_siz
     plan.disk["model export (save_dtype)"] = shape.trainable * _elt(s) + shape.frozen * c
     plan.disk["training state (AdamW m, v [+ fp32 master])"] = (
         8 * shape.trainable + (4 * shape.trainable if s != torch.float32 else 0))
+    if lean and grad_accum > 1:
+        plan.notes.append(f"lean_store refuses gradient accumulation ({grad_accum} steps): put the sequences in one "
+                          "batch and set micro_batch_size (in-layer split, same math)")
     if gpus > 1:
         plan.notes.append(f"hf_megatrain trains on one GPU (the Trainer refuses world_size > 1); the host numbers "
                           f"are for one process: {gpus} independent processes would need {gpus}x.")
@@ -336,14 +347,15 @@ def check_fits(engine_or_shape: Any, config: MegaTrainConfig | None = None, seq_
         host_available = available_host_bytes() if host_available is None else host_available
         need = plan.host_total - (HOST_BASELINE_BYTES if baseline_paid else 0)
         if need > config.host_memory_fraction * host_available:
-            per_param = (bytes_per_param(config.torch_compute_dtype)
+            per_param = (bytes_per_param(config.torch_compute_dtype, lean=config.lean_store)
                          - (8 if config.optimizer_state_dir else 0))
             errors.append(f"needs {format_bytes(need)} host RAM, {format_bytes(host_available)} available "
                           f"(host_memory_fraction={config.host_memory_fraction}; {shape.trainable / 1e6:.1f}M "
                           f"trainable parameters at {per_param} B each, {shape.frozen / 1e6:.1f}M frozen); reduce "
                           "the model size, freeze parameters (PEFT/LoRA: frozen ones cost only their compute "
                           "dtype), use compute_dtype='float32' (no separate streaming copy, -2 B/param), "
-                          "optimizer_state_dir (AdamW moments on disk, -8 B/param) or a machine with more RAM")
+                          "optimizer_state_dir (AdamW moments on disk, -8 B/param), lean_store=True (12 B/param "
+                          "for the streamed layers) or a machine with more RAM")
     if seq_len is not None and device_type == "cuda" and gpu_available is not None:
         need = plan.device_total
         if need > gpu_available:
@@ -404,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compute-dtype", default=None, choices=["bfloat16", "float32"])
     p.add_argument("--num-slots", type=int, default=None)
     p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--lean-store", action="store_true",
+                   help="plan for lean_store=True (12 host bytes per streamed parameter)")
     p.add_argument("--config", default=None, help="megatrain yaml (other MegaTrainConfig keys)")
     p.add_argument("--gpu-memory", type=float, default=None,
                    help="GiB of the target GPU when planning for another machine (default: this GPU, else 80)")
@@ -412,7 +426,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         over = {k: v for k, v in (("compute_dtype", a.compute_dtype), ("num_slots", a.num_slots),
-                                  ("micro_batch_size", a.micro_batch_size)) if v is not None}
+                                  ("micro_batch_size", a.micro_batch_size),
+                                  ("lean_store", a.lean_store or None)) if v is not None}
         config = MegaTrainConfig.from_dict({**MegaTrainConfig.from_any(a.config).to_dict(), **over})
         if a.seq_len <= 0 or a.batch_size <= 0 or a.gpus <= 0:
             raise ValueError("--seq-len, --batch-size and --gpus must be positive")

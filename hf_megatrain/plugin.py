@@ -27,6 +27,7 @@ on the host and yields the FP32 masters with their ``.grad``), at the cost of on
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -37,6 +38,8 @@ from . import peft_support
 from .config import MegaTrainConfig
 from .engine import MegaTrainEngine, MegaTrainOutput
 from .optimizer import CPUAdamW
+
+logger = logging.getLogger(__name__)
 
 
 def _config_dict(value: Any) -> dict[str, Any]:
@@ -117,6 +120,7 @@ class MegaTrainModel:
     def __init__(self, engine: MegaTrainEngine) -> None:
         self.engine = engine
         self.hf_model = engine.model
+        self._warned_lean = False
         # The optimizer's master views carry ``.grad`` (views of the host gradient buffers): hand those out.
         opt = engine.optimizer
         by_ptr = {(p.data_ptr(), tuple(p.shape)): p for g in opt.param_groups for p in g["params"]} if opt else {}
@@ -156,8 +160,15 @@ class MegaTrainModel:
             self.engine.optimizer.wait()
         self.engine.finish_backward()
         units = self.engine.store.units
+        if self.engine.config.lean_store and not self._warned_lean:
+            self._warned_lean = True
+            logger.warning("hf_megatrain: lean_store keeps no gradients of the streamed layers: parameters() "
+                           "yields their FP32 masters without .grad. Clip with prepare(max_grad_norm=...) (exact, "
+                           "inside the optimizer step), not with a norm over model.parameters().")
         if any(u.grad_valid for u in units):  # a backward ran: units it did not reach have zero gradient
             for u in units:
+                if u.grad is None:  # lean store: no host gradient buffer (lean_step.py)
+                    continue
                 if not u.grad_valid:
                     u.grad.zero_()
                     u.grad_valid = True

@@ -38,7 +38,7 @@ from . import checkpoint as ckpt
 from . import peft_support
 from .engine import MegaTrainEngine
 from .pretrained import extra_sink, from_pretrained_streamed
-from .training_args import MegaTrainTrainingArguments
+from .training_args import MegaTrainTrainingArguments, check_lean_accumulation
 
 __all__ = ["MegaTrainTrainer", "MegaTrainTrainingArguments", "from_pretrained_streamed"]
 
@@ -62,6 +62,7 @@ class MegaTrainTrainer(Trainer):
                 raise ValueError(f"hf_megatrain trains on one GPU; this run has world_size={args.world_size}. "
                                  "Launch a single process (no torchrun/accelerate multi-process).")
             self._mt_config = args.megatrain_resolved_config()
+            check_lean_accumulation(self._mt_config, args.gradient_accumulation_steps)
             optimizers = kwargs.get("optimizers", (None, None))
             if optimizers[0] is not None or kwargs.get("optimizer_cls_and_kwargs") is not None:
                 raise ValueError("with megatrain=True the optimizer is hf_megatrain's CPU AdamW over the FP32 master; "

@@ -18,6 +18,16 @@ from .config import MegaTrainConfig, parse_dtype
 SUPPORTED_OPTIM = ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw")
 
 
+def check_lean_accumulation(config: MegaTrainConfig, gradient_accumulation_steps: int) -> None:
+    """The lean store takes exactly one backward per optimizer step (lean_step.py)."""
+    if config.lean_store and gradient_accumulation_steps > 1:
+        raise ValueError(f"lean_store=True does not support gradient_accumulation_steps={gradient_accumulation_steps}: "
+                         "each layer's gradient is consumed when its backward ends. Put the sequences in one batch "
+                         "(per_device_train_batch_size x gradient_accumulation_steps) and set megatrain_config "
+                         "micro_batch_size to the old per-device batch size: the batch is split inside each layer "
+                         "visit (same math, same activation memory), with gradient_accumulation_steps=1.")
+
+
 @dataclass
 class MegaTrainTrainingArguments(TrainingArguments):
     """``TrainingArguments`` plus the MegaTrain switches (see ``MegaTrainConfig`` for the policy keys)."""
@@ -63,7 +73,8 @@ class MegaTrainTrainingArguments(TrainingArguments):
                 raise ValueError("torch_compile=True is not supported with megatrain=True; remove it.")
         super().__post_init__()
         if self.megatrain:
-            self.megatrain_resolved_config()  # validate now: unknown keys / bad dtypes fail at argument time
+            # validate now: unknown keys / bad dtypes fail at argument time
+            check_lean_accumulation(self.megatrain_resolved_config(), self.gradient_accumulation_steps)
 
     def megatrain_resolved_config(self) -> MegaTrainConfig:
         """Config from ``megatrain_config`` (or env MEGATRAIN_CONFIG), then MEGATRAIN_* env keys, then

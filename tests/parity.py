@@ -46,6 +46,15 @@ def run_parity(model, *, steps=3, ga=2, batch=2, seq=12, lr=1e-3, wd=0.1, max_gr
     engine = MegaTrainEngine(ours, config, device=device)
     opt = engine.create_optimizer(lr=lr, weight_decay=wd, max_grad_norm=max_grad_norm)
     ropt = reference_optimizer(ref, lr, wd)
+    captured: dict[int, torch.Tensor] = {}
+    if hasattr(opt, "_speculate"):  # lean store: layer gradients are never kept; capture them on their way in
+        speculate = opt._speculate
+
+        def capture(unit, grad, sq):
+            captured[unit.index] = grad.clone()
+            speculate(unit, grad, sq)
+
+        opt._speculate = capture
     vocab = model.config.vocab_size
     worst = {"loss": 0.0, "grad": 0.0, "weight": 0.0}
     # Parameters whose true gradient is zero (k_proj.bias: softmax is shift-invariant) receive only rounding
@@ -79,6 +88,7 @@ def run_parity(model, *, steps=3, ga=2, batch=2, seq=12, lr=1e-3, wd=0.1, max_gr
                 null_grad.add(n)
                 continue
             grad = unit.grad_device if unit.grad_device is not None else unit.grad  # GPU-stepped units keep it there
+            grad = captured[unit.index] if grad is None else grad
             worst["grad"] = max(worst["grad"], rel(unit.view(grad, ps).cpu(), p.grad.cpu()))
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_grad_norm) if max_grad_norm else None
         ropt.step()

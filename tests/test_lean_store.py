@@ -1,0 +1,345 @@
+"""Lean host store (12 B/param streamed): parity with plain HF + torch AdamW, the re-run path when the clip factor
+changes, skipped steps, RNG replay, Trainer save/resume, refusal of gradient accumulation, byte accounting."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+import transformers
+
+from hf_megatrain import MegaTrainConfig, MegaTrainEngine, MegaTrainTrainer, MegaTrainTrainingArguments
+from hf_megatrain import planner
+from hf_megatrain.host_store import bytes_per_param
+
+from .models import tiny
+from .parity import random_batches, reference_optimizer, rel, run_parity
+
+
+def lean(**kw) -> MegaTrainConfig:
+    return MegaTrainConfig(**{"compute_dtype": "float32", "lean_store": True, **kw})
+
+
+def n_items(lab: torch.Tensor) -> int:
+    return int((lab[:, 1:] != -100).sum())
+
+
+def layer_state(engine) -> list[torch.Tensor]:
+    engine.optimizer.wait()
+    return [t.clone() for u in engine.layer_units for t in (u.master, u.exp_avg, u.exp_avg_sq)]
+
+
+# -- parity with plain HF + torch.optim.AdamW ------------------------------------------------------------------------
+@pytest.mark.parametrize("overlap", [False, True])
+def test_parity_clipping_inactive_no_rerun(overlap):
+    worst, engine, _ = run_parity(tiny("llama"), ga=1, batch=4, max_grad_norm=1e6,
+                                  config=lean(overlap_optimizer=overlap))
+    assert engine.optimizer.regenerated_steps == 0
+    assert all(u.grad is None for u in engine.layer_units)
+
+
+@pytest.mark.parametrize("family,tie,overlap", [("llama", False, True), ("qwen2", True, False)])
+def test_parity_clipping_active_reruns_every_step(family, tie, overlap):
+    """max_grad_norm well below the norm: the clip factor changes every step, so every step is re-run and each
+    layer's speculative moments are undone and redone; results still match to 1e-5."""
+    worst, engine, _ = run_parity(tiny(family, tie=tie), ga=1, batch=4, max_grad_norm=0.3,
+                                  config=lean(overlap_optimizer=overlap))
+    assert engine.optimizer.regenerated_steps == 3
+    assert engine.optimizer.max_regenerated_sq_error == 0.0  # CPU: the re-run reproduces every gradient exactly
+
+
+def test_parity_in_layer_micro_batch_split():
+    worst, engine, _ = run_parity(tiny("mistral"), ga=2, batch=2, split_in_layer=True,
+                                  config=lean(micro_batch_size=2))
+    assert engine.optimizer.regenerated_steps >= 1
+
+
+def test_parity_dropout_replayed_in_rerun():
+    """Attention dropout draws random numbers in every layer: the re-run restores the forward's RNG state (same
+    masks, same gradients), and afterwards the caller's RNG stream is where it was (the re-run drew nothing)."""
+    model = tiny("llama", attention_dropout=0.2, attn_implementation="eager")
+    ref, ours = copy.deepcopy(model), copy.deepcopy(model)
+    engine = MegaTrainEngine(ours, lean(), device="cpu")
+    opt = engine.create_optimizer(lr=1e-3, weight_decay=0.1, max_grad_norm=0.3)
+    ropt = reference_optimizer(ref, 1e-3, 0.1)
+    for step, micro in enumerate(random_batches(3, 1, 4, 12, 96, seed=2)):
+        ids, lab = micro[0]
+        torch.manual_seed(step)
+        out = ref(input_ids=ids, labels=lab, num_items_in_batch=n_items(lab))
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.3)
+        ropt.step(), ropt.zero_grad()
+        torch.manual_seed(step)
+        loss = engine(input_ids=ids, labels=lab, num_items_in_batch=n_items(lab)).loss
+        loss.backward()
+        rng = torch.get_rng_state()
+        opt.step()
+        assert torch.equal(torch.get_rng_state(), rng)
+        opt.zero_grad()
+        assert rel(loss.detach(), out.loss.detach()) <= 1e-5
+    assert opt.regenerated_steps == 3 and opt.max_regenerated_sq_error == 0.0
+    assert all(t.stochastic for t in engine.executor.templates)
+    opt.wait()
+    for n, p in ref.named_parameters():
+        assert rel(engine.store.master_tensor(n), p.detach()) <= 1e-5 or n.endswith("k_proj.bias"), n
+
+
+def test_parity_with_lr_scheduler_several_steps():
+    model = tiny("qwen2")
+    ref, ours = copy.deepcopy(model), copy.deepcopy(model)
+    engine = MegaTrainEngine(ours, lean(), device="cpu")
+    opt = engine.create_optimizer(lr=2e-3, weight_decay=0.1, max_grad_norm=1.0)
+    ropt = reference_optimizer(ref, 2e-3, 0.1)
+    sched = transformers.get_linear_schedule_with_warmup(opt, 2, 6)
+    rsched = transformers.get_linear_schedule_with_warmup(ropt, 2, 6)
+    for micro in random_batches(6, 1, 4, 12, 96, seed=3):
+        ids, lab = micro[0]
+        out = ref(input_ids=ids, labels=lab, num_items_in_batch=n_items(lab))
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        ropt.step(), rsched.step(), ropt.zero_grad()
+        loss = engine(input_ids=ids, labels=lab, num_items_in_batch=n_items(lab)).loss
+        loss.backward()
+        opt.step(), sched.step(), opt.zero_grad()
+        assert rel(loss.detach(), out.loss.detach()) <= 1e-5
+    opt.wait()
+    assert opt.param_groups[0]["lr"] == ropt.param_groups[0]["lr"]
+    for n, p in ref.named_parameters():
+        assert rel(engine.store.master_tensor(n), p.detach()) <= 1e-5 or n.endswith("k_proj.bias"), n
+
+
+def test_bf16_compute_matches_full_store():
+    """bf16 compute: the lean store (FP32 master cast to bf16 in the executor, moments + apply split) trains like
+    the 18 B/param store, with clipping active (re-runs) and the optimizer overlapped."""
+    model = tiny("llama")
+    engines = []
+    for is_lean in (False, True):
+        cfg = MegaTrainConfig(compute_dtype="bfloat16", lean_store=is_lean, resident_placement="host")
+        e = MegaTrainEngine(copy.deepcopy(model), cfg, device="cpu")
+        e.create_optimizer(lr=1e-3, weight_decay=0.1, max_grad_norm=0.3)
+        engines.append(e)
+    for micro in random_batches(3, 1, 4, 12, 96, seed=1):
+        ids, lab = micro[0]
+        losses = []
+        for e in engines:
+            loss = e(input_ids=ids, labels=lab, num_items_in_batch=n_items(lab)).loss
+            loss.backward()
+            e.optimizer.step()
+            e.optimizer.zero_grad()
+            losses.append(loss.detach())
+        assert rel(losses[1], losses[0]) <= 1e-5
+    full, lean_ = engines
+    assert lean_.optimizer.regenerated_steps == 3
+    lean_.optimizer.wait(), full.optimizer.wait()
+    for n in full.store.names():
+        assert rel(lean_.store.master_tensor(n), full.store.master_tensor(n)) <= 1e-5, n
+
+
+# -- skipped steps ---------------------------------------------------------------------------------------------------
+def test_nonfinite_loss_skips_bit_identical_without_rerun():
+    """A NaN loss makes every layer gradient non-finite: no layer is speculated on, so the skipped step leaves
+    masters, moments and step counts bit-identical, with no re-run; training then continues like the reference
+    that never saw that batch."""
+    model = tiny("llama")
+    ref, ours = copy.deepcopy(model), copy.deepcopy(model)
+    engine = MegaTrainEngine(ours, lean(), device="cpu")
+    opt = engine.create_optimizer(lr=1e-3, weight_decay=0.1, max_grad_norm=1.0)
+    ropt = reference_optimizer(ref, 1e-3, 0.1)
+    batches = [m[0] for m in random_batches(3, 1, 4, 12, 96, seed=5)]
+    for step, (ids, lab) in enumerate(batches):
+        poison = step == 1
+        if poison:
+            before, counts, reruns = layer_state(engine), opt.unit_steps.clone(), opt.regenerated_steps
+        else:
+            out = ref(input_ids=ids, labels=lab, num_items_in_batch=n_items(lab))
+            out.loss.backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+            ropt.step(), ropt.zero_grad()
+        loss = engine(input_ids=ids, labels=lab, num_items_in_batch=n_items(lab)).loss
+        (loss * float("nan") if poison else loss).backward()
+        opt.step()
+        opt.zero_grad()
+        if poison:
+            assert opt.skipped_steps == 1 and opt.regenerated_steps == reruns  # no re-run for this step
+            after = layer_state(engine)
+            assert all(torch.equal(a, b) for a, b in zip(before, after))
+            assert torch.equal(opt.unit_steps, counts)
+    opt.wait()
+    for n, p in ref.named_parameters():
+        assert rel(engine.store.master_tensor(n), p.detach()) <= 1e-5 or n.endswith("k_proj.bias"), n
+
+
+def test_one_nonfinite_layer_gradient_undoes_the_others():
+    """Layer 0's gradient (the last to arrive) is non-finite: layers 2 and 1 were already speculated on; the step is
+    skipped, the re-run undoes their moments (masters were never touched: bit-identical) and the next steps match
+    the reference that skipped that batch."""
+    model = tiny("llama")
+    ref, ours = copy.deepcopy(model), copy.deepcopy(model)
+    engine = MegaTrainEngine(ours, lean(), device="cpu")
+    opt = engine.create_optimizer(lr=1e-3, weight_decay=0.1, max_grad_norm=1e6)
+    ropt = reference_optimizer(ref, 1e-3, 0.1)
+    sink = opt.lean_sink
+
+    def poisoned(unit, grad, sq, ready):
+        if opt._phase is None and unit.index == 0:
+            grad.fill_(float("inf"))
+            sq.fill_(float("inf"))
+        return sink(unit, grad, sq, ready)
+
+    batches = [m[0] for m in random_batches(3, 1, 4, 12, 96, seed=6)]
+    for step, (ids, lab) in enumerate(batches):
+        poison = step == 1
+        engine.executor.lean_sink = poisoned if poison else sink
+        if poison:
+            before, counts = layer_state(engine), opt.unit_steps.clone()
+        else:
+            ref(input_ids=ids, labels=lab, num_items_in_batch=n_items(lab)).loss.backward()
+            ropt.step(), ropt.zero_grad()
+        engine(input_ids=ids, labels=lab, num_items_in_batch=n_items(lab)).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if poison:
+            assert opt.skipped_steps == 1 and opt.regenerated_steps == 1
+            after = layer_state(engine)
+            assert torch.equal(opt.unit_steps, counts)
+            for a, b in zip(before[0::3], after[0::3]):  # masters
+                assert torch.equal(a, b)
+            for a, b in zip(before, after):  # moments: undone to rounding
+                assert rel(b, a) <= 1e-6
+    opt.wait()
+    for n, p in ref.named_parameters():
+        assert rel(engine.store.master_tensor(n), p.detach()) <= 1e-5 or n.endswith("k_proj.bias"), n
+
+
+def test_zero_grad_without_step_takes_back_the_speculation():
+    model = tiny("llama")
+    engine = MegaTrainEngine(copy.deepcopy(model), lean(), device="cpu")
+    opt = engine.create_optimizer(lr=1e-3, weight_decay=0.1, max_grad_norm=1.0)
+    (ids, lab), = random_batches(1, 1, 4, 12, 96, seed=7)[0]
+    before = layer_state(engine)
+    engine(input_ids=ids, labels=lab).loss.backward()
+    opt.zero_grad()
+    after = layer_state(engine)
+    assert opt.regenerated_steps == 1 and opt.skipped_steps == 0
+    assert all(rel(b, a) <= 1e-6 if a.norm() > 0 else b.abs().max() < 1e-12 for a, b in zip(before, after))
+    assert int(opt.unit_steps.sum()) == 0
+    engine(input_ids=ids, labels=lab).loss.backward()  # a new step may start
+    opt.step()
+
+
+# -- accumulation refused ---------------------------------------------------------------------------------------------
+def test_gradient_accumulation_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        MegaTrainTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[],
+                                   gradient_accumulation_steps=2,
+                                   megatrain_config={"compute_dtype": "float32", "lean_store": True})
+    args = MegaTrainTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[],
+                                      megatrain_config={"compute_dtype": "float32", "lean_store": True})
+    args.gradient_accumulation_steps = 4
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        MegaTrainTrainer(model=tiny("llama"), args=args)
+    engine = MegaTrainEngine(tiny("llama"), lean(), device="cpu")
+    engine.create_optimizer(lr=1e-3)
+    (ids, lab), = random_batches(1, 1, 2, 12, 96, seed=8)[0]
+    engine(input_ids=ids, labels=lab).loss.backward()
+    with pytest.raises(RuntimeError, match="gradient accumulation.*micro_batch_size"):
+        engine(input_ids=ids, labels=lab)
+    engine.optimizer.step()  # the engine stays usable: a step ends the refused state
+    engine(input_ids=ids, labels=lab).loss.backward()
+    engine.optimizer.step()
+    with pytest.raises(ValueError, match="grad_offload_dtype"):
+        MegaTrainConfig(lean_store=True, grad_offload_dtype="bfloat16")
+
+
+# -- bytes per parameter ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_store_bytes_per_streamed_parameter(dtype):
+    cfg = MegaTrainConfig(compute_dtype=dtype, lean_store=True, resident_placement="host")
+    engine = MegaTrainEngine(tiny("llama"), cfg, device="cpu")
+    store, res = engine.store, engine.resident_unit
+    layer_params = sum(u.numel for u in engine.layer_units)
+    assert bytes_per_param(torch.bfloat16, lean=True) == 12
+    assert store.nbytes == 12 * layer_params + bytes_per_param(engine.compute_dtype) * res.numel
+    # + two FP32 staging slabs of the largest layer (the executor's), nothing else per parameter
+    slabs = sum(t.numel() * t.element_size() for t in engine.executor.staging)
+    assert slabs == 2 * 4 * max(u.numel for u in engine.layer_units)
+    plan = planner.estimate(planner.ModelShape.from_engine(engine), cfg, 12, 2, device_type="cpu",
+                            resident_on_dev=False)
+    store_rows = ("master fp32", "grad fp32", "exp_avg fp32", "exp_avg_sq fp32", "compute copy")
+    planned = sum(v for k, v in plan.host.items() if k in store_rows)
+    assert planned == store.nbytes
+
+
+# -- Trainer: train, save, reload, resume --------------------------------------------------------------------------
+def _dataset(n: int = 16, seq: int = 12) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(n):
+        ids = torch.randint(0, 96, (seq,), generator=g)
+        labels = ids.clone()
+        labels[: (i % 4) + 1] = -100
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+def _args(out, config, **over):
+    kw = dict(output_dir=str(out), per_device_train_batch_size=4, gradient_accumulation_steps=1, max_steps=4,
+              learning_rate=1e-3, weight_decay=0.1, max_grad_norm=1.0, lr_scheduler_type="linear", warmup_steps=1,
+              logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", seed=0, disable_tqdm=True,
+              dataloader_num_workers=0)
+    kw.update(over)
+    if config is None:
+        return transformers.TrainingArguments(**kw)
+    return MegaTrainTrainingArguments(**kw, megatrain_config=config)
+
+
+def _log(trainer):
+    return [(h["step"], h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
+
+
+def test_trainer_parity_save_reload_and_exact_resume(tmp_path):
+    cfg = {"compute_dtype": "float32", "lean_store": True, "micro_batch_size": 2}
+    model = tiny("llama")
+    ref = transformers.Trainer(model=copy.deepcopy(model), args=_args(tmp_path / "ref", None),
+                               train_dataset=_dataset())
+    ref.train()
+    kw = dict(save_strategy="steps", save_steps=2)
+    full = MegaTrainTrainer(model=copy.deepcopy(model), args=_args(tmp_path / "a", cfg, **kw), train_dataset=_dataset())
+    full.train()
+    for (s, rl, rg), (_, ol, og) in zip(_log(ref), _log(full)):
+        assert abs(ol - rl) <= 1e-5 * abs(rl) and abs(og - rg) <= 1e-5 * abs(rg), (s, ol, rl, og, rg)
+    assert full.engine.optimizer.regenerated_steps >= 1  # grad norms ~1.5 > 1.0: clipping is active
+    full.engine.optimizer.wait()
+    for n, p in ref.model.named_parameters():
+        assert rel(full.engine.store.master_tensor(n), p.detach()) <= 1e-5 or n.endswith("k_proj.bias"), n
+    full.save_model(str(tmp_path / "export"))
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "export"))
+    for n, p in reloaded.named_parameters():
+        assert torch.equal(p.detach(), full.engine.store.master_tensor(n)), n
+    resumed = MegaTrainTrainer(model=copy.deepcopy(model), args=_args(tmp_path / "b", cfg, **kw),
+                               train_dataset=_dataset())
+    resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
+    assert _log(full) == _log(resumed)
+    resumed.engine.optimizer.wait()
+    for n in full.engine.store.names():
+        assert torch.equal(full.engine.store.master_tensor(n), resumed.engine.store.master_tensor(n)), n
+
+
+def test_estimate_cli_lean_store(tmp_path, capsys):
+    """``megatrain estimate --lean-store``: the layers lose their gradient and bf16 copy rows; GA is flagged."""
+    from .models import COMMON
+
+    transformers.LlamaConfig(**COMMON).save_pretrained(tmp_path)
+    rows = {}
+    for extra in ([], ["--lean-store", "--grad-accum", "2"]):
+        assert planner.main([str(tmp_path), "--seq-len", "64", "--gpu-memory", "80", "--json", *extra]) == 0
+        rows[bool(extra)] = json.loads(capsys.readouterr().out)
+    full, lean_ = rows[False], rows[True]
+    layers = full["host"]["master fp32"] // 4  # resident parts planned on the 80 GiB GPU: host = layers only
+    assert full["host"]["grad fp32"] == 4 * layers and full["host"]["compute copy"] == 2 * layers
+    assert lean_["host"]["grad fp32"] == 0 and lean_["host"].get("compute copy", 0) == 0
+    assert lean_["host"]["master fp32"] + lean_["host"]["exp_avg fp32"] + lean_["host"]["exp_avg_sq fp32"] \
+        == 12 * layers
+    assert any("lean_store refuses gradient accumulation" in n for n in lean_["notes"])

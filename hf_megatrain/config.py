@@ -66,6 +66,9 @@ class MegaTrainConfig:
             as soon as its backward ends (speculatively, with the previous step's clip scale; corrected with a
             re-run of the step's forward+backward when the scale turns out different). One backward per
             optimizer step: gradient accumulation is refused (use ``micro_batch_size``). See lean_step.py.
+        compile_layers: run each layer template through ``torch.compile`` (fuses the layers' elementwise work;
+            one compilation per layer kind, tens of seconds at start). Falls back to eager, with a warning, for a
+            layer dynamo cannot trace; MoE layers whose router logits are recorded stay eager.
     """
 
     compute_dtype: str = "bfloat16"
@@ -86,6 +89,7 @@ class MegaTrainConfig:
     resident_device_fraction: float = 0.5
     device_step_fraction: float = 0.5
     lean_store: bool = False
+    compile_layers: bool = False
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:

@@ -132,7 +132,8 @@ class MegaTrainEngine:
         for i, layer in enumerate(originals):
             unit = self.layer_units[i]
             if kinds[i] not in templates:
-                templates[kinds[i]] = LayerTemplate(layer, unit.params, unit.frozen_params)
+                templates[kinds[i]] = LayerTemplate(layer, unit.params, unit.frozen_params,
+                                                   compile=config.compile_layers)
             if not next(layer.parameters(), torch.empty(0, device='meta')).is_meta:
                 for n, p in layer.named_parameters():
                     self.store.load_(f"{self.stack.path}.{i}.{n}", p.detach())

@@ -91,6 +91,7 @@ class RouterTap:
                         cls_name is not None and type(mod).__name__.endswith(cls_name))
                     if hit and (layer_name is None or f".{layer_name.strip('.')}." in f".{mname}."):
                         mod.register_forward_hook(self._hook((t, mname), index))
+                        tmpl.compiled = None  # the hook's side effect must run: keep this template eager
                         self.num_sites += 1
                         break
 

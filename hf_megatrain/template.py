@@ -7,6 +7,11 @@ graph outlives the call that built it: the forward runs under ``no_grad`` and th
 A slot holds the unit's trainable weights first, then its frozen ones (PEFT base, frozen layers): trainable views
 become leaves with ``.grad`` in the backward, frozen views stay plain tensors.
 
+``compile``: run the call through ``torch.compile`` (inductor), which fuses the layer's elementwise work (RMSNorm
+in FP32, rotary embeddings, SiLU-gating, residual adds) into a few kernels; at 14B width and 32k tokens that work
+is ~20% of the GPU step in eager mode. The compiled graph takes the bound views as inputs, so one compilation
+serves every layer of a kind; a call dynamo cannot trace falls back to eager once, with a warning.
+
 ``stochastic`` says whether the layer draws random numbers in training mode (dropout, attention dropout, MoE
 router jitter): the executor then replays the forward's RNG state in the recompute, so both see the same masks.
 """
@@ -14,6 +19,7 @@ router jitter): the executor then replays the forward's RNG state in the recompu
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Any
 
 import torch
@@ -21,6 +27,8 @@ from torch import nn
 from torch.func import functional_call
 
 from .host_store import ParamSlice
+
+logger = logging.getLogger(__name__)
 
 
 def is_stochastic(module: nn.Module) -> bool:
@@ -36,13 +44,15 @@ def is_stochastic(module: nn.Module) -> bool:
 
 
 class LayerTemplate:
-    def __init__(self, layer: nn.Module, layout: list[ParamSlice], frozen: list[ParamSlice] | None = None) -> None:
+    def __init__(self, layer: nn.Module, layout: list[ParamSlice], frozen: list[ParamSlice] | None = None,
+                 compile: bool = False) -> None:
         self.module = copy.deepcopy(layer).to("meta")
         self.layout = layout  # same order as the unit's flat buffer
         self.frozen = frozen or []  # offsets into the unit's frozen buffer, stored after ``numel`` in a slot
         self.numel = sum(p.numel for p in layout)
         self.frozen_numel = sum(p.numel for p in self.frozen)
         self.stochastic = is_stochastic(self.module)
+        self.compiled = torch.compile(self._functional, dynamic=False) if compile else None
 
     def bind(self, flat: torch.Tensor, requires_grad: bool = False, frozen: bool = True) -> dict[str, torch.Tensor]:
         """Views into ``flat`` [>= numel (+ frozen_numel)] named like the layer's parameters: trainable ones (leaves
@@ -61,4 +71,15 @@ class LayerTemplate:
                  args: tuple, kwargs: dict[str, Any]) -> Any:
         if self.module.training != training:
             self.module.train(training)
-        return functional_call(self.module, {**params, **buffers}, args, kwargs, tie_weights=False, strict=False)
+        tensors = {**params, **buffers}
+        if self.compiled is not None:
+            try:
+                return self.compiled(tensors, args, kwargs)
+            except Exception as e:  # noqa: BLE001 - any tracing/codegen failure: eager is always correct
+                logger.warning("hf_megatrain: torch.compile of %s failed (%s: %s); running it eagerly",
+                               type(self.module).__name__, type(e).__name__, str(e).splitlines()[0][:200])
+                self.compiled = None
+        return self._functional(tensors, args, kwargs)
+
+    def _functional(self, tensors: dict[str, torch.Tensor], args: tuple, kwargs: dict[str, Any]) -> Any:
+        return functional_call(self.module, tensors, args, kwargs, tie_weights=False, strict=False)

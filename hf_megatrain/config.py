@@ -66,9 +66,11 @@ class MegaTrainConfig:
             as soon as its backward ends (speculatively, with the previous step's clip scale; corrected with a
             re-run of the step's forward+backward when the scale turns out different). One backward per
             optimizer step: gradient accumulation is refused (use ``micro_batch_size``). See lean_step.py.
-        compile_layers: run each layer template through ``torch.compile`` (fuses the layers' elementwise work;
-            one compilation per layer kind, tens of seconds at start). Falls back to eager, with a warning, for a
-            layer dynamo cannot trace; MoE layers whose router logits are recorded stay eager.
+        torch_compile: run each layer template and the loss's per-chunk softmax/gradient through ``torch.compile``
+            (fuses the elementwise work: ~17% faster steps at 14B width; one compilation per layer kind, tens of
+            seconds at start). Same math, different fp32 rounding (parity ~1e-5..1e-4 instead of bit-exact
+            ops). Falls back to eager, with a warning, for a layer dynamo cannot trace; MoE layers whose router
+            logits are recorded stay eager.
     """
 
     compute_dtype: str = "bfloat16"
@@ -89,7 +91,7 @@ class MegaTrainConfig:
     resident_device_fraction: float = 0.5
     device_step_fraction: float = 0.5
     lean_store: bool = False
-    compile_layers: bool = False
+    torch_compile: bool = False
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:

@@ -133,7 +133,7 @@ class MegaTrainEngine:
             unit = self.layer_units[i]
             if kinds[i] not in templates:
                 templates[kinds[i]] = LayerTemplate(layer, unit.params, unit.frozen_params,
-                                                   compile=config.compile_layers)
+                                                   compile=config.torch_compile)
             if not next(layer.parameters(), torch.empty(0, device='meta')).is_meta:
                 for n, p in layer.named_parameters():
                     self.store.load_(f"{self.stack.path}.{i}.{n}", p.detach())
@@ -293,7 +293,7 @@ class MegaTrainEngine:
         if labels is not None:
             loss = extras.loss(hidden, head, move(labels), chunk_tokens=self.config.loss_chunk_tokens,
                                num_items_in_batch=num_items_in_batch, router_logits=router_logits,
-                               attention_mask=attention_mask)
+                               attention_mask=attention_mask, compiled=self.config.torch_compile)
         logits = extras.logits(hidden, head) if return_logits else None
         if replay is not None:
             replay.watch({"loss": loss, "logits": logits}, self._bind_replay)

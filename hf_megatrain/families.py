@@ -225,10 +225,10 @@ class ModelHead:
 
     def loss(self, hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor, *, chunk_tokens: int,
              num_items_in_batch: torch.Tensor | int | None, router_logits: list[torch.Tensor] | None,
-             attention_mask: torch.Tensor | None) -> torch.Tensor:
+             attention_mask: torch.Tensor | None, compiled: bool = False) -> torch.Tensor:
         loss = linear_cross_entropy(self._scaled(hidden, head), head.weight, labels,
                                     bias=getattr(head, "bias", None), num_items_in_batch=num_items_in_batch,
-                                    chunk_tokens=chunk_tokens, softcap=self.softcap)
+                                    chunk_tokens=chunk_tokens, softcap=self.softcap, compiled=compiled)
         if router_logits is not None and self.router is not None:
             aux = self.router.loss(router_logits, attention_mask)
             if aux is not None:

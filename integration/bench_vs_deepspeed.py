@@ -58,7 +58,9 @@ def megatrain_mode(requested: str) -> str:
 def attempts(system: str, batch: int, a: argparse.Namespace) -> list[dict[str, Any]]:
     """Spec overrides to try in order (best first); the next one runs only if the previous one ran out of memory."""
     if system == "megatrain":
-        base = dict(json.loads(a.megatrain_config) if a.megatrain_config else {})
+        # torch_compile on by default for the real model (as the README recommends for long runs); the tiny CPU
+        # smoke run skips it (compilation would dominate).
+        base = {"torch_compile": not a.tiny, **(json.loads(a.megatrain_config) if a.megatrain_config else {})}
         if a.megatrain_split == "auto":
             splits = [int(base.get("micro_batch_size", 0))] + ([4] if batch > 4 and not base.get(
                 "micro_batch_size") else [])
@@ -340,7 +342,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = ap.add_argument_group("hf_megatrain")
     g.add_argument("--megatrain-mode", choices=("auto", "trainer", "engine"), default="auto",
                    help="auto = MegaTrainTrainer if hf_megatrain.trainer exists, else the bare engine")
-    g.add_argument("--megatrain-config", default=None, help="JSON dict of MegaTrainConfig overrides")
+    g.add_argument("--megatrain-config", default=None, help="JSON dict of MegaTrainConfig overrides "
+                   "(default {\"torch_compile\": true}; false with --tiny)")
     g.add_argument("--megatrain-split", default="auto",
                    help="micro_batch_size inside the layer visit: int, or auto (none; 4 if that OOMs)")
     g = ap.add_argument_group("DeepSpeed (ZeRO-3 offload through transformers.Trainer)")

@@ -65,7 +65,8 @@ def test_retry_plan():
     assert len(ds) == 1 and ds[0]["grad_accum"] == 2
     assert ds[0]["ds"]["zero_optimization"]["stage3_prefetch_bucket_size"] == 100_000_000
     assert ds[0]["ds"]["zero_optimization"]["offload_optimizer"]["ratio"] == 0.5
-    assert bench.attempts("megatrain", 16, a)[0]["megatrain_config"] == {"num_slots": 3, "micro_batch_size": 4}
+    assert bench.attempts("megatrain", 16, a)[0]["megatrain_config"] == {"torch_compile": True, "num_slots": 3,
+                                                                     "micro_batch_size": 4}
 
 
 def test_deepspeed_config_merge():

@@ -50,6 +50,6 @@ def test_gpu_moe_parity():
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_gpu_parity_compiled_layers(family):
     # Inductor fuses the FP32 RMSNorm / rotary / SiLU work and reorders its reductions: same math, other rounding.
-    cfg = MegaTrainConfig(compute_dtype="float32", compile_layers=True, device_step_layers=2)
+    cfg = MegaTrainConfig(compute_dtype="float32", torch_compile=True, device_step_layers=2)
     worst, engine, _ = run_parity(tiny(family, num_hidden_layers=4), config=cfg, device="cuda", tol=1e-4)
     assert all(t.compiled is not None for t in engine.executor.templates)  # no fallback to eager

@@ -38,7 +38,8 @@ def test_gpu_lean_bf16_chunked_cast_matches_full_store():
     model = tiny("llama", num_hidden_layers=4)
     engines = []
     for lean in (False, True):
-        e = MegaTrainEngine(copy.deepcopy(model), MegaTrainConfig(compute_dtype="bfloat16", lean_store=lean),
+        e = MegaTrainEngine(copy.deepcopy(model), MegaTrainConfig(compute_dtype="bfloat16", lean_store=lean,
+                                                             device_step_layers=0),
                             device="cuda")
         e.create_optimizer(lr=1e-3, weight_decay=0.1, max_grad_norm=0.3)
         engines.append(e)

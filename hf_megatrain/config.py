@@ -51,12 +51,20 @@ class MegaTrainConfig:
         resident_placement: where the FP32 master and AdamW state of the resident parts (embeddings, final norm,
             lm_head) live: "device" (stepped on the GPU; no PCIe traffic for them), "host", or "auto" (device
             when it takes at most ``resident_device_fraction`` of free GPU memory).
+        device_layers: how many decoder layers stay whole on the GPU: FP32 master, gradient and AdamW moments live
+            there (16 bytes per parameter, none on the host), each visit casts the master into a weight slot, and
+            AdamW steps them on the GPU, so they never cross PCIe. The first ones in forward order (the next forward
+            needs them first). Layers holding frozen parameters always stream. -1 = auto: as many as fit in
+            ``device_step_fraction`` of the GPU memory left after the resident parts (none on CPU-only machines,
+            with ``lean_store`` or ``optimizer_state_dir``); the rest of that share goes to ``device_step_layers``.
+            0 = stream every layer (the behaviour for models far larger than the GPU).
         device_step_layers: how many streamed layers run AdamW on the GPU while the CPU steps the others at the same
             time (the first ones in forward order: the CPU's layers are needed last); their FP32 gradient and AdamW
             moments stay on the GPU (12 bytes per parameter there, 8 fewer on the host), the master streams through
             PCIe. -1 = auto: as many as fit in ``device_step_fraction`` of the GPU memory left after the resident
             parts (none on CPU-only machines).
-        device_step_fraction: share of that free GPU memory the auto rule may give to GPU-stepped layers (the rest
+        device_step_fraction: share of that free GPU memory the auto rules may give to GPU-kept and GPU-stepped
+            layers together (the rest
             is for activations, the loss and the weight slots; lower it if large batches run out of memory).
         optimizer_state_dir: disk tier: keep the AdamW moments (8 of the 18 host bytes per parameter) in
             memory-mapped files in this directory (a fast local NVMe) instead of host RAM, for models beyond RAM.
@@ -86,6 +94,7 @@ class MegaTrainConfig:
     save_dtype: str = "float32"
     skip_nonfinite: bool = True
     resident_placement: str = "auto"
+    device_layers: int = -1
     device_step_layers: int = -1
     optimizer_state_dir: str | None = None
     resident_device_fraction: float = 0.5
@@ -112,6 +121,12 @@ class MegaTrainConfig:
         if self.device_step_layers < -1:
             raise ValueError(f"device_step_layers={self.device_step_layers}: use -1 (auto), 0 (all on the CPU) "
                              "or a number of layers")
+        if self.device_layers < -1:
+            raise ValueError(f"device_layers={self.device_layers}: use -1 (auto), 0 (stream every layer) or a number "
+                             "of layers")
+        if self.lean_store and self.device_layers > 0:
+            raise ValueError(f"lean_store=True streams every layer (device_layers={self.device_layers}); use "
+                             "device_layers=-1 or 0")
         if self.optimizer_state_dir is not None and not os.path.isdir(self.optimizer_state_dir):
             raise ValueError(f"optimizer_state_dir={self.optimizer_state_dir!r} is not an existing directory; create "
                              "it on a local disk with room for 8 bytes per parameter, or leave it unset")

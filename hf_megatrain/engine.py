@@ -109,17 +109,24 @@ class MegaTrainEngine:
         resident = [(n, p) for n, p in outside if p.requires_grad]
         self._resident_numel = ul.numels[-1]
         self.resident_on_device = self._resident_on_device(ul.numels[-1])
+        # Streamed layers' placement (planner.layer_placement): kept whole on the GPU, AdamW on the GPU, or host.
+        self.layer_placement = self._place_layers(ul)
+        kept, device_stepped = set(self.layer_placement.kept), self.layer_placement.stepped
         self._check_host_fits(ul)  # the planner's numbers, before any large allocation
-        devices = [None] * (len(ul.layouts) - 1) + [self.device if self.resident_on_device else None]
-        device_stepped = self._device_step_layers(ul.numels[:-1])
+        gpu = self.device if self.device.type != "cpu" else None
+        devices = [gpu if i in kept else None for i in range(len(ul.layouts) - 1)] + [
+            self.device if self.resident_on_device else None]
         moment_devices = [self.device if i in device_stepped else None for i in range(len(ul.layouts))]
         self.store = HostStore(ul.layouts, compute_dtype=self.compute_dtype, pin=pin,
                                memory_fraction=config.host_memory_fraction,
                                streamed=[True] * (len(ul.layouts) - 1) + [False], devices=devices,
                                frozen_layouts=ul.frozen[:-1] + [[]], state_dir=config.optimizer_state_dir,
-                               moment_devices=moment_devices, lean=config.lean_store)
+                               moment_devices=moment_devices, lean=config.lean_store,
+                               compute_copy=[i not in kept for i in range(len(ul.layouts))])
         self.layer_units = self.store.units[:-1]
         self.resident_unit = self.store.units[-1]
+        for i in kept:  # their AdamW runs where their state is: the executor accumulates the gradient there
+            self.layer_units[i].grad_device = self.layer_units[i].grad
         self.resident_params: dict[str, nn.Parameter] = dict(resident)
         # Frozen resident parameters (frozen embeddings, a PEFT base's embeddings / lm_head): device, compute dtype.
         self.frozen_resident: dict[str, nn.Parameter] = {n: p for n, p in outside if not p.requires_grad}
@@ -142,7 +149,7 @@ class MegaTrainEngine:
         self.executor = StreamingExecutor(
             self.layer_units, kinds, [templates[k] for k in range(len(templates))], buffers, device=self.device,
             compute_dtype=self.compute_dtype, grad_offload_dtype=config.torch_grad_offload_dtype,
-            num_slots=config.num_slots, micro_batch_size=config.micro_batch_size, pin=pin)
+            num_slots=config.num_slots, micro_batch_size=config.micro_batch_size, pin=pin, kept=kept)
         # Family extras of the HF head (soft-capping, logit scaling, MoE router aux loss): families.py.
         self.head_extras = ModelHead(model, self.stack, self.executor)
         for i, layer in enumerate(originals):
@@ -192,7 +199,7 @@ class MegaTrainEngine:
         shape = planner.ModelShape.from_layouts(self.model, ul)
         planner.check_fits(shape, self.config, device_type=self.device.type,
                            gpu_available=available_device_bytes(self.device), baseline_paid=True,
-                           resident_on_dev=self.resident_on_device)
+                           resident_on_dev=self.resident_on_device, placement=self.layer_placement)
 
     def _check_step_fits(self, input_ids: torch.Tensor | None, kwargs: dict[str, Any]) -> None:
         """CUDA, training: the first time a (batch, seq) shape comes, check the planner's GPU peak for a step of
@@ -360,22 +367,17 @@ class MegaTrainEngine:
         self.executor.wait_for_unit = lambda i: opt.wait_unit(self.layer_units[i].index)
         return opt
 
-    def _device_step_layers(self, numels: list[int]) -> list[int]:
-        """Streamed layers whose AdamW runs on the GPU (see device_stepper.py), chosen before the host store is
-        built so their moments are allocated on the GPU from the start (never in host RAM)."""
-        if not any(numels) or (self.config.optimizer_state_dir and self.config.device_step_layers == -1):
-            return []  # disk-tier moments cannot be page-locked for fast PCIe streaming: keep AdamW on the CPU
-        if self.config.lean_store:
-            return []  # no layer gradient is kept until the step (lean_step.py)
+    def _place_layers(self, ul: UnitLayouts) -> planner.LayerPlacement:
+        """Which streamed layers stay whole on the GPU and which run AdamW there (planner.layer_placement), chosen
+        before the host store is built so their state is allocated on the GPU from the start (never in host RAM)."""
         free = available_device_bytes(self.device)
         if free is not None and self.resident_on_device:  # what the resident parts will take first
             free = max(free - planner.resident_device_bytes(self._resident_numel, self.config), 0)
-        trainable = [n for n in numels if n > 0]
-        k = planner.device_step_count(len(trainable), max(trainable), self.config, self.device.type, free)
-        chosen = planner.device_step_layers(numels, k)
-        logger.info("hf_megatrain: AdamW of %d of %d streamed layers runs on the GPU, the rest on the CPU",
-                    len(chosen), len(trainable))
-        return chosen
+        place = planner.layer_placement(ul.numels[:-1], ul.frozen_numels[:-1], self.config, self.device.type, free)
+        n = sum(1 for x in ul.numels[:-1] if x > 0)
+        logger.info("hf_megatrain: of %d streamed layers, %d stay on the GPU, %d run AdamW on the GPU, %d on the "
+                    "CPU", n, len(place.kept), len(place.stepped), n - len(place.kept) - len(place.stepped))
+        return place
 
     def _before_step(self) -> None:
         self.finish_backward()

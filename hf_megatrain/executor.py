@@ -65,8 +65,12 @@ def _first(out: Any) -> torch.Tensor:
 class StreamingExecutor:
     def __init__(self, units: list[Unit], kinds: list[int], templates: list[LayerTemplate],
                  buffers: list[dict[str, torch.Tensor]], *, device: torch.device, compute_dtype: torch.dtype,
-                 grad_offload_dtype: torch.dtype, num_slots: int, micro_batch_size: int, pin: bool) -> None:
+                 grad_offload_dtype: torch.dtype, num_slots: int, micro_batch_size: int, pin: bool,
+                 kept: set[int] | frozenset[int] = frozenset()) -> None:
         self.units, self.kinds, self.templates, self.buffers = units, kinds, templates, buffers
+        # Layers kept whole on the device: their FP32 master is cast into a slot on the compute stream (ordered
+        # after their AdamW, which runs there too) and their gradient accumulates in ``unit.grad_device``.
+        self.kept = set(kept)
         self.device, self.compute_dtype = device, compute_dtype
         self.micro_batch_size = micro_batch_size
         self.streams = StreamSet(device)
@@ -126,13 +130,18 @@ class StreamingExecutor:
             self.wait_optimizer_s += time.perf_counter() - t0
         unit = self.units[index]
         st = self.streams
+        self.slot_layer[s] = index
+        if index in self.kept:
+            st.wait(st.compute, self.slot_free[s])
+            self.slots[s][:unit.numel].copy_(unit.master)  # device cast, no PCIe
+            self.slot_ready[s] = None
+            return s
         with st.on(st.h2d):
             st.wait(st.h2d, self.slot_free[s])
             self._copy_in(self.slots[s][:unit.numel], unit.compute)
             if unit.frozen is not None:
                 self.slots[s][unit.numel:unit.numel + unit.frozen.numel()].copy_(unit.frozen, non_blocking=True)
             self.slot_ready[s] = st.record(st.h2d)
-        self.slot_layer[s] = index
         self.h2d_bytes += unit.numel * unit.compute.element_size() + unit.frozen_numel * self.slots[s].element_size()
         return s
 

@@ -94,14 +94,15 @@ class HostStore:
                  devices: list[torch.device | None] | None = None,
                  frozen_layouts: list[list[tuple[str, str, tuple[int, ...]]]] | None = None,
                  state_dir: str | None = None, moment_devices: list[torch.device | None] | None = None,
-                 lean: bool = False) -> None:
+                 lean: bool = False, compute_copy: list[bool] | None = None) -> None:
         """``devices[i]`` places unit i's buffers on an accelerator instead of the host (resident parts whose
         optimizer runs on the GPU); ``None`` = host. ``frozen_layouts[i]`` lists unit i's frozen parameters
         (name, local name, shape): host compute-dtype buffer only. ``state_dir`` puts the AdamW moments of host
         units in memory-mapped files there (the disk tier), taking 8 bytes per parameter off host RAM.
         ``moment_devices[i]`` puts only unit i's AdamW moments on that device (layers stepped on the GPU, see
         device_stepper.py): 8 bytes per parameter off host RAM. ``lean``: streamed host units get no gradient
-        buffer and no compute-dtype copy (see the module docstring)."""
+        buffer and no compute-dtype copy (see the module docstring). ``compute_copy[i] = False``: unit i gets no
+        compute-dtype copy (``compute`` is the master; layers kept on the GPU, cast per visit by the executor)."""
         self.compute_dtype = compute_dtype
         devices = devices or [None] * len(layouts)
         frozen_layouts = frozen_layouts or [[] for _ in layouts]
@@ -119,10 +120,12 @@ class HostStore:
         self.lean = lean
         # Lean units: streamed ones on the host (the resident unit keeps its gradient and streaming copy).
         self._lean_unit = [lean and s and h for s, h in zip(streamed, on_host_units)]
+        copy = compute_copy or [True] * len(layouts)
         disk = 8 if state_dir else 0
         # Moments on disk or on the GPU take their 8 bytes per parameter off host RAM.
-        ram = sum(n * (bytes_per_param(compute_dtype, lean=ln) - (8 if dm else disk))
-                  for n, h, ln, dm in zip(sizes, on_host_units, self._lean_unit, dev_moment) if h)
+        ram = sum(n * (bytes_per_param(compute_dtype, lean=ln) - (8 if dm else disk)
+                       - (0 if cp or ln or compute_dtype == torch.float32 else elt))
+                  for n, h, ln, dm, cp in zip(sizes, on_host_units, self._lean_unit, dev_moment, copy) if h)
         ram_per_param = ram / host_numel if host_numel else 0.0
         if state_dir:
             check_disk_space(8 * host_numel, state_dir, f"the AdamW state of {host_numel / 1e6:.1f}M parameters")
@@ -153,7 +156,8 @@ class HostStore:
                 moment = lambda n: alloc(n, torch.float32, False).zero_()  # noqa: E731
             master = alloc(off, torch.float32)
             lean_unit = self._lean_unit[i]
-            compute = master if compute_dtype == torch.float32 or lean_unit else alloc(off, compute_dtype)
+            compute = (master if compute_dtype == torch.float32 or lean_unit or not copy[i]
+                       else alloc(off, compute_dtype))
             grad = None if lean_unit else alloc(off, torch.float32)
             unit = Unit(i, params, off, master, grad, moment(off), moment(off), compute, streamed=streamed[i])
             unit.by_name = {p.name: p for p in params}

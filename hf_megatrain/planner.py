@@ -150,20 +150,9 @@ def resident_device_bytes(numel: int, config: MegaTrainConfig) -> int:
     return numel * (16 + (c if c < 4 else 0))
 
 
-def device_step_count(num_layers: int, max_numel: int, config: MegaTrainConfig, device_type: str,
-                      gpu_free: int | None) -> int:
-    """Engine rule: how many streamed layers run AdamW on the GPU (``device_step_layers``; -1 = auto).
-    ``gpu_free``: GPU memory left once the resident parts are placed."""
-    k = config.device_step_layers
-    if config.lean_store:
-        return 0  # no layer gradient is kept until the step
-    if k == -1:
-        if device_type != "cuda" or config.optimizer_state_dir:  # disk-tier moments stay with the CPU AdamW
-            return 0
-        k = num_layers
-        while k > 0 and device_step_bytes(k, max_numel, config) > config.device_step_fraction * (gpu_free or 0):
-            k -= 1
-    return min(k, num_layers)
+def device_layer_bytes(numel: int) -> int:
+    """GPU bytes of one layer kept whole on the GPU: FP32 master, gradient, m, v (its weights are cast per visit)."""
+    return 16 * numel
 
 
 def device_step_bytes(k: int, max_numel: int, config: MegaTrainConfig) -> int:
@@ -172,10 +161,53 @@ def device_step_bytes(k: int, max_numel: int, config: MegaTrainConfig) -> int:
     return 0 if k == 0 else 12 * k * max_numel + 2 * (4 + _elt(config.torch_compute_dtype)) * max_numel
 
 
-def device_step_layers(numels: list[int], k: int) -> list[int]:
-    """Which streamed layers the GPU steps: the first ``k`` trainable ones in forward order (the next forward
-    needs them first; the CPU's share, needed last, gets the most time)."""
-    return [i for i, n in enumerate(numels) if n > 0][:k]
+@dataclass
+class LayerPlacement:
+    """Where each streamed layer's state lives: ``kept`` whole on the GPU, ``stepped`` (moments + gradient on the
+    GPU, master streamed, DeviceStepper), the rest on the host with the CPU AdamW."""
+
+    kept: list[int] = field(default_factory=list)
+    stepped: list[int] = field(default_factory=list)
+
+
+def layer_placement(numels: list[int], frozen: list[int], config: MegaTrainConfig, device_type: str,
+                    gpu_free: int | None) -> LayerPlacement:
+    """Engine rule for ``device_layers`` and ``device_step_layers`` (-1 = auto). ``gpu_free``: GPU memory left once
+    the resident parts are placed. Auto gives ``device_step_fraction`` of it to the first layers in forward order
+    (needed first by the next forward; the CPU's layers, needed last, get the most time): whole layers while they
+    fit (no PCIe at all), then GPU-stepped ones (12 B/param) with what remains."""
+    trainable = [i for i, n in enumerate(numels) if n > 0]
+    cfg_keep, cfg_step = config.device_layers, config.device_step_layers
+    auto_off = device_type != "cuda" or config.lean_store or bool(config.optimizer_state_dir)
+    budget = config.device_step_fraction * (gpu_free or 0)
+    # Kept layers: trainable and without frozen parameters (those stream with the unit's slot).
+    eligible = [i for i in trainable if not (frozen[i] if i < len(frozen) else 0)]
+    if config.lean_store:
+        kept = []
+    elif cfg_keep == -1:
+        kept = []
+        if not auto_off:
+            for i in eligible:
+                if device_layer_bytes(numels[i]) > budget:
+                    break
+                budget -= device_layer_bytes(numels[i])
+                kept.append(i)
+    else:
+        kept = eligible[:cfg_keep]
+        budget -= sum(device_layer_bytes(numels[i]) for i in kept)
+    rest = [i for i in trainable if i not in kept]
+    if config.lean_store:
+        k = 0  # no layer gradient is kept until the step
+    elif cfg_step == -1:
+        k = 0
+        if not auto_off and rest:
+            n_max = max(numels[i] for i in rest)
+            k = len(rest)
+            while k > 0 and device_step_bytes(k, n_max, config) > budget:
+                k -= 1
+    else:
+        k = cfg_step
+    return LayerPlacement(kept, rest[:k])
 
 
 @dataclass
@@ -220,27 +252,28 @@ class Plan:
 
 def estimate(shape: ModelShape, config: MegaTrainConfig, seq_len: int, batch_size: int, *, device_type: str = "cuda",
              gpu_free: int | None = None, grad_accum: int = 1, source_bytes: int = 0, gpus: int = 1,
-             resident_on_dev: bool | None = None, device_steps: int | None = None) -> Plan:
+             resident_on_dev: bool | None = None, placement: LayerPlacement | None = None) -> Plan:
     """Predict what ``MegaTrainEngine`` allocates for ``shape`` under ``config`` on ``device_type``.
 
     ``gpu_free``: free memory of the target GPU (drives the engine's placement choices); ``source_bytes``: the
     live HF model handed to the engine (freed during conversion; 0 for ``from_pretrained_streamed``).
-    ``resident_on_dev`` / ``device_steps``: placement an engine already chose (else derived from ``gpu_free``)."""
+    ``resident_on_dev`` / ``placement``: placement an engine already chose (else derived from ``gpu_free``)."""
     cdt, odt = config.torch_compute_dtype, config.torch_grad_offload_dtype
     c, o, cuda = _elt(cdt), _elt(odt), device_type == "cuda"
     plan = Plan(device_type=device_type, construction_extra=source_bytes, pinned=cuda and config.pin_memory)
     on_dev = (resident_on_device(shape.resident_numel, config, device_type, gpu_free) if resident_on_dev is None
               else resident_on_dev)
     res_host = 0 if (on_dev and cuda) else shape.resident_numel
-    n_host = sum(shape.layer_numels) + res_host
-    n_max = max(shape.layer_numels, default=0)
-    if device_steps is None:
+    if placement is None:
         res_dev = resident_device_bytes(shape.resident_numel, config) if (on_dev and cuda) else 0
         free_after = None if gpu_free is None else max(gpu_free - res_dev, 0)
-        device_steps = device_step_count(len([n for n in shape.layer_numels if n > 0]), n_max, config,
-                                         device_type, free_after)
-    k = device_steps
-    n_dev_moments = sum(shape.layer_numels[i] for i in device_step_layers(shape.layer_numels, k))
+        placement = layer_placement(shape.layer_numels, shape.layer_frozen, config, device_type, free_after)
+    # Layers kept whole on the GPU hold nothing on the host (on a CPU device their buffers are host RAM anyway).
+    n_kept = sum(shape.layer_numels[i] for i in placement.kept) if cuda else 0
+    n_host = sum(shape.layer_numels) - n_kept + res_host
+    n_max = max(shape.layer_numels, default=0)
+    k = len(placement.stepped)
+    n_dev_moments = sum(shape.layer_numels[i] for i in placement.stepped)
     slot = max((a + b for a, b in zip(shape.layer_numels, shape.layer_frozen)), default=0)
     h = plan.host
     h["baseline (python, torch, transformers)"] = HOST_BASELINE_BYTES + (CUDA_CONTEXT_HOST_BYTES if cuda else 0)
@@ -278,8 +311,11 @@ def estimate(shape: ModelShape, config: MegaTrainConfig, seq_len: int, batch_siz
     d["grad offload (2 x layer)"] = 2 * n_max * o
     if lean and c < 4:
         d["lean FP32 H2D cast staging"] = min(4 * n_max, LEAN_H2D_CHUNK_BYTES)
+    if n_kept:
+        d[f"{len(placement.kept)} layers kept on the GPU (fp32 master, grad, moments)"] = device_layer_bytes(n_kept)
     if k:
-        d[f"GPU AdamW: {k} layers' fp32 grads + moments, 2 master/copy buffers"] = device_step_bytes(k, n_max, config)
+        n_step = max(shape.layer_numels[i] for i in placement.stepped)
+        d[f"GPU AdamW: {k} layers' fp32 grads + moments, 2 master/copy buffers"] = device_step_bytes(k, n_step, config)
     # Activations and gradients: the phases of a step follow each other; the peak is the largest one.
     boundaries = {"boundary activations ((L+1) x B x T x H)": (L + 1) * tokens * H * c,
                   "final norm + loss input/grad": tokens * H * (2 * c + 4)}
@@ -318,14 +354,14 @@ def estimate(shape: ModelShape, config: MegaTrainConfig, seq_len: int, batch_siz
 def check_fits(engine_or_shape: Any, config: MegaTrainConfig | None = None, seq_len: int | None = None,
                batch_size: int = 1, *, host_available: int | None = None, gpu_available: int | None = None,
                device_type: str | None = None, baseline_paid: bool = False,
-               resident_on_dev: bool | None = None) -> None:
+               resident_on_dev: bool | None = None, placement: LayerPlacement | None = None) -> None:
     """Raise ``MemoryError`` with what to change when the run cannot fit. Accepts a ``MegaTrainEngine`` (after
     construction: GPU need is compared with free + what this process's allocator already holds) or a
     ``ModelShape`` (before anything is allocated). ``seq_len=None`` checks host RAM only.
 
     ``baseline_paid``: the caller is a running process (python, torch, the model already imported), so that part
     of the host baseline is in use already and MemAvailable reflects it (the engine's pre-allocation check);
-    ``resident_on_dev``: the resident placement the caller already chose."""
+    ``resident_on_dev`` / ``placement``: the resident and layer placement the caller already chose."""
     engine = None if isinstance(engine_or_shape, ModelShape) else engine_or_shape
     shape = engine_or_shape if engine is None else ModelShape.from_engine(engine)
     config = config or (engine.config if engine is not None else MegaTrainConfig())
@@ -335,13 +371,11 @@ def check_fits(engine_or_shape: Any, config: MegaTrainConfig | None = None, seq_
         dev = engine.device if engine is not None else torch.device("cuda", torch.cuda.current_device())
         free, _ = torch.cuda.mem_get_info(dev)
         gpu_available = free + torch.cuda.memory_reserved(dev) + CUDA_CONTEXT_GPU_BYTES  # context already paid
-    steps = None
     if engine is not None:  # what the engine placed, not what the rules would pick for today's free memory
         resident_on_dev = engine.resident_on_device
-        stepper = getattr(engine, "device_stepper", None)
-        steps = len(stepper.units) if stepper is not None else 0
+        placement = engine.layer_placement
     plan = estimate(shape, config, seq_len or 1, batch_size, device_type=device_type, gpu_free=gpu_available,
-                    resident_on_dev=resident_on_dev, device_steps=steps)
+                    resident_on_dev=resident_on_dev, placement=placement)
     errors = []
     if engine is None:  # before the store exists: the whole host plan must fit the reserve
         host_available = available_host_bytes() if host_available is None else host_available
@@ -418,6 +452,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--lean-store", action="store_true",
                    help="plan for lean_store=True (12 host bytes per streamed parameter)")
+    p.add_argument("--device-layers", type=int, default=None,
+                   help="decoder layers kept whole on the GPU (default -1: as many as fit; 0: stream every layer)")
     p.add_argument("--config", default=None, help="megatrain yaml (other MegaTrainConfig keys)")
     p.add_argument("--gpu-memory", type=float, default=None,
                    help="GiB of the target GPU when planning for another machine (default: this GPU, else 80)")
@@ -426,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         over = {k: v for k, v in (("compute_dtype", a.compute_dtype), ("num_slots", a.num_slots),
-                                  ("micro_batch_size", a.micro_batch_size),
+                                  ("micro_batch_size", a.micro_batch_size), ("device_layers", a.device_layers),
                                   ("lean_store", a.lean_store or None)) if v is not None}
         config = MegaTrainConfig.from_dict({**MegaTrainConfig.from_any(a.config).to_dict(), **over})
         if a.seq_len <= 0 or a.batch_size <= 0 or a.gpus <= 0:

@@ -335,6 +335,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--keep-trace", action="store_true", help="keep the chrome trace (gzipped) next to the results")
     ap.add_argument("--profile-steps", type=int, default=1,
                     help="consecutive steps in hf_megatrain's profile (2+ shows the overlapped optimizer)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="hf_megatrain (trainer mode): host timestamps of each step's phases (bench/timeline.py)")
+    ap.add_argument("--clock-sync", choices=("device", "stream"), default="device",
+                    help="step clock: synchronise the whole device at each step end, or the main stream only")
     ap.add_argument("--env", action="append", default=[], metavar="KEY=VAL", help="extra env for every runner")
     ap.add_argument("--alloc-conf", default="expandable_segments:True",
                     help="PYTORCH_CUDA_ALLOC_CONF for every runner unless already set ('' = none)")
@@ -382,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     path_json = os.path.join(a.out, f"bench_vs_deepspeed_{slug}.json")
     base = {"tiny": a.tiny, "layers": a.layers, "seq": seq, "warmup": a.warmup, "steps": a.steps,
             "profile": not a.no_profile, "profile_steps": a.profile_steps, "keep_trace": a.keep_trace,
-            "peak_tflops": a.peak_tflops, "seed": 0,
+            "peak_tflops": a.peak_tflops, "seed": 0, "timeline": a.timeline, "clock_sync": a.clock_sync,
             "trace_dir": os.path.abspath(a.out) if a.keep_trace else None}
     command = "python " + shlex.join([os.path.relpath(os.path.abspath(sys.argv[0]), ROOT)] + sys.argv[1:]) \
         if argv is None else "bench_vs_deepspeed.main(" + shlex.join(argv) + ")"

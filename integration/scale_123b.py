@@ -140,8 +140,10 @@ def count_params(spec: dict, layers: int) -> int:
 
 # -- planning -----------------------------------------------------------------------------------------------------------
 def run_config(spec: dict) -> MegaTrainConfig:
+    # device_layers=0: every layer streams, as in the full 88-layer model (whose layers do not fit the GPU), so
+    # the per-layer time extrapolates; a layer kept on the GPU would run without PCIe and skew it.
     return MegaTrainConfig.from_any({"compute_dtype": "bfloat16", "host_memory_fraction": spec["host_fraction"],
-                                     **(spec.get("megatrain_config") or {})})
+                                     "device_layers": 0, **(spec.get("megatrain_config") or {})})
 
 
 def plan_for(spec: dict, layers: int, device_type: str, gpu_free: int | None) -> planner.Plan:
@@ -240,11 +242,9 @@ def engine_plan(engine: MegaTrainEngine, spec: dict) -> planner.Plan:
     if engine.device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(engine.device)
         gpu = free + torch.cuda.memory_reserved(engine.device) + planner.CUDA_CONTEXT_GPU_BYTES
-    stepper = engine.device_stepper
     return planner.estimate(planner.ModelShape.from_engine(engine), engine.config, int(spec["seq"]),
                             int(spec["batch"]), device_type=engine.device.type, gpu_free=gpu,
-                            resident_on_dev=engine.resident_on_device,
-                            device_steps=len(stepper.units) if stepper is not None else 0)
+                            resident_on_dev=engine.resident_on_device, placement=engine.layer_placement)
 
 
 def train(engine: MegaTrainEngine, spec: dict, timer: LayerTimer) -> dict[str, Any]:
@@ -321,7 +321,7 @@ def run_one(spec: dict) -> dict[str, Any]:
     out.update(res, layers=layers, n_params=n_params, setup=times, warmup_used=warm,
                events=event_split(res["steps"][warm:], layers), planner=plan_record(plan, n_params),
                resident_on_device=engine.resident_on_device, megatrain_config=config.to_dict(),
-               device_step_layers=len(engine.device_stepper.units) if engine.device_stepper is not None else 0,
+               device_layers=len(engine.layer_placement.kept), device_step_layers=len(engine.layer_placement.stepped),
                h2d_gb=engine.executor.h2d_bytes / 1e9, d2h_gb=engine.executor.d2h_bytes / 1e9,
                torch_threads=torch.get_num_threads(), **setup_mem, **sampler.record())
     return out

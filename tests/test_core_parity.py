@@ -44,6 +44,18 @@ def test_parity_with_device_stepped_layers(overlap):
     assert [u.grad_device is not None for u in engine.layer_units] == [True, True, False, False]
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_parity_with_layers_kept_on_device(overlap):
+    """Layer 0 kept whole on the device (master cast into the slot per visit, gradient accumulated there, AdamW
+    where the state lives), layer 1 stepped by the DeviceStepper, layers 2-3 on the host CPU AdamW: one model,
+    three placements, the same training (GA 2 accumulates into the kept layer's device gradient)."""
+    cfg = MegaTrainConfig(compute_dtype="float32", device_layers=1, device_step_layers=1, overlap_optimizer=overlap)
+    worst, engine, _ = run_parity(tiny("llama", num_hidden_layers=4), config=cfg)
+    assert engine.layer_placement.kept == [0] and engine.layer_placement.stepped == [1]
+    kept = engine.layer_units[0]
+    assert kept.compute is kept.master and kept.grad_device is kept.grad  # no copy: cast per visit
+
+
 def test_parity_with_optimizer_state_on_disk(tmp_path):
     """Disk tier: AdamW moments in memory-mapped files (taken off host RAM) give the same training."""
     cfg = MegaTrainConfig(compute_dtype="float32", optimizer_state_dir=str(tmp_path))

@@ -26,19 +26,25 @@ def _no_tf32():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
-@pytest.mark.parametrize("device_step_layers", [0, 2])
+@pytest.mark.parametrize("kept,stepped", [(0, 0), (0, 2), (1, 2), (-1, -1)])
 @pytest.mark.parametrize("family,tie", [("llama", False), ("qwen2", True)])
-def test_gpu_parity_streams_and_device_stepper(family, tie, device_step_layers):
-    cfg = MegaTrainConfig(compute_dtype="float32", device_step_layers=device_step_layers)
+def test_gpu_parity_streams_and_device_stepper(family, tie, kept, stepped):
+    """Every layer placement: streamed with the CPU AdamW, GPU-stepped (DeviceStepper), kept whole on the GPU
+    (no PCIe), and the auto rule (a tiny model: every layer kept)."""
+    cfg = MegaTrainConfig(compute_dtype="float32", device_layers=kept, device_step_layers=stepped)
     worst, engine, _ = run_parity(tiny(family, tie=tie, num_hidden_layers=4), config=cfg, device="cuda")
     assert engine.resident_on_device
-    assert sum(u.grad_device is not None for u in engine.layer_units) == device_step_layers
+    place = engine.layer_placement
+    assert (len(place.kept), len(place.stepped)) == ((4, 0) if kept == -1 else (kept, stepped))
+    for i in place.kept:
+        assert engine.layer_units[i].master.is_cuda and engine.layer_units[i].compute is engine.layer_units[i].master
+    assert sum(u.grad_device is not None for u in engine.layer_units) == len(place.kept) + len(place.stepped)
 
 
 def test_gpu_parity_split_inside_layer_visit():
     # One-sequence chunks make cuBLAS reduce the weight gradient over a different split than the reference's
     # batch-2 GEMMs; measured on an H100: grads 2.3e-5, weights 1.3e-5 relative (the same test is 1e-5 on CPU).
-    cfg = MegaTrainConfig(compute_dtype="float32", micro_batch_size=1, device_step_layers=1)
+    cfg = MegaTrainConfig(compute_dtype="float32", micro_batch_size=1, device_layers=1, device_step_layers=1)
     run_parity(tiny("mistral"), config=cfg, split_in_layer=True, device="cuda", tol=5e-5)
 
 
@@ -50,6 +56,6 @@ def test_gpu_moe_parity():
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_gpu_parity_compiled_layers(family):
     # Inductor fuses the FP32 RMSNorm / rotary / SiLU work and reorders its reductions: same math, other rounding.
-    cfg = MegaTrainConfig(compute_dtype="float32", torch_compile=True, device_step_layers=2)
+    cfg = MegaTrainConfig(compute_dtype="float32", torch_compile=True, device_layers=0, device_step_layers=2)
     worst, engine, _ = run_parity(tiny(family, num_hidden_layers=4), config=cfg, device="cuda", tol=1e-4)
     assert all(t.compiled is not None for t in engine.executor.templates)  # no fallback to eager

@@ -334,7 +334,8 @@ def test_estimate_cli_lean_store(tmp_path, capsys):
     transformers.LlamaConfig(**COMMON).save_pretrained(tmp_path)
     rows = {}
     for extra in ([], ["--lean-store", "--grad-accum", "2"]):
-        assert planner.main([str(tmp_path), "--seq-len", "64", "--gpu-memory", "80", "--json", *extra]) == 0
+        assert planner.main([str(tmp_path), "--seq-len", "64", "--gpu-memory", "80", "--device-layers", "0",
+                             "--json", *extra]) == 0
         rows[bool(extra)] = json.loads(capsys.readouterr().out)
     full, lean_ = rows[False], rows[True]
     layers = full["host"]["master fp32"] // 4  # resident parts planned on the 80 GiB GPU: host = layers only

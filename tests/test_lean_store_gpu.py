@@ -39,7 +39,7 @@ def test_gpu_lean_bf16_chunked_cast_matches_full_store():
     engines = []
     for lean in (False, True):
         e = MegaTrainEngine(copy.deepcopy(model), MegaTrainConfig(compute_dtype="bfloat16", lean_store=lean,
-                                                             device_step_layers=0),
+                                                             device_layers=0, device_step_layers=0),
                             device="cuda")
         e.create_optimizer(lr=1e-3, weight_decay=0.1, max_grad_norm=0.3)
         engines.append(e)

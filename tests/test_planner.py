@@ -42,13 +42,36 @@ def test_layouts_and_shape_match_engine(tie):
     assert shape.tied == tie and shape.trainable == engine.num_parameters()
     keys = ("master fp32", "grad fp32", "exp_avg fp32", "exp_avg_sq fp32", "compute copy")
     n_host = sum(shape.layer_numels)  # the small resident part goes to the GPU (resident_placement="auto")
-    plan = planner.estimate(shape, MegaTrainConfig(device_step_layers=0), 64, 2, device_type="cuda",
-                            gpu_free=80 << 30)
+    plan = planner.estimate(shape, MegaTrainConfig(device_layers=0, device_step_layers=0), 64, 2,
+                            device_type="cuda", gpu_free=80 << 30)
     assert sum(plan.host[k] for k in keys) == bytes_per_param(torch.bfloat16) * n_host
-    # auto: with room on the GPU every layer is stepped there and keeps its moments there (8 bytes off the host)
-    plan = planner.estimate(shape, MegaTrainConfig(), 64, 2, device_type="cuda", gpu_free=80 << 30)
+    # GPU-stepped layers keep their moments on the GPU (8 bytes off the host)
+    plan = planner.estimate(shape, MegaTrainConfig(device_layers=0), 64, 2, device_type="cuda", gpu_free=80 << 30)
     assert sum(plan.host[k] for k in keys) == (bytes_per_param(torch.bfloat16) - 8) * n_host
     assert any(k.startswith(f"GPU AdamW: {shape.num_layers} layers") for k in plan.device)
+    # auto: with room on the GPU every layer stays there whole (16 B/param on the GPU, nothing on the host)
+    plan = planner.estimate(shape, MegaTrainConfig(), 64, 2, device_type="cuda", gpu_free=80 << 30)
+    assert sum(plan.host[k] for k in keys) == 0
+    assert plan.device[f"{shape.num_layers} layers kept on the GPU (fp32 master, grad, moments)"] == 16 * n_host
+
+
+def test_layer_placement_rule():
+    """Auto placement: whole layers while they fit the share, then GPU-stepped ones, first layers first; layers
+    with frozen parameters always stream; lean store and the disk tier keep everything on the host."""
+    n, free = 100, 10_000
+    cfg = MegaTrainConfig(device_step_fraction=0.5)  # budget 5000 B: 3 kept (1600 B each), 200 B left
+    p = planner.layer_placement([n] * 6, [0] * 6, cfg, "cuda", free)
+    assert p.kept == [0, 1, 2] and p.stepped == []
+    cfg = MegaTrainConfig(device_step_fraction=0.5, device_layers=1)  # 3400 B left: 12 B x k + 1200 B buffers
+    p = planner.layer_placement([n] * 6, [0] * 6, cfg, "cuda", free)
+    assert p.kept == [0] and p.stepped == [1]
+    p = planner.layer_placement([n] * 6, [0, 5, 0, 0, 0, 0], MegaTrainConfig(device_layers=3), "cuda", free)
+    assert p.kept == [0, 2, 3]
+    assert planner.layer_placement([n] * 6, [0] * 6, MegaTrainConfig(), "cpu", free).kept == []
+    assert planner.layer_placement([n] * 6, [0] * 6, MegaTrainConfig(lean_store=True), "cuda", free) \
+        == planner.LayerPlacement([], [])
+    with pytest.raises(ValueError, match="device_layers"):
+        MegaTrainConfig(lean_store=True, device_layers=1)
 
 
 def test_host_prediction_within_10_percent_of_measured(tmp_path):
@@ -139,7 +162,7 @@ def test_estimate_cli_table_and_verdict(tmp_path, capsys):
     d = _config_dir(tmp_path)
     assert planner.main([d, "--seq-len", "128", "--batch-size", "2"]) == 0
     out = capsys.readouterr().out
-    for key in ("Host RAM", "master fp32", "GPU memory", "weight slots", "Disk", "model export", "verdict: "):
+    for key in ("Host RAM", "layers kept on the GPU", "GPU memory", "weight slots", "Disk", "model export", "verdict: "):
         assert key in out, out
     assert "fits this machine" in out
     assert planner.main([os.path.join(d, "config.json"), "--compute-dtype", "float32", "--json"]) == 0

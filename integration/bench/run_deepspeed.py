@@ -95,7 +95,7 @@ def run(spec: dict) -> dict[str, Any]:
     build_s = time.perf_counter() - t
 
     config = ds_config(spec.get("ds"))
-    clock, marks = StepClock(), {}
+    clock, marks = StepClock(spec.get("clock_sync") == "stream"), {}
 
     class Timer(TrainerCallback):
         def on_train_begin(self, args, state, control, **kw):

@@ -82,7 +82,7 @@ def run(spec: dict) -> dict[str, Any]:
         raise ValueError(f"micro_batch {micro} x grad_accum {ga} != batch {batch}")
     no_sync = bool(fs.get("no_sync_during_accumulation", True))
     rows = token_rows(spec, warm + steps)
-    clock, losses, opt_s = StepClock(), [], []
+    clock, losses, opt_s = StepClock(spec.get("clock_sync") == "stream"), [], []
     clock.mark()
     for i in range(warm + steps):
         step_rows = rows[i * batch:(i + 1) * batch]

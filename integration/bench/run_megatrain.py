@@ -21,6 +21,7 @@ sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 
 import torch  # noqa: E402
 
+from bench.timeline import HostTimeline  # noqa: E402
 from bench.common import (Profiled, StepClock, TokenDataset, build_model, count_params, runner_main,  # noqa: E402
                           throughput, token_rows)
 
@@ -61,7 +62,7 @@ def run_engine(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str,
     total = warm + steps + n_prof
     rows = token_rows(spec, total)
     items = batch * (int(spec["seq"]) - 1)  # what Trainer passes: label tokens after the shift (no padding)
-    clock, losses, per_step, phases, prof = StepClock(), [], [], {}, None
+    clock, losses, per_step, phases, prof = StepClock(spec.get("clock_sync") == "stream"), [], [], {}, None
     clock.mark()
     for i in range(total):
         if n_prof and i == warm + steps:
@@ -106,6 +107,28 @@ def _find_executor(model: torch.nn.Module) -> Any:
     return None
 
 
+def _timeline(model: torch.nn.Module) -> HostTimeline:
+    """Host timestamps of the phases of every step (bench/timeline.py); the executor's per-unit wait is wrapped
+    once the Trainer has built it."""
+    from accelerate import Accelerator
+
+    from bench import common
+    from hf_megatrain.device_stepper import DeviceStepper
+    from hf_megatrain.engine import MegaTrainEngine
+    from hf_megatrain.executor import StreamingExecutor
+    from hf_megatrain.optimizer import CPUAdamW
+
+    tl = HostTimeline()
+    tl.wrap(MegaTrainEngine, "__call__", "forward")
+    tl.wrap(Accelerator, "backward", "backward")
+    tl.wrap(CPUAdamW, "step", "opt.step")
+    tl.wrap(CPUAdamW, "_finish_unit", "unit", lambda self, u: f"[{u.index}]")
+    tl.wrap(StreamingExecutor, "finish", "executor.finish")
+    tl.wrap(DeviceStepper, "run", "device_stepper")
+    tl.wrap(common, "sync", "clock_sync")
+    return tl
+
+
 def run_trainer(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str, Any]:
     from transformers import TrainerCallback
 
@@ -114,14 +137,17 @@ def run_trainer(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str
     warm, steps, batch = int(spec["warmup"]), int(spec["steps"]), int(spec["batch"])
     n_prof = _profile_steps(spec)
     total = warm + steps + n_prof
-    clock, per_step, state = StepClock(), [], {"phases": {}}
+    clock, per_step, state = StepClock(spec.get("clock_sync") == "stream"), [], {"phases": {}}
     cuda = torch.cuda.is_available()
+    timeline = _timeline(model) if spec.get("timeline") else None
 
     class Timer(TrainerCallback):
         def on_train_begin(self, args, st, control, **kw):
             opt = kw.get("optimizer")
             state["opt"] = getattr(opt, "optimizer", opt)
             state["ex"] = _find_executor(kw.get("model") or model)
+            if timeline is not None and state["ex"] is not None:
+                timeline.wrap(state["ex"], "wait_for_unit", "wait", lambda i: f"[{i}]")
             clock.mark()
 
         def on_step_begin(self, args, st, control, **kw):
@@ -137,6 +163,8 @@ def run_trainer(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str
                 prof.stop()
                 state["phases"] = prof.phases
             clock.mark()
+            if timeline is not None:
+                timeline.cut()
             opt, ex = state.get("opt"), state.get("ex")
             w1 = getattr(ex, "wait_optimizer_s", None)
             per_step.append({"optimizer_norm_s": getattr(opt, "last_norm_seconds", None),
@@ -161,7 +189,11 @@ def run_trainer(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str
     opt = state.get("opt")
     if opt is not None and hasattr(opt, "wait"):
         opt.wait()
-    return {"mode": "trainer", "setup_s": setup_s, "train_loss": result.training_loss,
+    extra = {}
+    if timeline is not None:
+        timeline.restore()
+        extra["timeline"] = timeline.summary(keep=3 if not n_prof else n_prof + 2)
+    return {**extra, "mode": "trainer", "setup_s": setup_s, "train_loss": result.training_loss,
             "grad_norm_last": getattr(opt, "last_grad_norm", None), "periods": clock.periods,
             "cpu_optimizer": _host_phases(per_step[:warm + steps], warm), "phases": state["phases"],
             "megatrain_config": args.megatrain_resolved_config().to_dict(), "trainer_bf16_flag": False}

@@ -70,9 +70,9 @@ class MegaTrainConfig:
             memory-mapped files in this directory (a fast local NVMe) instead of host RAM, for models beyond RAM.
             Exact, slower (see README); with it, ``device_step_layers=-1`` steps every layer on the CPU.
         lean_store: streamed layers keep only FP32 master + AdamW moments on the host (12 instead of 18 bytes per
-            parameter): weights stream as FP32 and are cast on the GPU, each layer's gradient updates the moments
-            as soon as its backward ends (speculatively, with the previous step's clip scale; corrected with a
-            re-run of the step's forward+backward when the scale turns out different). One backward per
+            parameter): weights stream as FP32 and are cast on the GPU, each layer's gradient gets its AdamW update
+            as soon as its backward ends (a step that clips re-runs its forward+backward for the exact clipped
+            update; taken back and redone when an unclipped guess turns out to clip). One backward per
             optimizer step: gradient accumulation is refused (use ``micro_batch_size``). See lean_step.py.
         torch_compile: run each layer template and the loss's per-chunk softmax/gradient through ``torch.compile``
             (fuses the elementwise work: ~17% faster steps at 14B width; one compilation per layer kind, tens of

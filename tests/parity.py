@@ -47,14 +47,17 @@ def run_parity(model, *, steps=3, ga=2, batch=2, seq=12, lr=1e-3, wd=0.1, max_gr
     opt = engine.create_optimizer(lr=lr, weight_decay=wd, max_grad_norm=max_grad_norm)
     ropt = reference_optimizer(ref, lr, wd)
     captured: dict[int, torch.Tensor] = {}
-    if hasattr(opt, "_speculate"):  # lean store: layer gradients are never kept; capture them on their way in
-        speculate = opt._speculate
+    if hasattr(opt, "lean_sink"):  # lean store: layer gradients are never kept; capture them on their way in
+        consume = opt._consume
 
-        def capture(unit, grad, sq):
-            captured[unit.index] = grad.clone()
-            speculate(unit, grad, sq)
+        def capture(phase, norm_only, unit, grad, sq, ready):
+            if ready is not None:
+                ready.synchronize()
+            if phase is None:  # the first pass's gradient (a re-run reproduces it)
+                captured[unit.index] = grad.clone()
+            consume(phase, norm_only, unit, grad, sq, ready)
 
-        opt._speculate = capture
+        opt._consume = capture
     vocab = model.config.vocab_size
     worst = {"loss": 0.0, "grad": 0.0, "weight": 0.0}
     # Parameters whose true gradient is zero (k_proj.bias: softmax is shift-invariant) receive only rounding

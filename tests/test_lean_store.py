@@ -36,18 +36,48 @@ def layer_state(engine) -> list[torch.Tensor]:
 def test_parity_clipping_inactive_no_rerun(overlap):
     worst, engine, _ = run_parity(tiny("llama"), ga=1, batch=4, max_grad_norm=1e6,
                                   config=lean(overlap_optimizer=overlap))
-    assert engine.optimizer.regenerated_steps == 0
+    assert engine.optimizer.regenerated_steps == 1  # the first step takes its norm first; the others speculate
     assert all(u.grad is None for u in engine.layer_units)
 
 
 @pytest.mark.parametrize("family,tie,overlap", [("llama", False, True), ("qwen2", True, False)])
 def test_parity_clipping_active_reruns_every_step(family, tie, overlap):
-    """max_grad_norm well below the norm: the clip factor changes every step, so every step is re-run and each
-    layer's speculative moments are undone and redone; results still match to 1e-5."""
+    """max_grad_norm well below the norm: every step clips, so every step takes its norm first and re-runs its
+    forward+backward with the known clip factor; results match to 1e-5 and no master is ever taken back."""
     worst, engine, _ = run_parity(tiny(family, tie=tie), ga=1, batch=4, max_grad_norm=0.3,
                                   config=lean(overlap_optimizer=overlap))
     assert engine.optimizer.regenerated_steps == 3
     assert engine.optimizer.max_regenerated_sq_error == 0.0  # CPU: the re-run reproduces every gradient exactly
+
+
+def test_speculated_step_that_clips_is_taken_back():
+    """Step 1 does not clip (so step 2 speculates: each layer updated as its gradient lands); step 2 clips: the
+    updates are taken back (masters algebraically, moments from the re-run's gradients) and redone with the true
+    clip factor; step 3 takes its norm first. Every step matches HF + clip_grad_norm_ + torch AdamW."""
+    model = tiny("llama")
+    ref, ours = copy.deepcopy(model), copy.deepcopy(model)
+    engine = MegaTrainEngine(ours, lean(), device="cpu")
+    opt = engine.create_optimizer(lr=1e-3, weight_decay=0.1, max_grad_norm=1e6)
+    ropt = reference_optimizer(ref, 1e-3, 0.1)
+    modes = []
+    for step, micro in enumerate(random_batches(4, 1, 4, 12, 96, seed=4)):
+        clip = 1e6 if step < 2 else 0.3
+        opt.max_grad_norm = clip
+        ids, lab = micro[0]
+        out = ref(input_ids=ids, labels=lab, num_items_in_batch=n_items(lab))
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        ropt.step(), ropt.zero_grad()
+        loss = engine(input_ids=ids, labels=lab, num_items_in_batch=n_items(lab)).loss
+        loss.backward()
+        modes.append(opt._step_mode)
+        opt.step(), opt.zero_grad()
+        assert rel(loss.detach(), out.loss.detach()) <= 1e-5
+        opt.wait()
+        for n, p in ref.named_parameters():
+            assert rel(engine.store.master_tensor(n), p.detach()) <= 1e-5 or n.endswith("k_proj.bias"), (step, n)
+    assert modes == [True, False, False, True]  # norm first, speculate, speculate (clips: taken back), norm first
+    assert opt.regenerated_steps == 3
 
 
 def test_parity_in_layer_micro_batch_split():
@@ -172,8 +202,8 @@ def test_nonfinite_loss_skips_bit_identical_without_rerun():
 
 
 def test_one_nonfinite_layer_gradient_undoes_the_others():
-    """Layer 0's gradient (the last to arrive) is non-finite: layers 2 and 1 were already speculated on; the step is
-    skipped, the re-run undoes their moments (masters were never touched: bit-identical) and the next steps match
+    """Layer 0's gradient (the last to arrive) is non-finite: layers 2 and 1 were already updated (speculate mode);
+    the step is skipped, their masters are taken back and the re-run undoes their moments, and the next steps match
     the reference that skipped that batch."""
     model = tiny("llama")
     ref, ours = copy.deepcopy(model), copy.deepcopy(model)
@@ -201,28 +231,30 @@ def test_one_nonfinite_layer_gradient_undoes_the_others():
         opt.step()
         opt.zero_grad()
         if poison:
-            assert opt.skipped_steps == 1 and opt.regenerated_steps == 1
+            assert opt.skipped_steps == 1 and opt.regenerated_steps == 2  # the first step's norm pass + this
             after = layer_state(engine)
             assert torch.equal(opt.unit_steps, counts)
-            for a, b in zip(before[0::3], after[0::3]):  # masters
-                assert torch.equal(a, b)
-            for a, b in zip(before, after):  # moments: undone to rounding
+            assert torch.equal(before[0], after[0])  # layer 0 (non-finite) was never touched
+            for a, b in zip(before, after):  # layers 2, 1: updated as they landed, taken back to rounding
                 assert rel(b, a) <= 1e-6
     opt.wait()
     for n, p in ref.named_parameters():
         assert rel(engine.store.master_tensor(n), p.detach()) <= 1e-5 or n.endswith("k_proj.bias"), n
 
 
-def test_zero_grad_without_step_takes_back_the_speculation():
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_zero_grad_without_step_takes_back_the_speculation(clip):
+    """Without clipping the first step speculates (layers updated as their gradients land): zero_grad() takes the
+    updates back through a re-run. With clipping on, the first step only collects norms: nothing to take back."""
     model = tiny("llama")
     engine = MegaTrainEngine(copy.deepcopy(model), lean(), device="cpu")
-    opt = engine.create_optimizer(lr=1e-3, weight_decay=0.1, max_grad_norm=1.0)
+    opt = engine.create_optimizer(lr=1e-3, weight_decay=0.1, max_grad_norm=clip)
     (ids, lab), = random_batches(1, 1, 4, 12, 96, seed=7)[0]
     before = layer_state(engine)
     engine(input_ids=ids, labels=lab).loss.backward()
     opt.zero_grad()
     after = layer_state(engine)
-    assert opt.regenerated_steps == 1 and opt.skipped_steps == 0
+    assert opt.regenerated_steps == (1 if clip is None else 0) and opt.skipped_steps == 0
     assert all(rel(b, a) <= 1e-6 if a.norm() > 0 else b.abs().max() < 1e-12 for a, b in zip(before, after))
     assert int(opt.unit_steps.sum()) == 0
     engine(input_ids=ids, labels=lab).loss.backward()  # a new step may start

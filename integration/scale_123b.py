@@ -249,7 +249,7 @@ def engine_plan(engine: MegaTrainEngine, spec: dict) -> planner.Plan:
 
 def train(engine: MegaTrainEngine, spec: dict, timer: LayerTimer) -> dict[str, Any]:
     """Warm-up + timed steps; stops early (``truncated``) when the next step would pass the child's deadline."""
-    opt = engine.create_optimizer(lr=LR, weight_decay=0.0, max_grad_norm=MAX_GRAD_NORM)
+    opt = engine.create_optimizer(lr=LR, weight_decay=0.0, max_grad_norm=spec.get("max_grad_norm", MAX_GRAD_NORM))
     ex, batch, seq = engine.executor, int(spec["batch"]), int(spec["seq"])
     total = int(spec["warmup"]) + int(spec["steps"])
     vocab = (TINY_WIDTH if spec.get("tiny") else WIDTH)["vocab_size"]
@@ -274,7 +274,8 @@ def train(engine: MegaTrainEngine, spec: dict, timer: LayerTimer) -> dict[str, A
         steps.append({"period_s": clock.periods[-1], "loss": float(loss.detach()), "grad_norm": opt.last_grad_norm,
                       "optimizer_step_call_s": call_s, "forward_wait_for_optimizer_s": ex.wait_optimizer_s - w0,
                       "optimizer_worker_prev_s": opt.last_step_seconds, "layer_forward_s": visits["forward"],
-                      "layer_backward_s": visits["backward"]})
+                      "layer_backward_s": visits["backward"],
+                      "reruns_so_far": getattr(opt, "regenerated_steps", 0)})
         print(f"[run L={spec['layers']}] step {i}: {steps[-1]['period_s']:.3f}s loss {steps[-1]['loss']:.4f}",
               flush=True)
     opt.wait()
@@ -479,6 +480,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--host-fraction", type=float, default=1.0,
                     help="engine host_memory_fraction (the absolute --margin-gib replaces its relative reserve)")
     ap.add_argument("--megatrain-config", default=None, help="JSON dict of MegaTrainConfig overrides")
+    ap.add_argument("--max-grad-norm", type=float, default=MAX_GRAD_NORM,
+                    help="global-norm clipping (0: off). Random init clips every step: with lean_store each such "
+                         "step runs its forward+backward twice")
     ap.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS)
     ap.add_argument("--budget", type=float, default=570, help="seconds for the whole command")
     ap.add_argument("--timeout", type=float, default=420, help="seconds per run (subprocess)")
@@ -514,6 +518,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = {"tiny": a.tiny, "batch": a.batch or (2 if a.tiny else 4), "seq": a.seq or (64 if a.tiny else 4096),
             "steps": a.steps or (3 if a.tiny else 10), "warmup": a.warmup if a.warmup is not None else
             (1 if a.tiny else 2), "peak_tflops": a.peak_tflops, "host_fraction": a.host_fraction, "seed": 0,
+            "max_grad_norm": a.max_grad_norm,
             "megatrain_config": json.loads(a.megatrain_config) if a.megatrain_config else {}}
     run_config(spec)  # a bad --megatrain-config fails here, not in every run
     counts, table = layer_counts(a, spec, info, device_type, gpu_free)

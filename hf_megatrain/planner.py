@@ -180,11 +180,10 @@ def layer_placement(numels: list[int], frozen: list[int], config: MegaTrainConfi
     cfg_keep, cfg_step = config.device_layers, config.device_step_layers
     auto_off = device_type != "cuda" or config.lean_store or bool(config.optimizer_state_dir)
     budget = config.device_step_fraction * (gpu_free or 0)
-    # Kept layers: trainable and without frozen parameters (those stream with the unit's slot).
-    eligible = [i for i in trainable if not (frozen[i] if i < len(frozen) else 0)]
-    if config.lean_store:
-        kept = []
-    elif cfg_keep == -1:
+    # Kept layers: trainable and without frozen parameters (those stream with the unit's slot). (lean_store only
+    # allows 0 or -1 here and for device_step_layers, and turns auto off: every layer streams, no gradient is kept.)
+    eligible = [i for i in trainable if not frozen[i]]
+    if cfg_keep == -1:
         kept = []
         if not auto_off:
             for i in eligible:
@@ -196,9 +195,7 @@ def layer_placement(numels: list[int], frozen: list[int], config: MegaTrainConfi
         kept = eligible[:cfg_keep]
         budget -= sum(device_layer_bytes(numels[i]) for i in kept)
     rest = [i for i in trainable if i not in kept]
-    if config.lean_store:
-        k = 0  # no layer gradient is kept until the step
-    elif cfg_step == -1:
+    if cfg_step == -1:
         k = 0
         if not auto_off and rest:
             n_max = max(numels[i] for i in rest)

@@ -55,7 +55,7 @@ def run_parity(model, *, steps=3, ga=2, batch=2, seq=12, lr=1e-3, wd=0.1, max_gr
                 ready.synchronize()
             if phase is None:  # the first pass's gradient (a re-run reproduces it)
                 captured[unit.index] = grad.clone()
-            consume(phase, norm_only, unit, grad, sq, ready)
+            consume(phase, norm_only, unit, grad, sq, None)  # (landed already)
 
         opt._consume = capture
     vocab = model.config.vocab_size

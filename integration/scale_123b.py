@@ -490,7 +490,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--mirror", default=None, metavar="DIR", help="copy the JSON and logs here after every run")
     ap.add_argument("--dry-run", action="store_true", help="print the plan (layer counts, host RAM) and exit")
-    return ap.parse_args(argv)
+    a = ap.parse_args(argv)
+    if a.max_grad_norm < 0:
+        ap.error(f"--max-grad-norm {a.max_grad_norm}: use a positive threshold, or 0 to turn clipping off")
+    return a
 
 
 def layer_counts(a: argparse.Namespace, spec: dict, info: dict, device_type: str,

@@ -24,7 +24,8 @@ import torch
 from accelerate import Accelerator
 from transformers import default_data_collator, get_cosine_schedule_with_warmup
 
-from hf_megatrain import MegaTrainPlugin, default_job
+from hf_megatrain import MegaTrainPlugin
+from hf_megatrain.hf import default_job
 
 
 def packed_blocks(tokenizer, block_size: int) -> datasets.Dataset:

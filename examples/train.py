@@ -35,8 +35,8 @@ import transformers
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, default_data_collator,
                           set_seed)
 
-from hf_megatrain import default_job
-from hf_megatrain.trainer import MegaTrainTrainer, MegaTrainTrainingArguments, from_pretrained_streamed
+from hf_megatrain.hf import default_job
+from hf_megatrain.hf.trainer import MegaTrainTrainer, MegaTrainTrainingArguments, from_pretrained_streamed
 
 logger = logging.getLogger(__name__)
 

@@ -1,25 +1,33 @@
-"""hf_megatrain: full-precision training of Hugging Face LLMs larger than GPU memory, on one GPU."""
+"""hf_megatrain: full-precision training of Hugging Face LLMs larger than GPU memory, on one GPU.
+
+Sub-packages: ``core`` (placement plans, the unit store, the step state, AdamW kernels), ``model`` (finding and
+templating an HF model's layers, the loss), ``engine`` (conversion, the streaming executor, the runtime engine),
+``optim`` (the AdamW steppers), ``planner`` (memory prediction), ``checkpoint`` (standard HF checkpoints), ``hf``
+(Trainer, TrainingArguments, Accelerate plugin, PEFT: the only modules importing transformers' Trainer/accelerate).
+"""
 
 from .config import MegaTrainConfig
+from .core.store import HostStore
 from .engine import MegaTrainEngine, MegaTrainOutput
-from .host_store import HostStore
-from .loss import linear_cross_entropy
-from .optimizer import CPUAdamW
-from .plugin import MegaTrainPlugin
+from .model.loss import linear_cross_entropy
+from .optim.adamw import CPUAdamW
+from .hf.plugin import MegaTrainPlugin
 
 __version__ = "0.1.0"
 
 __all__ = ["MegaTrainConfig", "MegaTrainEngine", "MegaTrainOutput", "HostStore", "CPUAdamW",
-           "linear_cross_entropy", "__version__"]
-__all__ += ["MegaTrainPlugin"]
+           "linear_cross_entropy", "MegaTrainPlugin", "__version__"]
 
 _LAZY_TRAINER = ("MegaTrainTrainingArguments", "MegaTrainTrainer", "from_pretrained_streamed")
+_LAZY_MODULES = ("trainer", "default_job", "peft_support", "training_args", "plugin", "pretrained")
 __all__ += list(_LAZY_TRAINER)
 
 
 def __getattr__(name: str):  # the Trainer integration imports transformers.Trainer: load it on first use only
-    if name in _LAZY_TRAINER:
-        from . import trainer
+    import importlib
 
-        return getattr(trainer, name)
+    if name in _LAZY_TRAINER:
+        return getattr(importlib.import_module(".hf.trainer", __name__), name)
+    if name in _LAZY_MODULES:
+        return importlib.import_module(f".hf.{name}", __name__)
     raise AttributeError(f"module 'hf_megatrain' has no attribute {name!r}")

@@ -50,7 +50,7 @@ def megatrain_mode(requested: str) -> str:
     if requested != "auto":
         return requested
     try:
-        return "trainer" if importlib.util.find_spec("hf_megatrain.trainer") is not None else "engine"
+        return "trainer" if importlib.util.find_spec("hf_megatrain.hf.trainer") is not None else "engine"
     except (ImportError, ValueError):
         return "engine"
 
@@ -345,7 +345,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dry-run", action="store_true", help="print the planned runs and exit")
     g = ap.add_argument_group("hf_megatrain")
     g.add_argument("--megatrain-mode", choices=("auto", "trainer", "engine"), default="auto",
-                   help="auto = MegaTrainTrainer if hf_megatrain.trainer exists, else the bare engine")
+                   help="auto = MegaTrainTrainer if hf_megatrain.hf.trainer exists, else the bare engine")
     g.add_argument("--megatrain-config", default=None, help="JSON dict of MegaTrainConfig overrides "
                    "(default {\"torch_compile\": true}; false with --tiny)")
     g.add_argument("--megatrain-split", default="auto",

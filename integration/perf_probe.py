@@ -34,9 +34,9 @@ import torch  # noqa: E402
 
 from bench.common import build_model, phase_breakdown, token_rows  # noqa: E402
 from hf_megatrain import MegaTrainConfig, MegaTrainEngine  # noqa: E402
-from hf_megatrain.device_stepper import DeviceStepper  # noqa: E402
-from hf_megatrain.host_store import HostStore  # noqa: E402
-from hf_megatrain.optimizer import CPUAdamW  # noqa: E402
+from hf_megatrain.optim.device_stepper import DeviceStepper  # noqa: E402
+from hf_megatrain.core.store import HostStore  # noqa: E402
+from hf_megatrain.optim.adamw import CPUAdamW  # noqa: E402
 
 H, I, KV = 5120, 13824, 1024
 LAYER_SHAPES = [(H, H), (H,), (KV, H), (KV,), (KV, H), (KV,), (H, H), (I, H), (I, H), (H, I), (H,), (H,)]

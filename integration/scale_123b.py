@@ -47,8 +47,8 @@ import torch  # noqa: E402
 from bench.common import GIB, PEAK_TFLOPS, StepClock, _vm_hwm_bytes, runner_main, throughput, versions  # noqa: E402
 from bench_vs_deepspeed import gpu_slug, log_tail, mirror  # noqa: E402
 from hf_megatrain import MegaTrainConfig, MegaTrainEngine, planner  # noqa: E402
-from hf_megatrain.layers import find_layer_stack  # noqa: E402
-from hf_megatrain.memory import available_host_bytes  # noqa: E402
+from hf_megatrain.model.layers import find_layer_stack  # noqa: E402
+from hf_megatrain.core.memory import available_host_bytes  # noqa: E402
 
 FULL_LAYERS = 88
 WIDTH = dict(hidden_size=12288, intermediate_size=28672, num_attention_heads=96, num_key_value_heads=8,

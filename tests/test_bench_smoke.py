@@ -145,8 +145,8 @@ def test_failed_run_is_recorded_and_the_next_one_goes_on(tmp_path):
     assert "**error**" in open(os.path.join(out, [f for f in os.listdir(out) if f.endswith(".md")][0])).read()
 
 
-@pytest.mark.skipif(importlib.util.find_spec("hf_megatrain.trainer") is None,
-                    reason="hf_megatrain.trainer not written yet")
+@pytest.mark.skipif(importlib.util.find_spec("hf_megatrain.hf.trainer") is None,
+                    reason="hf_megatrain.hf.trainer not written yet")
 def test_tiny_trainer_end_to_end(tmp_path):
     out = str(tmp_path)
     bench.main(["--tiny", "--systems", "megatrain", "--megatrain-mode", "trainer", "--sizes", "4", "--steps", "2",

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from hf_megatrain import MegaTrainConfig, MegaTrainTrainer
 from hf_megatrain import checkpoint as ckpt
-from hf_megatrain.trainer import from_pretrained_streamed
+from hf_megatrain.hf.trainer import from_pretrained_streamed
 
 from .models import tiny
 from .test_trainer import dataset, losses, mt_args
@@ -109,7 +109,7 @@ KILL_CHILD = textwrap.dedent("""
     import os, sys, time
     sys.path.insert(0, {repo!r})
     import torch
-    from hf_megatrain import safetensors_io
+    from hf_megatrain.checkpoint import safetensors_io
     from hf_megatrain import MegaTrainTrainer
     from tests.models import tiny
     from tests.test_trainer import dataset, mt_args
@@ -188,7 +188,7 @@ RSS_CHILD = textwrap.dedent("""
     sys.path.insert(0, {repo!r})
     import torch
     from hf_megatrain import MegaTrainConfig
-    from hf_megatrain.trainer import from_pretrained_streamed
+    from hf_megatrain.hf.trainer import from_pretrained_streamed
 
     def hwm():  # this process's own peak RSS (ru_maxrss would include the parent's RSS at fork time)
         with open("/proc/self/status") as f:

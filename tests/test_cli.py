@@ -89,7 +89,7 @@ def test_estimate_without_planner(monkeypatch, capsys):
 def test_estimate_delegates_to_planner(tmp_path, capsys):
     if importlib.util.find_spec("hf_megatrain.planner") is None:
         pytest.skip("hf_megatrain/planner.py not present")
-    from hf_megatrain import default_job
+    from hf_megatrain.hf import default_job
 
     default_job.tiny_llama_config().save_pretrained(str(tmp_path))
     assert cli.main(["estimate", str(tmp_path), "--seq-len", "128"]) == 0

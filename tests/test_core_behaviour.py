@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from hf_megatrain import MegaTrainConfig, MegaTrainEngine
-from hf_megatrain.host_store import bytes_per_param
-from hf_megatrain.memory import HostMemoryError, check_host_memory
+from hf_megatrain.core.store import bytes_per_param
+from hf_megatrain.core.memory import HostMemoryError, check_host_memory
 
 from .models import tiny
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 
-from hf_megatrain import default_job
+from hf_megatrain.hf import default_job
 from tests.test_cli import SMALL, child_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,7 +99,7 @@ def test_accelerate_loop_example(tmp_path):
 
 
 def test_shipped_assets_are_reproducible():
-    """The tokenizer is what `python -m hf_megatrain.default_job --regenerate` builds from the shipped corpus."""
+    """The tokenizer is what `python -m hf_megatrain.hf.default_job --regenerate` builds from the shipped corpus."""
     corpus = default_job.generate_corpus(900, seed=0)
     assert Path(default_job.data_files()["train"]).read_text() == "\n".join(corpus) + "\n"
     rebuilt = json.loads(default_job.train_tokenizer(corpus).to_str())

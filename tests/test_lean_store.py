@@ -12,7 +12,7 @@ import transformers
 
 from hf_megatrain import MegaTrainConfig, MegaTrainEngine, MegaTrainTrainer, MegaTrainTrainingArguments
 from hf_megatrain import planner
-from hf_megatrain.host_store import bytes_per_param
+from hf_megatrain.core.store import bytes_per_param
 
 from .models import tiny
 from .parity import random_batches, reference_optimizer, rel, run_parity

@@ -19,7 +19,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 
 from hf_megatrain import MegaTrainConfig, MegaTrainEngine, MegaTrainTrainer, MegaTrainTrainingArguments
 from hf_megatrain.engine import default_decay_names
-from hf_megatrain.peft_support import save_adapter, save_merged
+from hf_megatrain.hf.peft_support import save_adapter, save_merged
 
 from .models import tiny
 from .parity import random_batches, rel
@@ -186,7 +186,7 @@ def test_dropout_gradients_exact(peft_on):
 
 def test_dropout_replay_is_what_makes_it_exact(monkeypatch):
     """Control: without the RNG replay the recompute draws other masks and the gradients are wrong."""
-    from hf_megatrain.executor import StreamingExecutor
+    from hf_megatrain.engine.executor import StreamingExecutor
 
     monkeypatch.setattr(StreamingExecutor, "_replay", lambda self, state: nullcontext())
     model = lora(tiny("llama", attention_dropout=0.1, attn_implementation="eager"), dropout=0.1)

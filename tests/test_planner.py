@@ -14,8 +14,8 @@ import torch
 import transformers
 
 from hf_megatrain import MegaTrainConfig, MegaTrainEngine, planner
-from hf_megatrain.host_store import bytes_per_param
-from hf_megatrain.layers import find_layer_stack, unit_layouts
+from hf_megatrain.core.store import bytes_per_param
+from hf_megatrain.model.layers import find_layer_stack, unit_layouts
 
 from .models import COMMON, tiny
 
@@ -187,7 +187,7 @@ def test_estimate_cli_missing_path(capsys):
 
 # -- the engine runs the planner's checks (host before allocating; GPU at the first step of each shape) ------------
 def _refuse_store(monkeypatch):
-    import hf_megatrain.engine as engine_mod
+    import hf_megatrain.engine.runtime as engine_mod
 
     def no_store(*a, **k):
         raise AssertionError("HostStore was built: the planner's host check must refuse first")
@@ -197,7 +197,7 @@ def _refuse_store(monkeypatch):
 
 @pytest.mark.parametrize("meta", [False, True])
 def test_engine_refuses_model_over_host_ram_before_allocating(monkeypatch, meta):
-    monkeypatch.setattr(planner, "available_host_bytes", lambda: 1 << 16)
+    monkeypatch.setattr(planner.predict, "available_host_bytes", lambda: 1 << 16)
     _refuse_store(monkeypatch)
     if meta:
         with torch.device("meta"):
@@ -220,7 +220,7 @@ def test_engine_host_check_counts_peft_frozen_base_at_compute_dtype(monkeypatch)
     plan = planner.estimate(shape, MegaTrainConfig(), 16, 1, device_type="cpu")
     assert plan.host["frozen params (compute dtype)"] == 2 * shape.frozen
     assert plan.host["master fp32"] == 4 * shape.trainable
-    monkeypatch.setattr(planner, "available_host_bytes", lambda: 1 << 16)
+    monkeypatch.setattr(planner.predict, "available_host_bytes", lambda: 1 << 16)
     _refuse_store(monkeypatch)
     with pytest.raises(MemoryError, match=r"needs .* host RAM.*M frozen\); reduce"):
         MegaTrainEngine(model, MegaTrainConfig(), device="cpu")
@@ -238,7 +238,7 @@ def test_engine_host_check_knows_the_disk_tier(monkeypatch, tmp_path):
     assert planner.estimate(shape, disk, 1, 1, device_type="cpu").disk[
         "AdamW moments while training (optimizer_state_dir)"] == 8 * n_host
     budget = int((need_ram + need_disk) / 2 / ram.host_memory_fraction)
-    monkeypatch.setattr(planner, "available_host_bytes", lambda: budget)
+    monkeypatch.setattr(planner.predict, "available_host_bytes", lambda: budget)
     with pytest.raises(MemoryError, match="needs .* host RAM"):
         MegaTrainEngine(tiny("llama"), ram, device="cpu")
     engine = MegaTrainEngine(tiny("llama"), disk, device="cpu")

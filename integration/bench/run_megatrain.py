@@ -113,10 +113,10 @@ def _timeline(model: torch.nn.Module) -> HostTimeline:
     from accelerate import Accelerator
 
     from bench import common
-    from hf_megatrain.device_stepper import DeviceStepper
+    from hf_megatrain.optim.device_stepper import DeviceStepper
     from hf_megatrain.engine import MegaTrainEngine
-    from hf_megatrain.executor import StreamingExecutor
-    from hf_megatrain.optimizer import CPUAdamW
+    from hf_megatrain.engine.executor import StreamingExecutor
+    from hf_megatrain.optim.adamw import CPUAdamW
 
     tl = HostTimeline()
     tl.wrap(MegaTrainEngine, "__call__", "forward")
@@ -132,7 +132,7 @@ def _timeline(model: torch.nn.Module) -> HostTimeline:
 def run_trainer(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str, Any]:
     from transformers import TrainerCallback
 
-    from hf_megatrain.trainer import MegaTrainTrainer, MegaTrainTrainingArguments
+    from hf_megatrain.hf.trainer import MegaTrainTrainer, MegaTrainTrainingArguments
 
     warm, steps, batch = int(spec["warmup"]), int(spec["steps"]), int(spec["batch"])
     n_prof = _profile_steps(spec)

@@ -28,7 +28,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from .safetensors_io import (DEFAULT_MAX_SHARD_SIZE, _nbytes, _shard_files, open_safetensors, parse_size, write_json,
+from ..checkpoint.safetensors_io import (DEFAULT_MAX_SHARD_SIZE, _nbytes, _shard_files, open_safetensors, parse_size, write_json,
                              write_safetensors)
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

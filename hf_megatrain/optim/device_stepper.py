@@ -23,8 +23,8 @@ from typing import Callable
 
 import torch
 
-from .host_store import Unit
-from .streams import StreamSet
+from ..core.store import Unit
+from ..core.streams import StreamSet
 
 
 class DeviceStepper:

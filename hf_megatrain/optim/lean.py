@@ -39,8 +39,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from .host_store import HostStore, Unit
-from .optimizer import CPUAdamW
+from ..core.store import HostStore, Unit
+from .adamw import CPUAdamW
 
 logger = logging.getLogger(__name__)
 

@@ -22,17 +22,17 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from .config import MegaTrainConfig
-from .device_stepper import DeviceStepper
+from ..config import MegaTrainConfig
+from ..optim.device_stepper import DeviceStepper
 from .executor import StreamedLayer, StreamingExecutor
-from .families import ModelHead, check_supported
-from .host_store import HostStore, Unit
-from .layers import UnitLayouts, find_layer_stack, group_layers, unit_layouts
-from . import planner
-from .memory import available_device_bytes
-from .lean_step import GA_MESSAGE, LeanAdamW, StepReplay
-from .optimizer import CPUAdamW
-from .template import LayerTemplate
+from ..model.families import ModelHead, check_supported
+from ..core.store import HostStore, Unit
+from ..model.layers import UnitLayouts, find_layer_stack, group_layers, unit_layouts
+from .. import planner
+from ..core.memory import available_device_bytes
+from ..optim.lean import GA_MESSAGE, LeanAdamW, StepReplay
+from ..optim.adamw import CPUAdamW
+from ..model.template import LayerTemplate
 
 logger = logging.getLogger(__name__)
 

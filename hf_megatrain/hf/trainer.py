@@ -34,9 +34,9 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_pt_utils import nested_detach
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-from . import checkpoint as ckpt
+from .. import checkpoint as ckpt
 from . import peft_support
-from .engine import MegaTrainEngine
+from ..engine.runtime import MegaTrainEngine
 from .pretrained import extra_sink, from_pretrained_streamed
 from .training_args import MegaTrainTrainingArguments, check_lean_accumulation
 

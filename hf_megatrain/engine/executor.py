@@ -34,11 +34,11 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from .host_store import Unit
-from .layers import copy_plain_attributes
-from .memory import alloc_host
-from .streams import StreamSet
-from .template import LayerTemplate
+from ..core.store import Unit
+from ..model.layers import copy_plain_attributes
+from ..core.memory import alloc_host
+from ..core.streams import StreamSet
+from ..model.template import LayerTemplate
 
 # Lean store: FP32 master chunks cast to compute dtype on the GPU go through a staging buffer of at most this size,
 # so no full FP32 copy of a layer ever sits in GPU memory.

@@ -35,9 +35,9 @@ from typing import Any, Iterator
 import torch
 
 from . import peft_support
-from .config import MegaTrainConfig
-from .engine import MegaTrainEngine, MegaTrainOutput
-from .optimizer import CPUAdamW
+from ..config import MegaTrainConfig
+from ..engine.runtime import MegaTrainEngine, MegaTrainOutput
+from ..optim.adamw import CPUAdamW
 
 logger = logging.getLogger(__name__)
 
@@ -199,7 +199,7 @@ class MegaTrainModel:
     def state_dict(self, dtype: torch.dtype | str | None = None) -> dict[str, torch.Tensor]:
         """Standalone host copies: trainable masters and frozen parameters cast to ``dtype`` (default FP32),
         persistent buffers. Holds a second copy of the model: prefer ``save_pretrained`` for large models."""
-        from .config import parse_dtype
+        from ..config import parse_dtype
 
         dt = parse_dtype(dtype, "dtype") if dtype is not None else torch.float32
         if self.engine.optimizer is not None:
@@ -215,8 +215,8 @@ class MegaTrainModel:
         tensor by tensor from the FP32 masters (no second copy of the model in memory); ``dtype`` defaults to
         the config's ``save_dtype``. For a PEFT model: the adapter folder ``PeftModel.from_pretrained(base, dir)``
         loads (see ``save_merged``)."""
-        from . import checkpoint
-        from .config import parse_dtype
+        from .. import checkpoint
+        from ..config import parse_dtype
 
         dt = parse_dtype(dtype if dtype is not None else self.engine.config.save_dtype, "dtype")
         if peft_support.is_peft_model(self.hf_model):

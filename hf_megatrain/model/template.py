@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from .host_store import ParamSlice
+from ..core.store import ParamSlice
 
 logger = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-from .checkpoint import DEFAULT_MAX_SHARD_SIZE
-from .config import MegaTrainConfig, parse_dtype
+from ..checkpoint.folders import DEFAULT_MAX_SHARD_SIZE
+from ..config import MegaTrainConfig, parse_dtype
 
 SUPPORTED_OPTIM = ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw")
 

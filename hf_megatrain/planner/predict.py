@@ -21,11 +21,16 @@ from typing import Any
 
 import torch
 
-from .config import MegaTrainConfig, parse_dtype
-from .executor import LEAN_H2D_CHUNK_BYTES
-from .host_store import bytes_per_param
-from .layers import UnitLayouts, find_layer_stack, unit_layouts
-from .memory import available_host_bytes, format_bytes
+from ..config import MegaTrainConfig, parse_dtype
+from ..engine.executor import LEAN_H2D_CHUNK_BYTES
+from ..core.store import bytes_per_param
+from ..model.layers import UnitLayouts, find_layer_stack, unit_layouts
+from ..core.memory import available_host_bytes, format_bytes
+
+__all__ = ["HOST_BASELINE_BYTES", "CUDA_CONTEXT_HOST_BYTES", "CUDA_CONTEXT_GPU_BYTES", "GiB", "ModelShape",
+           "layer_recompute_bytes", "resident_on_device", "resident_device_bytes", "device_layer_bytes",
+           "device_step_bytes", "LayerPlacement", "layer_placement", "Plan", "estimate", "check_fits", "load_shape",
+           "main"]
 
 GiB = 1024 ** 3
 # Host RSS of python + torch + transformers + hf_megatrain imported (394 MiB measured, torch 2.13 CPU build), plus

@@ -16,10 +16,10 @@ import torch
 import transformers
 from torch import nn
 
-from . import checkpoint as ckpt
-from .config import MegaTrainConfig
-from .engine import MegaTrainEngine
-from .layers import find_layer_stack
+from .. import checkpoint as ckpt
+from ..config import MegaTrainConfig
+from ..engine.runtime import MegaTrainEngine
+from ..model.layers import find_layer_stack
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from typing import Callable, Iterable
 import torch
 
 from .device_stepper import DeviceStepper
-from .host_store import HostStore, ParamSlice, Unit
+from ..core.store import HostStore, ParamSlice, Unit
 
 logger = logging.getLogger(__name__)
 

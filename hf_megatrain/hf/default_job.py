@@ -4,7 +4,7 @@
 (tokenize -> pack -> streamed training -> evaluate -> standard checkpoint) in minutes on a laptop CPU. The
 corpus is simple generated English (short children's stories from templates: public domain by construction),
 and the tokenizer is a 512-token byte-level BPE trained on it. Both live in ``hf_megatrain/assets/`` and are
-reproducible bit for bit with ``python -m hf_megatrain.default_job --regenerate``.
+reproducible bit for bit with ``python -m hf_megatrain.hf.default_job --regenerate``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-ASSETS = Path(__file__).resolve().parent / "assets"
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
 DATA_DIR = ASSETS / "data"
 TOKENIZER_FILE = ASSETS / "tokenizer" / "tokenizer.json"
 ACCURACY_METRIC = ASSETS / "metrics" / "accuracy"
@@ -40,7 +40,7 @@ def load_tokenizer():
 
     if not TOKENIZER_FILE.is_file():
         raise FileNotFoundError(f"{TOKENIZER_FILE} is missing; rebuild the assets with "
-                                "`python -m hf_megatrain.default_job --regenerate`")
+                                "`python -m hf_megatrain.hf.default_job --regenerate`")
     return PreTrainedTokenizerFast(tokenizer_file=str(TOKENIZER_FILE), bos_token=EOS, eos_token=EOS, pad_token=EOS,
                                    model_max_length=TINY_LLAMA["max_position_embeddings"])
 

@@ -7,15 +7,15 @@ templating an HF model's layers, the loss), ``engine`` (conversion, the streamin
 """
 
 from .config import MegaTrainConfig
-from .core.store import HostStore
+from .core.store import UnitStore
 from .engine import MegaTrainEngine, MegaTrainOutput
 from .model.loss import linear_cross_entropy
-from .optim.adamw import CPUAdamW
+from .optim.adamw import CPUAdamW, UnitAdamW
 from .hf.plugin import MegaTrainPlugin
 
 __version__ = "0.1.0"
 
-__all__ = ["MegaTrainConfig", "MegaTrainEngine", "MegaTrainOutput", "HostStore", "CPUAdamW",
+__all__ = ["MegaTrainConfig", "MegaTrainEngine", "MegaTrainOutput", "UnitStore", "UnitAdamW", "CPUAdamW",
            "linear_cross_entropy", "MegaTrainPlugin", "__version__"]
 
 _LAZY_TRAINER = ("MegaTrainTrainingArguments", "MegaTrainTrainer", "from_pretrained_streamed")

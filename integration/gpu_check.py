@@ -174,7 +174,7 @@ def part_variants(layers: int, steps: int) -> dict:
     engine = MegaTrainEngine(model, MegaTrainConfig(compute_dtype="bfloat16"))
     opt = engine.create_optimizer(lr=1e-5, weight_decay=0.1, max_grad_norm=1.0)
     gen = torch.Generator().manual_seed(0)
-    out = {"device_step_layers": sum(u.grad_device is not None for u in engine.layer_units)}
+    out = {"device_step_layers": len(engine.plans.device_stepped)}
     for name, syncs, items in (("syncs", True, None), ("no_syncs", False, None), ("no_syncs_items", False, 8188),
                                ("syncs_again", True, None)):
         times = []

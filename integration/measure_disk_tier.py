@@ -40,11 +40,11 @@ def time_steps(state_dir: str | None, params_m: int, steps: int) -> dict:
     opt = engine.create_optimizer(lr=1e-4, max_grad_norm=1.0)
     for u in engine.store.units:  # a gradient everywhere, without paying for forward/backward
         u.grad.normal_()
-        u.grad_valid = True
     times = []
     for _ in range(steps + 1):
-        for u in engine.store.units:
-            u.grad_valid = True
+        for u in engine.store.units:  # tell the step state those gradients are this step's
+            engine.state.accumulate(u.index)
+            engine.state.landed(u.index)
         t = time.perf_counter()
         opt.step()
         times.append(time.perf_counter() - t)

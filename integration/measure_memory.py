@@ -107,8 +107,7 @@ def run_case(size: str, dtype: str, device: str, seq_len: int, batch_size: int, 
     shape = planner.ModelShape.from_engine(engine)
     gpu_free = free0 + planner.CUDA_CONTEXT_GPU_BYTES if cuda else None
     plan = planner.estimate(shape, config, seq_len, batch_size, device_type=device, gpu_free=gpu_free,
-                            source_bytes=4 * n_params, resident_on_dev=engine.resident_on_device,
-                            placement=engine.layer_placement)
+                            source_bytes=4 * n_params, plans=engine.plans)
     res = {"size": size, "dtype": dtype, "device": device, "params": n_params, "seq_len": seq_len,
            "batch_size": batch_size, "seconds": round(time.perf_counter() - t0, 2),
            "rss_after_imports": imported, "baseline_rss": base,

@@ -146,12 +146,12 @@ def run_config(spec: dict) -> MegaTrainConfig:
                                      "device_layers": 0, **(spec.get("megatrain_config") or {})})
 
 
-def plan_for(spec: dict, layers: int, device_type: str, gpu_free: int | None) -> planner.Plan:
+def plan_for(spec: dict, layers: int, device_type: str, gpu_free: int | None) -> planner.MemoryPlan:
     return planner.estimate(model_shape(spec, layers), run_config(spec), int(spec["seq"]), int(spec["batch"]),
                             device_type=device_type, gpu_free=gpu_free)
 
 
-def plan_record(plan: planner.Plan, n_params: int) -> dict[str, Any]:
+def plan_record(plan: planner.MemoryPlan, n_params: int) -> dict[str, Any]:
     gib = lambda d: {k: v / GIB for k, v in d.items() if v}  # noqa: E731
     return {"host_need_gib": plan.host_total / GIB, "host_gib": gib(plan.host),
             "host_bytes_per_param": plan.host_total / n_params, "gpu_need_gib": plan.device_total / GIB,
@@ -236,15 +236,10 @@ class HostSampler(threading.Thread):
                 "host_rss_sampled_max_gib": self.max_rss / GIB}
 
 
-def engine_plan(engine: MegaTrainEngine, spec: dict) -> planner.Plan:
+def engine_plan(engine: MegaTrainEngine, spec: dict) -> planner.MemoryPlan:
     """The planner's numbers for what this engine placed (as ``planner.check_fits(engine, ...)`` computes them)."""
-    gpu = None
-    if engine.device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(engine.device)
-        gpu = free + torch.cuda.memory_reserved(engine.device) + planner.CUDA_CONTEXT_GPU_BYTES
     return planner.estimate(planner.ModelShape.from_engine(engine), engine.config, int(spec["seq"]),
-                            int(spec["batch"]), device_type=engine.device.type, gpu_free=gpu,
-                            resident_on_dev=engine.resident_on_device, placement=engine.layer_placement)
+                            int(spec["batch"]), device_type=engine.device.type, plans=engine.plans)
 
 
 def train(engine: MegaTrainEngine, spec: dict, timer: LayerTimer) -> dict[str, Any]:
@@ -321,8 +316,8 @@ def run_one(spec: dict) -> dict[str, Any]:
         * out["tokens_per_s"] / 1e12
     out.update(res, layers=layers, n_params=n_params, setup=times, warmup_used=warm,
                events=event_split(res["steps"][warm:], layers), planner=plan_record(plan, n_params),
-               resident_on_device=engine.resident_on_device, megatrain_config=config.to_dict(),
-               device_layers=len(engine.layer_placement.kept), device_step_layers=len(engine.layer_placement.stepped),
+               resident_on_device=engine.plans.resident_on_device, megatrain_config=config.to_dict(),
+               device_layers=len(engine.plans.kept), device_step_layers=len(engine.plans.device_stepped),
                h2d_gb=engine.executor.h2d_bytes / 1e9, d2h_gb=engine.executor.d2h_bytes / 1e9,
                torch_threads=torch.get_num_threads(), **setup_mem, **sampler.record())
     return out

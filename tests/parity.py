@@ -47,17 +47,13 @@ def run_parity(model, *, steps=3, ga=2, batch=2, seq=12, lr=1e-3, wd=0.1, max_gr
     opt = engine.create_optimizer(lr=lr, weight_decay=wd, max_grad_norm=max_grad_norm)
     ropt = reference_optimizer(ref, lr, wd)
     captured: dict[int, torch.Tensor] = {}
-    if hasattr(opt, "lean_sink"):  # lean store: layer gradients are never kept; capture them on their way in
-        consume = opt._consume
+    if hasattr(opt, "gradient_hooks"):  # lean units keep no gradient: observe each one as it is consumed
 
-        def capture(phase, norm_only, unit, grad, sq, ready):
-            if ready is not None:
-                ready.synchronize()
-            if phase is None:  # the first pass's gradient (a re-run reproduces it)
-                captured[unit.index] = grad.clone()
-            consume(phase, norm_only, unit, grad, sq, None)  # (landed already)
+        def capture(index, first_pass, grad, sq):
+            if first_pass:  # the first pass's gradient (a re-run reproduces it)
+                captured[index] = grad.clone()
 
-        opt._consume = capture
+        opt.gradient_hooks.append(capture)
     vocab = model.config.vocab_size
     worst = {"loss": 0.0, "grad": 0.0, "weight": 0.0}
     # Parameters whose true gradient is zero (k_proj.bias: softmax is shift-invariant) receive only rounding
@@ -90,8 +86,7 @@ def run_parity(model, *, steps=3, ga=2, batch=2, seq=12, lr=1e-3, wd=0.1, max_gr
             if float(p.grad.norm()) < 1e-6 * float(total):
                 null_grad.add(n)
                 continue
-            grad = unit.grad_device if unit.grad_device is not None else unit.grad  # GPU-stepped units keep it there
-            grad = captured[unit.index] if grad is None else grad
+            grad = captured[unit.index] if unit.grad is None else unit.grad  # (wherever its plan keeps it)
             worst["grad"] = max(worst["grad"], rel(unit.view(grad, ps).cpu(), p.grad.cpu()))
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_grad_norm) if max_grad_norm else None
         ropt.step()

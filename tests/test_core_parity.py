@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hf_megatrain.core.plan import Stepper, Where
 from hf_megatrain import MegaTrainConfig, linear_cross_entropy
 
 from .models import tiny
@@ -41,7 +42,7 @@ def test_parity_with_device_stepped_layers(overlap):
     concurrently with the rest."""
     cfg = MegaTrainConfig(compute_dtype="float32", device_step_layers=2, overlap_optimizer=overlap)
     worst, engine, _ = run_parity(tiny("llama", num_hidden_layers=4), config=cfg)
-    assert [u.grad_device is not None for u in engine.layer_units] == [True, True, False, False]
+    assert [u.plan.stepper for u in engine.layer_units] == [Stepper.DEVICE_STREAMED] * 2 + [Stepper.HOST] * 2
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -51,16 +52,16 @@ def test_parity_with_layers_kept_on_device(overlap):
     three placements, the same training (GA 2 accumulates into the kept layer's device gradient)."""
     cfg = MegaTrainConfig(compute_dtype="float32", device_layers=1, device_step_layers=1, overlap_optimizer=overlap)
     worst, engine, _ = run_parity(tiny("llama", num_hidden_layers=4), config=cfg)
-    assert engine.layer_placement.kept == [0] and engine.layer_placement.stepped == [1]
-    kept = engine.layer_units[0]
-    assert kept.compute is kept.master and kept.grad_device is kept.grad  # no copy: cast per visit
+    assert engine.plans.kept == [0] and engine.plans.device_stepped == [1]
+    kept = engine.layer_units[0].plan
+    assert (kept.master, kept.grad, kept.compute) == (Where.DEVICE, Where.DEVICE, Where.NONE)  # cast per visit
 
 
 def test_parity_with_optimizer_state_on_disk(tmp_path):
     """Disk tier: AdamW moments in memory-mapped files (taken off host RAM) give the same training."""
     cfg = MegaTrainConfig(compute_dtype="float32", optimizer_state_dir=str(tmp_path))
     worst, engine, _ = run_parity(tiny("llama"), config=cfg)
-    assert engine.store.state_dir == str(tmp_path)
+    assert all(u.plan.moments is Where.DISK for u in engine.layer_units)
     assert list(tmp_path.iterdir()) == []  # files are unlinked once mapped: nothing to clean up, nothing leaks
 
 

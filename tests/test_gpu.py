@@ -33,12 +33,12 @@ def test_gpu_parity_streams_and_device_stepper(family, tie, kept, stepped):
     (no PCIe), and the auto rule (a tiny model: every layer kept)."""
     cfg = MegaTrainConfig(compute_dtype="float32", device_layers=kept, device_step_layers=stepped)
     worst, engine, _ = run_parity(tiny(family, tie=tie, num_hidden_layers=4), config=cfg, device="cuda")
-    assert engine.resident_on_device
-    place = engine.layer_placement
-    assert (len(place.kept), len(place.stepped)) == ((4, 0) if kept == -1 else (kept, stepped))
+    assert engine.plans.resident_on_device
+    place = engine.plans
+    assert (len(place.kept), len(place.device_stepped)) == ((4, 0) if kept == -1 else (kept, stepped))
     for i in place.kept:
-        assert engine.layer_units[i].master.is_cuda and engine.layer_units[i].compute is engine.layer_units[i].master
-    assert sum(u.grad_device is not None for u in engine.layer_units) == len(place.kept) + len(place.stepped)
+        assert engine.layer_units[i].master.is_cuda and engine.layer_units[i].compute is None
+    assert sum(u.grad.is_cuda for u in engine.layer_units) == len(place.kept) + len(place.device_stepped)
 
 
 def test_gpu_parity_split_inside_layer_visit():

@@ -70,7 +70,7 @@ def test_speculated_step_that_clips_is_taken_back():
         ropt.step(), ropt.zero_grad()
         loss = engine(input_ids=ids, labels=lab, num_items_in_batch=n_items(lab)).loss
         loss.backward()
-        modes.append(opt._step_mode)
+        modes.append(opt.policy.mode)
         opt.step(), opt.zero_grad()
         assert rel(loss.detach(), out.loss.detach()) <= 1e-5
         opt.wait()
@@ -210,18 +210,17 @@ def test_one_nonfinite_layer_gradient_undoes_the_others():
     engine = MegaTrainEngine(ours, lean(), device="cpu")
     opt = engine.create_optimizer(lr=1e-3, weight_decay=0.1, max_grad_norm=1e6)
     ropt = reference_optimizer(ref, 1e-3, 0.1)
-    sink = opt.lean_sink
+    poison = False
 
-    def poisoned(unit, grad, sq, ready):
-        if opt._phase is None and unit.index == 0:
+    def poisoned(index, first_pass, grad, sq):
+        if poison and first_pass and index == 0:
             grad.fill_(float("inf"))
             sq.fill_(float("inf"))
-        return sink(unit, grad, sq, ready)
 
+    opt.gradient_hooks.append(poisoned)
     batches = [m[0] for m in random_batches(3, 1, 4, 12, 96, seed=6)]
     for step, (ids, lab) in enumerate(batches):
         poison = step == 1
-        engine.executor.lean_sink = poisoned if poison else sink
         if poison:
             before, counts = layer_state(engine), opt.unit_steps.clone()
         else:
@@ -295,10 +294,10 @@ def test_store_bytes_per_streamed_parameter(dtype):
     assert bytes_per_param(torch.bfloat16, lean=True) == 12
     assert store.nbytes == 12 * layer_params + bytes_per_param(engine.compute_dtype) * res.numel
     # + two FP32 staging slabs of the largest layer (the executor's), nothing else per parameter
-    slabs = sum(t.numel() * t.element_size() for t in engine.executor.staging)
+    slabs = sum(t.numel() * t.element_size() for t in engine.executor.grads.staging)
     assert slabs == 2 * 4 * max(u.numel for u in engine.layer_units)
     plan = planner.estimate(planner.ModelShape.from_engine(engine), cfg, 12, 2, device_type="cpu",
-                            resident_on_dev=False)
+                            plans=engine.plans)
     store_rows = ("master fp32", "grad fp32", "exp_avg fp32", "exp_avg_sq fp32", "compute copy")
     planned = sum(v for k, v in plan.host.items() if k in store_rows)
     assert planned == store.nbytes
@@ -364,10 +363,11 @@ def test_estimate_cli_lean_store(tmp_path, capsys):
     from .models import COMMON
 
     transformers.LlamaConfig(**COMMON).save_pretrained(tmp_path)
+    (tmp_path / "streamed.yaml").write_text("device_step_layers: 0\n")  # every layer streamed, stepped on the CPU
     rows = {}
     for extra in ([], ["--lean-store", "--grad-accum", "2"]):
         assert planner.main([str(tmp_path), "--seq-len", "64", "--gpu-memory", "80", "--device-layers", "0",
-                             "--json", *extra]) == 0
+                             "--config", str(tmp_path / "streamed.yaml"), "--json", *extra]) == 0
         rows[bool(extra)] = json.loads(capsys.readouterr().out)
     full, lean_ = rows[False], rows[True]
     layers = full["host"]["master fp32"] // 4  # resident parts planned on the 80 GiB GPU: host = layers only

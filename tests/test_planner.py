@@ -14,6 +14,7 @@ import torch
 import transformers
 
 from hf_megatrain import MegaTrainConfig, MegaTrainEngine, planner
+from hf_megatrain.core.plan import PlanInputs, Stepper, Where, build_plans
 from hf_megatrain.core.store import bytes_per_param
 from hf_megatrain.model.layers import find_layer_stack, unit_layouts
 
@@ -45,9 +46,9 @@ def test_layouts_and_shape_match_engine(tie):
     plan = planner.estimate(shape, MegaTrainConfig(device_layers=0, device_step_layers=0), 64, 2,
                             device_type="cuda", gpu_free=80 << 30)
     assert sum(plan.host[k] for k in keys) == bytes_per_param(torch.bfloat16) * n_host
-    # GPU-stepped layers keep their moments on the GPU (8 bytes off the host)
+    # GPU-stepped layers keep their gradient and moments on the GPU (12 bytes off the host: master + bf16 copy left)
     plan = planner.estimate(shape, MegaTrainConfig(device_layers=0), 64, 2, device_type="cuda", gpu_free=80 << 30)
-    assert sum(plan.host[k] for k in keys) == (bytes_per_param(torch.bfloat16) - 8) * n_host
+    assert sum(plan.host[k] for k in keys) == (bytes_per_param(torch.bfloat16) - 12) * n_host
     assert any(k.startswith(f"GPU AdamW: {shape.num_layers} layers") for k in plan.device)
     # auto: with room on the GPU every layer stays there whole (16 B/param on the GPU, nothing on the host)
     plan = planner.estimate(shape, MegaTrainConfig(), 64, 2, device_type="cuda", gpu_free=80 << 30)
@@ -59,17 +60,21 @@ def test_layer_placement_rule():
     """Auto placement: whole layers while they fit the share, then GPU-stepped ones, first layers first; layers
     with frozen parameters always stream; lean store and the disk tier keep everything on the host."""
     n, free = 100, 10_000
+
+    def plans(cfg, frozen=(0,) * 6, device="cuda"):  # 6 layers of n parameters, an empty resident unit
+        return build_plans(PlanInputs([n] * 6 + [0], list(frozen) + [0], device, free), cfg)
+
     cfg = MegaTrainConfig(device_step_fraction=0.5)  # budget 5000 B: 3 kept (1600 B each), 200 B left
-    p = planner.layer_placement([n] * 6, [0] * 6, cfg, "cuda", free)
-    assert p.kept == [0, 1, 2] and p.stepped == []
+    p = plans(cfg)
+    assert p.kept == [0, 1, 2] and p.device_stepped == []
     cfg = MegaTrainConfig(device_step_fraction=0.5, device_layers=1)  # 3400 B left: 12 B x k + 1200 B buffers
-    p = planner.layer_placement([n] * 6, [0] * 6, cfg, "cuda", free)
-    assert p.kept == [0] and p.stepped == [1]
-    p = planner.layer_placement([n] * 6, [0, 5, 0, 0, 0, 0], MegaTrainConfig(device_layers=3), "cuda", free)
-    assert p.kept == [0, 2, 3]
-    assert planner.layer_placement([n] * 6, [0] * 6, MegaTrainConfig(), "cpu", free).kept == []
-    assert planner.layer_placement([n] * 6, [0] * 6, MegaTrainConfig(lean_store=True), "cuda", free) \
-        == planner.LayerPlacement([], [])
+    p = plans(cfg)
+    assert p.kept == [0] and p.device_stepped == [1]
+    assert plans(MegaTrainConfig(device_layers=3), frozen=(0, 5, 0, 0, 0, 0)).kept == [0, 2, 3]
+    assert plans(MegaTrainConfig(), device="cpu").kept == []
+    p = plans(MegaTrainConfig(lean_store=True))
+    assert p.kept == p.device_stepped == [] and all(u.stepper is Stepper.LEAN for u in p.layers)
+    assert all(u.grad is Where.NONE and u.compute is Where.NONE for u in p.layers)
     with pytest.raises(ValueError, match="device_layers"):
         MegaTrainConfig(lean_store=True, device_layers=1)
 
@@ -187,12 +192,12 @@ def test_estimate_cli_missing_path(capsys):
 
 # -- the engine runs the planner's checks (host before allocating; GPU at the first step of each shape) ------------
 def _refuse_store(monkeypatch):
-    import hf_megatrain.engine.runtime as engine_mod
+    import hf_megatrain.engine.convert as convert_mod
 
     def no_store(*a, **k):
-        raise AssertionError("HostStore was built: the planner's host check must refuse first")
+        raise AssertionError("UnitStore was built: the planner's host check must refuse first")
 
-    monkeypatch.setattr(engine_mod, "HostStore", no_store)
+    monkeypatch.setattr(convert_mod, "UnitStore", no_store)
 
 
 @pytest.mark.parametrize("meta", [False, True])
@@ -233,7 +238,7 @@ def test_engine_host_check_knows_the_disk_tier(monkeypatch, tmp_path):
     ram, disk = (MegaTrainConfig(compute_dtype="float32", **kw) for kw in ({}, {"optimizer_state_dir": str(tmp_path)}))
     need_ram, need_disk = (planner.estimate(shape, c, 1, 1, device_type="cpu").host_total - planner.HOST_BASELINE_BYTES
                            for c in (ram, disk))
-    n_host = shape.trainable
+    n_host = sum(shape.layer_numels)  # host-placed units (the resident one is on the CPU "device" here)
     assert need_ram - need_disk == 8 * n_host
     assert planner.estimate(shape, disk, 1, 1, device_type="cpu").disk[
         "AdamW moments while training (optimizer_state_dir)"] == 8 * n_host
@@ -242,7 +247,7 @@ def test_engine_host_check_knows_the_disk_tier(monkeypatch, tmp_path):
     with pytest.raises(MemoryError, match="needs .* host RAM"):
         MegaTrainEngine(tiny("llama"), ram, device="cpu")
     engine = MegaTrainEngine(tiny("llama"), disk, device="cpu")
-    assert engine.store.state_dir == str(tmp_path)
+    assert all(u.plan.moments is Where.DISK for u in engine.layer_units)
 
 
 def test_gpu_step_check_once_per_shape_in_training_only(monkeypatch):

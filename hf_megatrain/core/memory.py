@@ -23,12 +23,18 @@ def available_host_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def available_device_bytes(device: torch.device) -> int | None:
-    """GPU bytes this process can still use: free on the card plus what its caching allocator holds unused."""
-    if device.type != "cuda":
+# GPU memory outside the caching allocator: CUDA context + cuBLAS workspaces (~0.5 GiB on H100 with lazy loading).
+CUDA_CONTEXT_GPU_BYTES = 3 * 1024 ** 3 // 4
+
+
+def gpu_budget(device: torch.device) -> int | None:
+    """The GPU memory budget a plan of this process is measured against (the one definition: placement, the fit
+    check and ``megatrain estimate`` all use it): free on the card, plus what the caching allocator holds unused,
+    plus the CUDA context (already paid, and counted by every plan). None without CUDA."""
+    if device.type != "cuda" or not torch.cuda.is_available():
         return None
     free, _ = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) + CUDA_CONTEXT_GPU_BYTES
 
 
 def format_bytes(n: float) -> str:

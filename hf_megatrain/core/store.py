@@ -1,26 +1,17 @@
-"""HostStore: the FP32 truth of every trainable parameter, in flat per-unit host buffers.
+"""UnitStore: every unit's FP32 state in flat buffers, allocated where its plan says.
 
-A *unit* is what moves as one: each decoder layer is a unit, and all resident parameters (embeddings, final
-norm, lm_head) form one more. Per unit the store holds, each as one flat buffer:
+Per unit (core/plan.py says where each lives, or that it does not exist):
 
-    master      fp32  [numel]  the weights (truth)
-    grad        fp32  [numel]  gradient accumulated over the step's micro-batches
-    exp_avg     fp32  [numel]  AdamW m
-    exp_avg_sq  fp32  [numel]  AdamW v
-    compute     bf16  [numel]  pinned streaming copy (absent in fp32 compute: the master is streamed)
+    master      fp32          the weights (truth)
+    grad        fp32          gradient accumulated over the step's micro-batches (none in a lean unit)
+    exp_avg     fp32          AdamW m
+    exp_avg_sq  fp32          AdamW v
+    compute     compute dtype copy that streams (none: fp32 compute, lean and kept layers read the master)
+    frozen      compute dtype frozen parameters (PEFT base, frozen layers): streamed after the trainable ones
 
-= 18 host bytes per parameter in bf16 compute (16 in fp32 compute). Flat buffers make every host->GPU transfer
-one copy per unit and let the optimizer run one fused kernel call per unit.
-
-Lean store (``lean=True``): streamed units hold only master, exp_avg and exp_avg_sq = 12 bytes per parameter.
-``grad`` is None (each layer's gradient goes from a staging slab straight into the optimizer, lean_step.py) and
-``compute`` is the master itself (the executor casts to compute dtype on the GPU). The resident unit keeps its
-normal buffers.
-
-A unit may also hold *frozen* parameters (``requires_grad=False``: a PEFT/LoRA base, layers or embeddings the user
-froze). They get no master, gradient or optimizer state, only ``frozen`` = one pinned flat buffer in compute
-dtype (2 host bytes per parameter in bf16) that streams with the unit; ``names()``/``by_name`` and the optimizer
-see trainable parameters only.
+Flat buffers make every host->GPU transfer one copy per unit and let the optimizer run one fused kernel call per
+unit. The store only allocates and names; nothing here decides placement or checks RAM (the planner does both,
+before this runs, from the same plans).
 """
 
 from __future__ import annotations
@@ -30,7 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .memory import alloc_host, alloc_on_disk, check_disk_space, check_host_memory
+from .memory import alloc_host, alloc_on_disk, check_disk_space
+from .plan import Plans, UnitPlan, Where
 
 
 @dataclass
@@ -48,28 +40,30 @@ class ParamSlice:
 @dataclass
 class Unit:
     index: int
+    plan: UnitPlan
     params: list[ParamSlice]
     numel: int
     master: torch.Tensor
-    grad: torch.Tensor | None  # None in a lean store's streamed units (no host gradient buffer)
+    grad: torch.Tensor | None  # None where the plan keeps no gradient (lean)
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
-    compute: torch.Tensor
-    streamed: bool = True
-    grad_valid: bool = False  # grad holds this step's data (else it must be overwritten, not added to)
-    # Squared gradient norm computed on the device as the gradient left it (valid when the step's gradient came
-    # from a single layer visit), so the global norm needs no extra pass over host memory.
-    grad_sq: torch.Tensor | None = None
-    # Set for units whose AdamW runs on the GPU (DeviceStepper): their FP32 gradient accumulates there instead.
-    grad_device: torch.Tensor | None = None
+    compute: torch.Tensor | None  # None where the plan keeps no separate compute-dtype copy
     by_name: dict[str, ParamSlice] = field(default_factory=dict)
-    # Frozen parameters: compute-dtype values only, streamed after the trainable copy (offsets into ``frozen``).
     frozen_params: list[ParamSlice] = field(default_factory=list)
     frozen: torch.Tensor | None = None
 
     @property
+    def streamed(self) -> bool:
+        return self.plan.streamed
+
+    @property
     def frozen_numel(self) -> int:
         return 0 if self.frozen is None else self.frozen.numel()
+
+    @property
+    def source(self) -> torch.Tensor:
+        """What a reader of the current weights copies from: the compute copy, else the master."""
+        return self.master if self.compute is None else self.compute
 
     def view(self, flat: torch.Tensor, p: ParamSlice) -> torch.Tensor:
         return flat[p.offset:p.offset + p.numel].view(p.shape)
@@ -77,101 +71,72 @@ class Unit:
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         return {p.local: self.view(flat, p) for p in self.params}
 
+    def refresh_compute_(self) -> None:
+        """Copy the master into the compute copy (after the master changed)."""
+        if self.compute is not None:
+            self.compute.copy_(self.master)
+
 
 def bytes_per_param(compute_dtype: torch.dtype, lean: bool = False) -> int:
-    """Host bytes per trainable parameter the store allocates (``lean``: a lean store's streamed units)."""
+    """Host bytes per trainable parameter of a host-stepped streamed unit (``lean``: a lean unit)."""
     if lean:
         return 12
     return 16 + (0 if compute_dtype == torch.float32 else torch.empty((), dtype=compute_dtype).element_size())
 
 
-class HostStore:
-    """Flat host buffers for every unit. Built from a layout, so it can be filled from a live model or shard by
-    shard from a checkpoint without ever holding a second full copy."""
+Layout = list[tuple[str, str, tuple[int, ...], bool]]  # (model name, name inside the unit, shape, decay)
+FrozenLayout = list[tuple[str, str, tuple[int, ...]]]
 
-    def __init__(self, layouts: list[list[tuple[str, str, tuple[int, ...], bool]]], *, compute_dtype: torch.dtype,
-                 pin: bool, memory_fraction: float = 0.9, streamed: list[bool] | None = None,
-                 devices: list[torch.device | None] | None = None,
-                 frozen_layouts: list[list[tuple[str, str, tuple[int, ...]]]] | None = None,
-                 state_dir: str | None = None, moment_devices: list[torch.device | None] | None = None,
-                 lean: bool = False, compute_copy: list[bool] | None = None) -> None:
-        """``devices[i]`` places unit i's buffers on an accelerator instead of the host (resident parts whose
-        optimizer runs on the GPU); ``None`` = host. ``frozen_layouts[i]`` lists unit i's frozen parameters
-        (name, local name, shape): host compute-dtype buffer only. ``state_dir`` puts the AdamW moments of host
-        units in memory-mapped files there (the disk tier), taking 8 bytes per parameter off host RAM.
-        ``moment_devices[i]`` puts only unit i's AdamW moments on that device (layers stepped on the GPU, see
-        device_stepper.py): 8 bytes per parameter off host RAM. ``lean``: streamed host units get no gradient
-        buffer and no compute-dtype copy (see the module docstring). ``compute_copy[i] = False``: unit i gets no
-        compute-dtype copy (``compute`` is the master; layers kept on the GPU, cast per visit by the executor)."""
+
+def _slices(layout: list, decay: bool = True) -> tuple[list[ParamSlice], int]:
+    out, off = [], 0
+    for item in layout:
+        name, local, shape = item[:3]
+        n = math.prod(shape)
+        out.append(ParamSlice(name, local, tuple(shape), off, n, item[3] if len(item) > 3 else False))
+        off += n
+    return out, off
+
+
+class UnitStore:
+    """Flat buffers for every unit, placed by ``plans``. Built from layouts, so it can be filled from a live model
+    or shard by shard from a checkpoint without ever holding a second full copy."""
+
+    def __init__(self, plans: Plans, layouts: list[Layout], frozen_layouts: list[FrozenLayout], *,
+                 compute_dtype: torch.dtype, device: torch.device, pin: bool, state_dir: str | None = None) -> None:
         self.compute_dtype = compute_dtype
-        devices = devices or [None] * len(layouts)
-        frozen_layouts = frozen_layouts or [[] for _ in layouts]
-        sizes = [sum(math.prod(s) for _, _, s, _ in layout) for layout in layouts]
-        frozen_sizes = [sum(math.prod(s) for _, _, s in layout) for layout in frozen_layouts]
-        self.numel = sum(sizes)
-        self.frozen_numel = sum(frozen_sizes)
-        elt = torch.empty((), dtype=compute_dtype).element_size()
-        streamed = streamed or [True] * len(layouts)
-        on_host_units = [d is None or d.type == "cpu" for d in devices]
-        host_numel = sum(n for n, h in zip(sizes, on_host_units) if h)
-        moment_devices = moment_devices or [None] * len(layouts)
-        dev_moment = [md is not None and md.type != "cpu" for md in moment_devices]
-        self.state_dir = state_dir
-        self.lean = lean
-        # Lean units: streamed ones on the host (the resident unit keeps its gradient and streaming copy).
-        self._lean_unit = [lean and s and h for s, h in zip(streamed, on_host_units)]
-        copy = compute_copy or [True] * len(layouts)
-        disk = 8 if state_dir else 0
-        # Moments on disk or on the GPU take their 8 bytes per parameter off host RAM.
-        ram = sum(n * (bytes_per_param(compute_dtype, lean=ln) - (8 if dm else disk)
-                       - (0 if cp or ln or compute_dtype == torch.float32 else elt))
-                  for n, h, ln, dm, cp in zip(sizes, on_host_units, self._lean_unit, dev_moment, copy) if h)
-        ram_per_param = ram / host_numel if host_numel else 0.0
-        if state_dir:
-            check_disk_space(8 * host_numel, state_dir, f"the AdamW state of {host_numel / 1e6:.1f}M parameters")
-        check_host_memory(ram + self.frozen_numel * elt, memory_fraction,
-                          what=f"the host store for {host_numel / 1e6:.1f}M trainable parameters "
-                               f"({ram_per_param:g} bytes each) and {self.frozen_numel / 1e6:.1f}M "
-                               f"frozen ones ({elt} bytes each)")
+        self.plans = plans
+        disk = sum(4 * p.numel * 2 for p in plans.units if p.moments is Where.DISK)
+        if disk:
+            check_disk_space(disk, state_dir, f"the AdamW state of {disk // 8 / 1e6:.1f}M parameters")
+
+        def alloc(where: Where, n: int, dtype: torch.dtype, zero: bool = False) -> torch.Tensor | None:
+            if where is Where.NONE:
+                return None
+            if where is Where.DISK:
+                return alloc_on_disk(n, dtype, state_dir)  # sparse file: zeros
+            t = alloc_host(n, dtype, pin) if where is Where.HOST else torch.empty(n, dtype=dtype, device=device)
+            return t.zero_() if zero else t
+
         self.units: list[Unit] = []
         self.by_name: dict[str, tuple[Unit, ParamSlice]] = {}
         self.frozen_by_name: dict[str, tuple[Unit, ParamSlice]] = {}
-        for i, layout in enumerate(layouts):
-            params, off = [], 0
-            for name, local, shape, decay in layout:
-                n = math.prod(shape)
-                params.append(ParamSlice(name, local, tuple(shape), off, n, decay))
-                off += n
-            dev = devices[i]
-            on_host = dev is None or dev.type == "cpu"
-            if on_host:
-                alloc = lambda n, dt, pinned=pin: alloc_host(n, dt, pinned)  # noqa: E731
-            else:
-                alloc = lambda n, dt, pinned=False: torch.empty(n, dtype=dt, device=dev)  # noqa: E731
-            if dev_moment[i]:
-                moment = lambda n, md=moment_devices[i]: torch.zeros(n, dtype=torch.float32, device=md)  # noqa: E731
-            elif on_host and state_dir:
-                moment = lambda n: alloc_on_disk(n, torch.float32, state_dir)  # noqa: E731  (sparse file: zeros)
-            else:
-                moment = lambda n: alloc(n, torch.float32, False).zero_()  # noqa: E731
-            master = alloc(off, torch.float32)
-            lean_unit = self._lean_unit[i]
-            compute = (master if compute_dtype == torch.float32 or lean_unit or not copy[i]
-                       else alloc(off, compute_dtype))
-            grad = None if lean_unit else alloc(off, torch.float32)
-            unit = Unit(i, params, off, master, grad, moment(off), moment(off), compute, streamed=streamed[i])
+        for plan, layout, frozen_layout in zip(plans.units, layouts, frozen_layouts):
+            params, n = _slices(layout)
+            f32 = torch.float32
+            unit = Unit(plan.index, plan, params, n, alloc(plan.master, n, f32), alloc(plan.grad, n, f32),
+                        alloc(plan.moments, n, f32, zero=True), alloc(plan.moments, n, f32, zero=True),
+                        alloc(plan.compute, n, compute_dtype))
             unit.by_name = {p.name: p for p in params}
-            for p in params:
-                self.by_name[p.name] = (unit, p)
-            off = 0
-            for name, local, shape in frozen_layouts[i]:
-                n = math.prod(shape)
-                unit.frozen_params.append(ParamSlice(name, local, tuple(shape), off, n, False))
-                self.frozen_by_name[name] = (unit, unit.frozen_params[-1])
-                off += n
-            if off:
-                unit.frozen = alloc_host(off, compute_dtype, pin)
+            self.by_name.update({p.name: (unit, p) for p in params})
+            if plan.streamed:  # frozen resident parameters stay in the model, on the device
+                unit.frozen_params, nf = _slices(frozen_layout)
+                self.frozen_by_name.update({p.name: (unit, p) for p in unit.frozen_params})
+                if nf:
+                    unit.frozen = alloc_host(nf, compute_dtype, pin)
             self.units.append(unit)
+        self.numel = sum(u.numel for u in self.units)
+        self.frozen_numel = sum(u.frozen_numel for u in self.units)
 
     @property
     def nbytes(self) -> int:
@@ -186,7 +151,6 @@ class HostStore:
 
     @property
     def frozen_nbytes(self) -> int:
-        """Host bytes of the frozen parameters (compute-dtype copies only)."""
         return sum(u.frozen.numel() * u.frozen.element_size() for u in self.units if u.frozen is not None)
 
     def load_(self, name: str, tensor: torch.Tensor) -> None:
@@ -200,18 +164,13 @@ class HostStore:
         unit, p = self.frozen_by_name[name]
         return unit.view(unit.frozen, p)
 
-    def sync_compute_(self, unit: Unit) -> None:
-        """Refresh the streaming copy from the master (no-op in fp32 compute, where they are one buffer)."""
-        if unit.compute is not unit.master:
-            unit.compute.copy_(unit.master)
-
-    def sync_all_compute_(self) -> None:
-        for u in self.units:
-            self.sync_compute_(u)
-
     def master_tensor(self, name: str) -> torch.Tensor:
         unit, p = self.by_name[name]
         return unit.view(unit.master, p)
+
+    def refresh_all_compute_(self) -> None:
+        for u in self.units:
+            u.refresh_compute_()
 
     def names(self) -> list[str]:
         return list(self.by_name)

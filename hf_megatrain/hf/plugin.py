@@ -156,22 +156,12 @@ class MegaTrainModel:
 
     # -- parameters / gradients ----------------------------------------------------------------------------------------
     def _land_gradients(self) -> None:
-        if self.engine.optimizer is not None:
-            self.engine.optimizer.wait()
-        self.engine.finish_backward()
-        units = self.engine.store.units
-        if self.engine.config.lean_store and not self._warned_lean:
+        self.engine.land_gradients()
+        if any(u.grad is None for u in self.engine.store.units) and not self._warned_lean:
             self._warned_lean = True
             logger.warning("hf_megatrain: lean_store keeps no gradients of the streamed layers: parameters() "
                            "yields their FP32 masters without .grad. Clip with prepare(max_grad_norm=...) (exact, "
                            "inside the optimizer step), not with a norm over model.parameters().")
-        if any(u.grad_valid for u in units):  # a backward ran: units it did not reach have zero gradient
-            for u in units:
-                if u.grad is None:  # lean store: no host gradient buffer (lean_step.py)
-                    continue
-                if not u.grad_valid:
-                    u.grad.zero_()
-                    u.grad_valid = True
 
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, FP32 master) of every trainable parameter, gradients landed in ``.grad`` (tied names once)."""

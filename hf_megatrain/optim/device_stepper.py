@@ -9,9 +9,8 @@ CPU steps its layers in host memory while this stepper takes the others through 
     compute:              [fused AdamW on A with the gradient and moments kept on the GPU][bf16 copy]
     d2h:                                     [master, bf16 copy of layer j -> host]
 
-Those layers' gradients never leave the GPU (the executor keeps them in ``unit.grad_device``, FP32) and their
-AdamW moments live there too (``unit.exp_avg`` / ``exp_avg_sq`` are device tensors; the host store frees its
-copies), so a stepped parameter costs 10 bytes of host traffic (4 in, 6 out) instead of the CPU path's 34, for 12
+Those layers' plan (core/plan.py, ``Stepper.DEVICE_STREAMED``) keeps their FP32 gradient and AdamW moments on the
+GPU (the store allocates them there; the executor accumulates the gradient in place), so a stepped parameter costs 10 bytes of host traffic (4 in, 6 out) instead of the CPU path's 34, for 12
 bytes of GPU memory. The update is the same fused AdamW kernel with the same hyper-parameters, clip scale and
 step count, so results match the CPU path to rounding. Checkpoints read the moments wherever they live. On a
 CPU-only machine the "device" is the CPU and the same code runs synchronously (tested there).
@@ -38,10 +37,6 @@ class DeviceStepper:
         self.bufs = [{"master": torch.empty(n, dtype=torch.float32, device=device),
                       "compute": torch.empty(n, dtype=compute_dtype, device=device)} for _ in range(2)]
         self.free: list = [None, None]
-        for u in units:
-            u.grad_device = torch.zeros(u.numel, dtype=torch.float32, device=device)
-            u.exp_avg = u.exp_avg.to(device)
-            u.exp_avg_sq = u.exp_avg_sq.to(device)
 
     def run(self, order: list[Unit], step_fn: Callable[[Unit, list[torch.Tensor]], None],
             done: Callable[[Unit], None]) -> None:
@@ -59,13 +54,13 @@ class DeviceStepper:
                 loaded = st.record(st.h2d)
             with st.on(self.compute_stream):
                 st.wait(self.compute_stream, loaded)
-                step_fn(unit, [master, unit.grad_device, unit.exp_avg, unit.exp_avg_sq])
+                step_fn(unit, [master, unit.grad, unit.exp_avg, unit.exp_avg_sq])
                 comp.copy_(master)
                 stepped = st.record(self.compute_stream)
             with st.on(st.d2h):
                 st.wait(st.d2h, stepped)
                 unit.master.copy_(master, non_blocking=True)
-                if unit.compute is not unit.master:
+                if unit.compute is not None:
                     unit.compute.copy_(comp, non_blocking=True)
                 self.free[j % 2] = st.record(st.d2h)
             if prev is not None:  # the previous unit's copies were queued before this one's: finish it now

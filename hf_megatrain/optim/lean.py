@@ -1,278 +1,230 @@
-"""LeanAdamW: exact AdamW with global-norm clipping for a lean host store (12 bytes per streamed parameter).
+"""LeanAdamW: exact AdamW with global-norm clipping for lean units (12 host bytes per streamed parameter).
 
-Why this exists: the normal store keeps an FP32 gradient per parameter until ``optimizer.step()`` (4 of its 16-18
-bytes), because global-norm clipping needs every gradient before any update. In a lean store (host_store.py) the
-streamed layers have no gradient buffer: with one backward per step a layer's gradient is final when its backward
-visit ends, so it is consumed right there, from one of the executor's two staging slabs, and dropped.
+Why: a normal unit keeps an FP32 gradient until ``optimizer.step()`` (4 of its 16-18 bytes), because global-norm
+clipping needs every gradient before any update. A lean unit (core/plan.py, ``Stepper.LEAN``) has no gradient
+buffer: with one backward per step a layer's gradient is final when its backward visit ends, so it is consumed
+right there, from one of the executor's two staging slabs, and dropped.
 
-Each step runs in one of two modes, chosen from the previous step (host memory bandwidth is the cost that matters:
-one pass over a parameter's master, gradient, m and v is the floor):
+``LeanPolicy`` makes every decision, on plain numbers (tested with fakes); ``LeanAdamW`` carries them out with the
+kernels of core/kernels.py. Each step runs in one of two modes, chosen from the previous step:
 
-* **speculate** (the previous step did not clip): as each layer's backward ends, the whole AdamW update runs on it
-  (the fused kernel, no clip factor, on a worker thread when ``overlap``): one pass, nothing left for ``step()``.
-  When ``step()`` finds the global norm clips (or is non-finite, or the hyper-parameters changed since), each
-  speculated layer is taken back: the master algebraically from its new moments (p = (p' + lr/bc1 m /
-  (sqrt(v)/sqrt(bc2) + eps)) / (1 - lr wd), within an ulp), then the engine re-runs the step's forward+backward
-  (same inputs, RNG, autocast, weights) and each regenerated gradient undoes the moments (m = (m' - (1-b1) g) /
-  b1, v likewise) and redoes the update with the true clip factor (or only undoes, when the step is skipped).
+* **speculate** (the previous step did not clip): each layer gets its whole AdamW update as its gradient lands
+  (one pass over master, m, v; nothing left for ``step()``). When ``step()`` finds the global norm clips (or is
+  non-finite, or the hyper-parameters changed since), each speculated layer is taken back: the master from its
+  new moments (within an ulp), then the step's forward+backward re-runs (same inputs, RNG, autocast, weights:
+  ``StepReplay``) and each regenerated gradient undoes the moments and redoes the update with the true factor.
 * **norm first** (the previous step clipped; the first step when clipping is on): the backward only collects each
-  layer's squared gradient norm (reduced on the device); ``step()`` then knows the clip factor and re-runs the
-  forward+backward, each gradient getting its exact update as it lands. Twice the GPU work, one host pass.
+  layer's squared gradient norm; ``step()`` then knows the clip factor and re-runs the forward+backward, each
+  gradient getting its exact update as it lands. Twice the GPU work, one host pass.
 
-A clipping step's forward+backward runs twice (counted in ``regenerated_steps``), a non-clipping step's once
-(after the first step). Results match CPUAdamW to rounding, except after a speculated step turned out to clip:
-its taken-back masters are within an ulp, so the re-run's gradients (and Adam's sign-like early updates of
-near-zero gradient entries) may differ from an untouched run by ~1e-6 relative. A layer whose gradient is
-non-finite is never updated (the step will be skipped), so a NaN loss leaves every weight and moment bit-identical
-without a re-run. The resident unit (embeddings, final norm, lm_head) keeps its gradient buffer and steps exactly
-as in ``CPUAdamW``.
+A layer whose gradient is non-finite is never updated (the step will be skipped), so a NaN loss leaves every
+weight and moment bit-identical without a re-run. The resident unit keeps its gradient buffer and steps as in
+``UnitAdamW``.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
-from ..core.store import HostStore, Unit
-from .adamw import CPUAdamW
+from ..core import kernels
+from ..core.plan import Stepper
+from ..core.step_state import StepState
+from ..core.store import UnitStore
+from .adamw import UnitAdamW
 
 logger = logging.getLogger(__name__)
-
-# Elements per chunk of the host-side undo / apply passes: bounds their temporaries to a few MiB per thread.
-CHUNK = 1 << 22
 
 GA_MESSAGE = ("lean_store: {what} before optimizer.step(). The lean store consumes each layer's gradient as its "
               "backward ends, so it supports exactly one backward per optimizer step: no gradient accumulation. "
               "Use micro_batch_size (splits the batch inside each layer visit: same math, one backward) with "
               "gradient_accumulation_steps=1, or lean_store=False.")
 
-Key = tuple  # (grad_scale or None, (betas, lr, weight_decay, eps) per param group): what a unit's update assumed
+Key = tuple  # (grad_scale or None, Hyper per param group): what a unit's update assumed
 
 
-def _noop() -> None:
-    return None
+class Act(enum.Enum):
+    KEEP = "keep"  # nothing to do (norm recorded; or the applied update was right)
+    UPDATE = "update"  # apply the whole update
+    UNDO = "undo"  # undo the applied moments (master taken back already); no new update
+    REDO = "redo"  # undo the applied moments, then apply the right update
 
 
-class StepReplay:
-    """One training forward kept until its step ends, so the step's forward+backward can run again exactly:
-    the inputs, the RNG states and autocast state it started with, train/eval mode, and the gradients the backward
-    fed into its outputs (the loss as the user scaled it, or the logits)."""
-
-    def __init__(self, kwargs: dict[str, Any], device: torch.device, training: bool) -> None:
-        self.kwargs = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
-        self.device = device
-        self.training = training
-        self.cpu_rng = torch.get_rng_state()
-        self.dev_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-        self.autocast = {t: (torch.is_autocast_enabled(t), torch.get_autocast_dtype(t))
-                         for t in dict.fromkeys(("cpu", device.type))}
-        self.grads: dict[str, torch.Tensor] = {}
-
-    def watch(self, outputs: dict[str, torch.Tensor | None], on_backward: Callable[["StepReplay"], None]) -> None:
-        """Capture the gradient each output receives; ``on_backward(self)`` runs when the first one arrives."""
-        for name, t in outputs.items():
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(partial(self._capture, name, on_backward))
-
-    def _capture(self, name: str, on_backward: Callable[["StepReplay"], None], grad: torch.Tensor) -> None:
-        on_backward(self)
-        self.grads[name] = grad.detach().clone()
-
-    @contextmanager
-    def replaying(self, model: torch.nn.Module) -> Iterator[None]:
-        """Run with the recorded RNG / autocast / mode and gradients on; the caller's RNG state is restored after,
-        so the re-run draws no random numbers from the training's stream."""
-        cuda = self.dev_rng is not None
-        was_training = model.training
-        with ExitStack() as stack:
-            stack.enter_context(torch.random.fork_rng(devices=[self.device] if cuda else [],
-                                                      device_type="cuda" if cuda else "cpu"))
-            torch.set_rng_state(self.cpu_rng)
-            if cuda:
-                torch.cuda.set_rng_state(self.dev_rng, self.device)
-            for t, (enabled, dtype) in self.autocast.items():
-                stack.enter_context(torch.autocast(t, dtype=dtype, enabled=enabled))
-            stack.enter_context(torch.enable_grad())
-            model.train(self.training)
-            try:
-                yield
-            finally:
-                model.train(was_training)
-
-    def backward(self, outputs: dict[str, torch.Tensor | None]) -> None:
-        pairs = [(outputs[n], g) for n, g in self.grads.items() if outputs.get(n) is not None]
-        if not pairs:
-            raise RuntimeError("lean_store: the recorded forward received no gradient; nothing to re-run")
-        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+@dataclass
+class StepDecision:
+    rerun: bool  # the forward+backward must run again
+    take_back: list[int]  # units whose applied update was wrong: take their masters back before the re-run
+    expected: set[int]  # units the re-run must bring a gradient for
 
 
-class LeanAdamW(CPUAdamW):
-    """``CPUAdamW`` for a lean store (see the module docstring). ``regenerate()`` re-runs the step's
-    forward+backward (the engine's); the executor hands each layer gradient to ``lean_sink``; ``end_step()`` is
-    called when a step's gradients are spent (applied, skipped or discarded)."""
+@dataclass
+class LeanPolicy:
+    """The lean store's decisions for one optimizer, on unit indices, norms and keys only."""
 
-    def __init__(self, store: HostStore, *, regenerate: Callable[[], None],
-                 end_step: Callable[[], None] | None = None, **kwargs: Any) -> None:
-        super().__init__(store, **kwargs)
-        if self.device_stepper is not None:
-            raise ValueError("lean_store: AdamW on the GPU (DeviceStepper) needs each layer's gradient until the "
-                             "step; use device_step_layers=0")
-        if any(g["eps"] <= 0 for g in self.param_groups):
-            raise ValueError("lean_store needs eps > 0 (taking back a speculated update divides by sqrt(v) + eps)")
-        self.regenerate = regenerate
-        self.end_step = end_step
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="megatrain-lean") if self.overlap else None
-        self._futures: list[Future] = []
-        self._seen: set[int] = set()  # units whose gradient arrived this step (main thread)
-        self._sq: dict[int, float] = {}  # unit -> squared norm of this step's gradient
-        self._spec: dict[int, Key] = {}  # unit -> what its applied update assumed (absent: not updated this step)
-        self._nonfinite: set[int] = set()  # units whose gradient was non-finite (never updated)
-        # The next step's mode (module docstring): norm first after a step that clipped, and on the first step when
-        # clipping is on, so a run that clips from the start never takes a master back.
-        self.norm_first = bool(self.max_grad_norm and self.max_grad_norm > 0)
-        self._step_mode: bool | None = None  # the mode of the step in progress (fixed by its first gradient)
-        self._phase: tuple | None = None  # None: first pass; else (grad_scale, skip, hyper) of a re-run
-        self._corrected: set[int] = set()
-        self.regenerated_steps = 0  # steps whose forward+backward ran twice (clipped / skipped / discarded)
-        self.max_regenerated_sq_error = 0.0  # largest relative change of a layer's squared norm in a re-run
-        self._warned = False
+    norm_first: bool  # the next step's mode
+    mode: bool | None = None  # the mode of the step in progress (fixed by its first gradient); True = norm first
+    seen: set[int] = field(default_factory=set)
+    sq: dict[int, float] = field(default_factory=dict)
+    applied: dict[int, Key] = field(default_factory=dict)  # unit -> what its applied update assumed
+    nonfinite: set[int] = field(default_factory=set)
+    rerun: tuple | None = None  # (grad_scale, skip, key) while the step re-runs
+    corrected: set[int] = field(default_factory=set)
+    max_sq_error: float = 0.0  # largest relative change of a layer's squared norm in a re-run
 
-    # -- gradients in -------------------------------------------------------------------------------------------------
-    def lean_sink(self, unit: Unit, grad: torch.Tensor, sq: torch.Tensor, ready: Any) -> Callable[[], None]:
-        """Called by the executor (main thread) when ``unit``'s gradient is on its way into the host slab ``grad``
-        (``ready``: the D2H event). Returns a wait() that returns once the slab may be reused."""
-        phase = self._phase
-        if phase is None:
-            if unit.index in self._seen:
-                raise RuntimeError(GA_MESSAGE.format(what=f"layer unit {unit.index} received a second gradient"))
-            if self._step_mode is None:
-                self._step_mode = self.norm_first
-            self._seen.add(unit.index)
-        job = partial(self._consume, phase, self._step_mode, unit, grad, sq, ready)
-        if self._pool is None:
-            job()
-            return _noop
-        fut = self._pool.submit(job)
-        self._futures.append(fut)
-        return fut.result
+    def first_pass(self, i: int, sq: float, key_now: Key) -> Act:
+        """A gradient of the step's own backward arrived for unit ``i`` with squared norm ``sq``."""
+        if i in self.seen:
+            raise RuntimeError(GA_MESSAGE.format(what=f"layer unit {i} received a second gradient"))
+        if self.mode is None:
+            self.mode = self.norm_first
+        self.seen.add(i)
+        self.sq[i] = sq
+        if not math.isfinite(sq):  # the global norm is non-finite too: the step is skipped, nothing to take back
+            self.nonfinite.add(i)
+            return Act.KEEP
+        if self.mode:
+            return Act.KEEP
+        self.applied[i] = key_now
+        return Act.UPDATE
 
-    def _consume(self, phase: tuple | None, norm_only: bool, unit: Unit, grad: torch.Tensor, sq: torch.Tensor,
-                 ready: Any) -> None:
-        if ready is not None:
-            ready.synchronize()  # the slab and the squared norm have landed
-        s = float(sq)
-        with torch.no_grad(), torch.profiler.record_function("megatrain.optimizer.lean_unit"):
-            if phase is not None:
-                self._correct(unit, grad, s, *phase)
-                return
-            self._sq[unit.index] = s
-            if not math.isfinite(s):  # the global norm is non-finite too: the step is skipped, nothing to take back
-                self._nonfinite.add(unit.index)
-            elif not norm_only:
-                hyper = self._hyper()
-                self._update(unit, grad, hyper, None)
-                self._spec[unit.index] = self._key(hyper, None)
+    def decide(self, skip: bool, want: Key, skip_nonfinite: bool) -> StepDecision:
+        """At ``step()``: which speculated updates are wrong and whether the step must re-run."""
+        take_back = [i for i, k in self.applied.items() if skip or k != want]
+        pending = not skip and any(i not in self.applied for i in self.seen)  # norm first, or NaN layers
+        expected = set(self.applied) | (set() if skip else self.seen - self.nonfinite)
+        if not skip and not skip_nonfinite:
+            expected |= self.nonfinite
+        return StepDecision(bool(take_back or pending), take_back, expected)
 
-    def _correct(self, unit: Unit, grad: torch.Tensor, sq: float, grad_scale: float | None, skip: bool,
-                 hyper: list[dict]) -> None:
-        """Re-run: ``grad`` is the regenerated gradient of ``unit``; give it the update the step really makes."""
-        i = unit.index
-        ref = self._sq.get(i)
+    def regenerated(self, i: int, sq: float) -> Act:
+        """A gradient of the re-run arrived for unit ``i``."""
+        grad_scale, skip, want = self.rerun
+        ref = self.sq.get(i)
         if ref is not None and math.isfinite(ref) and ref > 0:
-            self.max_regenerated_sq_error = max(self.max_regenerated_sq_error, abs(sq - ref) / ref)
-        self._corrected.add(i)
-        want = self._key(hyper, grad_scale)
-        if i in self._spec:
-            if self._spec[i] == want and not skip:
-                return  # this layer was updated right
+            self.max_sq_error = max(self.max_sq_error, abs(sq - ref) / ref)
+        self.corrected.add(i)
+        if i in self.applied:
+            if self.applied[i] == want and not skip:
+                return Act.KEEP
             if not math.isfinite(sq):
                 raise RuntimeError(f"lean_store: the re-run gave layer unit {i} a non-finite gradient where the "
                                    "first run's was finite (nondeterministic kernels?); its AdamW state cannot be "
                                    "corrected")
-            self._undo_moments(unit, grad, self._spec.pop(i))  # (its master was taken back before the re-run)
-        if not skip:  # (a non-finite layer reaches here only with skip_nonfinite=False: NaN propagates, as in CPUAdamW)
-            self._update(unit, grad, hyper, grad_scale)
-            self._spec[i] = want
+            del self.applied[i]
+            if skip:
+                return Act.UNDO
+            self.applied[i] = want
+            return Act.REDO
+        if skip:
+            return Act.KEEP
+        self.applied[i] = want
+        return Act.UPDATE
+
+    def end(self, clipped: bool | None) -> None:
+        """The step's gradients are spent; ``clipped`` (None: skipped/discarded) sets the next step's mode."""
+        if clipped is not None:
+            self.norm_first = clipped
+        self.seen.clear()
+        self.sq.clear()
+        self.applied.clear()
+        self.nonfinite.clear()
+        self.mode = None
+
+
+class LeanAdamW(UnitAdamW):
+    """``UnitAdamW`` whose LEAN units are updated as their gradients land (see the module docstring)."""
+
+    def __init__(self, store: UnitStore, state: StepState, **kwargs: Any) -> None:
+        super().__init__(store, state, **kwargs)
+        if self.device_stepper is not None:
+            raise ValueError("lean_store: AdamW on the GPU (device_step_layers) needs each layer's gradient until the "
+                             "step; use device_step_layers=0")
+        if any(g["eps"] <= 0 for g in self.param_groups):
+            raise ValueError("lean_store needs eps > 0 (taking back a speculated update divides by sqrt(v) + eps)")
+        self.lean = set(i for i, u in enumerate(store.units) if u.plan.stepper is Stepper.LEAN)
+        self.policy = LeanPolicy(norm_first=bool(self.max_grad_norm and self.max_grad_norm > 0))
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="megatrain-lean") if self.overlap else None
+        self._futures: list[Future] = []
+        self.regenerated_steps = 0  # steps whose forward+backward ran twice (clipped / skipped / discarded)
+        self._warned = False
+        # Observers of each consumed layer gradient (tests, diagnostics), called on the worker before the update:
+        # fn(unit index, first pass?, gradient slab, squared-norm cell); they may read (or, in tests, poison) both.
+        self.gradient_hooks: list[Callable[[int, bool, torch.Tensor, torch.Tensor], None]] = []
+        state.consumer = self._consume
+        state.add_joiner(self._sync)
+
+    @property
+    def max_regenerated_sq_error(self) -> float:
+        return self.policy.max_sq_error
+
+    # -- gradients in -------------------------------------------------------------------------------------------------
+    def _consume(self, i: int, slab: torch.Tensor, sq: torch.Tensor, ready: Any) -> Callable[[], None]:
+        """The executor's D2H of unit ``i``'s gradient into host ``slab`` is queued (``ready``: its event); returns
+        a wait() that returns once the slab may be reused."""
+        self.step_state.begin_update(i)
+        job = partial(self._apply, self.policy.rerun is None, i, slab, sq, ready)
+        if self._pool is None:
+            job()
+            return lambda: None
+        fut = self._pool.submit(job)
+        self._futures.append(fut)
+        return fut.result
+
+    def _apply(self, first: bool, i: int, grad: torch.Tensor, sq: torch.Tensor, ready: Any) -> None:
+        changed = False
+        try:
+            if ready is not None:
+                ready.synchronize()  # the slab and the squared norm have landed
+            for hook in self.gradient_hooks:
+                hook(i, first, grad, sq)
+            s = float(sq)
+            u = self.store.units[i]
+            with torch.no_grad(), torch.profiler.record_function("megatrain.optimizer.lean_unit"):
+                if first:
+                    hyper = self._hyper()
+                    act = self.policy.first_pass(i, s, self._key(hyper, None))
+                    if act is Act.UPDATE:
+                        self.update_(u, [u.master, grad, u.exp_avg, u.exp_avg_sq], hyper, None)
+                        changed = True
+                    return
+                grad_scale, skip, want = self.policy.rerun
+                act = self.policy.regenerated(i, s)
+                if act in (Act.UNDO, Act.REDO):
+                    self._undo_moments(i, grad, self._applied_before[i])
+                if act in (Act.REDO, Act.UPDATE):
+                    self.update_(u, [u.master, grad, u.exp_avg, u.exp_avg_sq], self._rerun_hyper, grad_scale)
+                changed = act is not Act.KEEP
+        finally:
+            self.step_state.finish_update(i, changed)
 
     # -- the AdamW pieces --------------------------------------------------------------------------------------------
     @staticmethod
-    def _key(hyper: list[dict], grad_scale: float | None) -> Key:
-        return grad_scale, tuple((tuple(h["betas"]), h["lr"], h["weight_decay"], h["eps"]) for h in hyper)
+    def _key(hyper: list[kernels.Hyper], grad_scale: float | None) -> Key:
+        return grad_scale, tuple(hyper)
 
-    def _update(self, unit: Unit, grad: torch.Tensor, hyper: list[dict], grad_scale: float | None) -> None:
-        """The whole AdamW update of ``unit`` (CPUAdamW's fused kernel; with ``grad_scale`` it unscales ``grad``
-        in place)."""
-        self._kernel(unit, [unit.master, grad, unit.exp_avg, unit.exp_avg_sq], hyper, grad_scale)
+    def _undo_master(self, i: int, key: Key) -> None:
+        u = self.store.units[i]
+        kernels.undo_master_(u.master, u.exp_avg, u.exp_avg_sq, self.groups_of(u, list(key[1])), self._counts[i])
+        self.step_state.touch(i)
 
-    def _ranges(self, unit: Unit, per_group: list[Any]) -> Iterator[tuple[int, int, Any]]:
-        """(start, end, per_group[group]) over ``unit``'s flat buffers, adjacent slices merged, in CHUNK pieces."""
-        spans = sorted((p.offset, p.offset + p.numel, self._group_of[g])
-                       for g, slices in self._unit_groups[unit.index] for p in slices)
-        merged: list[list[int]] = []
-        for a, b, g in spans:
-            if merged and merged[-1][1] == a and per_group[merged[-1][2]] == per_group[g]:
-                merged[-1][1] = b
-            else:
-                merged.append([a, b, g])
-        for a, b, g in merged:
-            for c in range(a, b, CHUNK):
-                yield c, min(c + CHUNK, b), per_group[g]
-
-    def _undo_master(self, unit: Unit, key: Key) -> None:
-        """Take back the master half of an update from the moments it used (before they are undone):
-        p = (p' + lr/bc1 m / (sqrt(v)/sqrt(bc2) + eps)) / (1 - lr wd), the inverse of torch AdamW's formula."""
-        t = float(self._counts[unit.index])
-        per_group = []
-        for betas, lr, wd, eps in key[1]:
-            b1, b2 = betas
-            per_group.append((lr, wd, eps, lr / (1 - b1 ** t), (1 - b2 ** t) ** 0.5))
-        for a, b, (lr, wd, eps, step_size, bc2_sqrt) in self._ranges(unit, per_group):
-            p, m, v = unit.master[a:b], unit.exp_avg[a:b], unit.exp_avg_sq[a:b]
-            p.addcdiv_(m, (v.sqrt() / bc2_sqrt).add_(eps), value=step_size)
-            if wd != 0:
-                p.div_(1 - lr * wd)
-
-    def _undo_moments(self, unit: Unit, grad: torch.Tensor, key: Key) -> None:
-        """Invert a moments update: same float expressions as the fused CPU kernel (m b1 + g (1-b1);
-        v b2 + g g (1-b2)), so an update from zero moments inverts to exactly zero."""
-        grad_scale = key[0]
-        if self._counts[unit.index] == 1:
-            # First update of this unit: the moments were zero (the step count and the moments only ever change
-            # together, checkpoints included), so undo exactly. (The rounding of the algebraic inverse would
-            # otherwise be amplified by (applied / true clip factor)^2, largest on a first step that clips.)
-            unit.exp_avg.zero_()
-            unit.exp_avg_sq.zero_()
-            self._counts[unit.index] = 0
-            return
-        for a, b, (b1, b2) in self._ranges(unit, [h[0] for h in key[1]]):
-            g = grad[a:b] if grad_scale is None else grad[a:b] / grad_scale
-            m, v = unit.exp_avg[a:b], unit.exp_avg_sq[a:b]
-            if b1 > 0:
-                m.sub_(g * (1 - b1)).div_(b1)
-            else:
-                m.zero_()
-            if b2 > 0:
-                v.sub_((g * g).mul_(1 - b2)).div_(b2).clamp_min_(0.0)
-            else:
-                v.zero_()
-        self._counts[unit.index] -= 1
+    def _undo_moments(self, i: int, grad: torch.Tensor, key: Key) -> None:
+        u = self.store.units[i]
+        kernels.undo_moments_(grad, u.exp_avg, u.exp_avg_sq, self.groups_of(u, list(key[1])), self._counts[i],
+                              key[0])
+        self._counts[i] -= 1
 
     # -- step ---------------------------------------------------------------------------------------------------------
-    def grad_norm(self) -> float:
-        norms = []
-        for u in self.store.units:
-            if u.grad is None:
-                norms.append(torch.tensor(self._sq.get(u.index, 0.0), dtype=torch.float32).sqrt())
-            else:
-                norms.append((u.grad_sq.sqrt() if u.grad_sq is not None else
-                              torch.linalg.vector_norm(self._grad(u))).cpu())
-        return float(torch.linalg.vector_norm(torch.stack(norms)))
+    def _unit_norm(self, u: Any) -> torch.Tensor:
+        if u.index in self.lean:
+            return torch.tensor(self.policy.sq.get(u.index, 0.0), dtype=torch.float32).sqrt()
+        return super()._unit_norm(u)
 
     def _sync(self) -> None:
         """Wait for every queued layer update; re-raise the first failure."""
@@ -283,39 +235,38 @@ class LeanAdamW(CPUAdamW):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         loss = closure() if closure is not None else None
-        self.wait()
-        if self.before_step is not None:
-            self.before_step()  # land the resident gradient; the executor releases its slabs
-        self._sync()
-        for u in self.store.units:
-            if u.grad is not None and not u.grad_valid:
-                u.grad.zero_()
-                u.grad_sq = None
+        self.step_state.wait_all()  # (joins the queued layer updates)
+        self.step_state.land()
+        self._zero_missing()
         norm = self.grad_norm()
         self.last_grad_norm = norm
         hyper = self._hyper()
         skip = not math.isfinite(norm) and self.skip_nonfinite
         grad_scale = None if skip else self._grad_scale(norm)
-        want = self._key(hyper, grad_scale)
-        stale = [i for i, k in self._spec.items() if skip or k != want]  # updated with the wrong assumptions
-        pending = not skip and any(i not in self._spec for i in self._seen)  # not updated yet (norm first, NaN)
-        if stale or pending:
-            self._regenerate(grad_scale, skip, hyper, stale)
+        decision = self.policy.decide(skip, self._key(hyper, grad_scale), self.skip_nonfinite)
+        if decision.rerun:
+            self._rerun(grad_scale, skip, hyper, decision)
         if skip:
-            self.skipped_steps += 1
-            logger.warning("hf_megatrain: non-finite gradient norm (%s); optimizer step skipped, weights and "
-                           "AdamW state untouched (%d skipped so far)", norm, self.skipped_steps)
-            self._end()
+            self._skip(norm)
+            self._end(None)
             return loss
-        for u in self.store.units:  # lean units no backward reached: zero gradient (as CPUAdamW)
-            if u.grad is None and u.index not in self._seen:
-                self._update(u, torch.zeros(u.numel, dtype=torch.float32), hyper, None)
-        self.norm_first = grad_scale is not None
-        self._end()
-        self._launch(hyper, grad_scale)  # the resident unit (lean units are done)
+        zero = torch.zeros(max((self.store.units[i].numel for i in self.lean), default=0), dtype=torch.float32)
+        for i in sorted(self.lean - self.policy.seen):  # lean units no backward reached: zero gradient
+            u = self.store.units[i]
+            self.update_(u, [u.master, zero[:u.numel], u.exp_avg, u.exp_avg_sq], hyper, None)
+            self.step_state.touch(i)
+        self._end(grad_scale is not None)
+        self._launch(hyper, grad_scale, [i for i in self.unit_order if i not in self.lean])
         return loss
 
-    def _regenerate(self, grad_scale: float | None, skip: bool, hyper: list[dict], stale: list[int]) -> None:
+    def _zero_missing(self) -> None:
+        for u in self.store.units:
+            if u.index not in self.lean and not self.step_state.has_grad(u.index) and u.grad is not None:
+                u.grad.zero_()
+                self.step_state.accumulate(u.index, None)
+                self.step_state.landed(u.index)
+
+    def _rerun(self, grad_scale: float | None, skip: bool, hyper: list[kernels.Hyper], d: StepDecision) -> None:
         self.regenerated_steps += 1
         if not self._warned:
             self._warned = True
@@ -323,61 +274,46 @@ class LeanAdamW(CPUAdamW):
                            "forward+backward to give every layer its exact update. Every clipping step runs its "
                            "forward+backward twice (see README, 'Lean host store'); counted in "
                            "optimizer.regenerated_steps")
-        logger.debug("lean_store: re-run %d (grad_scale %s, skip=%s, norm first=%s)", self.regenerated_steps,
-                     grad_scale, skip, self._step_mode)
-        for i in stale:  # the re-run must see the weights the first pass saw
-            self._undo_master(self.store.units[i], self._spec[i])
-        expected = set(self._spec) | (set() if skip else self._seen - self._nonfinite)
-        if not skip and not self.skip_nonfinite:
-            expected |= self._nonfinite
-        self._corrected = set()
-        self._phase = (grad_scale, skip, hyper)
+        self._applied_before = dict(self.policy.applied)
+        for i in d.take_back:  # the re-run must see the weights the first pass saw
+            self._undo_master(i, self.policy.applied[i])
+        self.policy.corrected = set()
+        self.policy.rerun = (grad_scale, skip, self._key(hyper, grad_scale))
+        self._rerun_hyper = hyper
+        replay = self.step_state.replay
+        if replay is None:
+            raise RuntimeError("hf_megatrain: lean_store must re-run this step's forward+backward, but no training "
+                               "forward of it was recorded (was the backward run on the engine's outputs?)")
         try:
-            self.regenerate()
+            replay.rerun()
             self._sync()
         finally:
-            self._phase = None
-        missing = expected - self._corrected
+            self.policy.rerun = None
+        missing = d.expected - self.policy.corrected
         if missing:
             raise RuntimeError(f"lean_store: the re-run produced no gradient for layer units {sorted(missing)}; "
                                "their AdamW state could not be corrected")
 
-    def _end(self) -> None:
-        self._seen.clear()
-        self._sq.clear()
-        self._spec.clear()
-        self._nonfinite.clear()
-        self._step_mode = None
-        self._invalidate_grads()
-        if self.end_step is not None:
-            self.end_step()
-
-    def _run_host(self, order: list[int], hyper: list[dict], grad_scale: float | None) -> None:
-        for i in order:
-            u = self.store.units[i]
-            if u.grad is not None:  # lean units were updated as their gradients arrived
-                with torch.profiler.record_function("megatrain.optimizer.host_unit"):
-                    self._kernel(u, [u.master, u.grad, u.exp_avg, u.exp_avg_sq], hyper, grad_scale)
-                    self.store.sync_compute_(u)
-            self._finish_unit(u)
+    def _end(self, clipped: bool | None) -> None:
+        self.policy.end(clipped)
+        self.step_state.discard()
 
     def hyper_state(self) -> dict:
         # The mode travels with checkpoints, so a resumed run takes the same path (bit-exact resume).
-        return {**super().hyper_state(), "lean_norm_first": self.norm_first}
+        return {**super().hyper_state(), "lean_norm_first": self.policy.norm_first}
 
     def load_hyper_state(self, state: dict) -> None:
         super().load_hyper_state(state)
-        self.norm_first = bool(state.get("lean_norm_first", state.get("lean_spec_grad_scale") is not None))
+        self.policy.norm_first = bool(state.get("lean_norm_first", False))
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]
         """Dropping a backward's gradients without a step: take back the updates it made."""
-        if self._seen:
+        if self.policy.seen:
             with torch.no_grad():
-                self.wait()
-                if self.before_step is not None:
-                    self.before_step()
-                self._sync()
-                if self._spec:
-                    self._regenerate(None, True, self._hyper(), list(self._spec))
-                self._end()
+                self.step_state.wait_all()
+                self.step_state.land()
+                if self.policy.applied:
+                    decision = StepDecision(True, list(self.policy.applied), set(self.policy.applied))
+                    self._rerun(None, True, self._hyper(), decision)
+                self._end(None)
         super().zero_grad(set_to_none)

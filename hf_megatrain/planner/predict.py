@@ -22,15 +22,12 @@ from typing import Any
 import torch
 
 from ..config import MegaTrainConfig, parse_dtype
-from ..engine.executor import LEAN_H2D_CHUNK_BYTES
-from ..core.store import bytes_per_param
+from ..core.memory import CUDA_CONTEXT_GPU_BYTES, available_host_bytes, format_bytes, gpu_budget
+from ..core.plan import CAST_STAGING_BYTES, PlanInputs, Plans, Stepper, Where, build_plans
 from ..model.layers import UnitLayouts, find_layer_stack, unit_layouts
-from ..core.memory import available_host_bytes, format_bytes
 
 __all__ = ["HOST_BASELINE_BYTES", "CUDA_CONTEXT_HOST_BYTES", "CUDA_CONTEXT_GPU_BYTES", "GiB", "ModelShape",
-           "layer_recompute_bytes", "resident_on_device", "resident_device_bytes", "device_layer_bytes",
-           "device_step_bytes", "LayerPlacement", "layer_placement", "Plan", "estimate", "check_fits", "load_shape",
-           "main"]
+           "layer_recompute_bytes", "unit_plans", "MemoryPlan", "estimate", "check_fits", "load_shape", "main"]
 
 GiB = 1024 ** 3
 # Host RSS of python + torch + transformers + hf_megatrain imported (394 MiB measured, torch 2.13 CPU build), plus
@@ -39,8 +36,6 @@ HOST_BASELINE_BYTES = 512 * 1024 ** 2
 # Host side of a CUDA process: CUDA runtime + driver state, cuBLAS/cuDNN/NCCL images loaded into memory
 # (0.5-1 GB observed on H100 hosts; the upper end is taken so "fits" errs on the safe side).
 CUDA_CONTEXT_HOST_BYTES = 1 * GiB
-# GPU memory outside the caching allocator: CUDA context + cuBLAS workspaces (~0.5 GiB on H100 with lazy loading).
-CUDA_CONTEXT_GPU_BYTES = 3 * GiB // 4
 # Caching-allocator fragmentation / rounding on top of the live tensors (block splitting, per-stream pools).
 GPU_FRAGMENTATION_FRACTION = 0.10
 # CPU device only: glibc keeps freed allocations below its mmap threshold (at most 32 MiB each) in the heap, so
@@ -139,81 +134,18 @@ def layer_recompute_bytes(shape: ModelShape, tokens: int, compute_dtype: torch.d
     return tokens * per_token + c * shape.max_weight
 
 
-def resident_on_device(numel: int, config: MegaTrainConfig, device_type: str, gpu_free: int | None) -> bool:
-    """Engine rule: resident FP32 master + AdamW state on the device (``resident_placement``)."""
-    place = config.resident_placement
-    if place == "host" or device_type != "cuda":
-        return device_type == "cpu" and place != "host"
-    if place == "device":
-        return True
-    return resident_device_bytes(numel, config) <= config.resident_device_fraction * (gpu_free or 0)
+def unit_plans(shape: ModelShape, config: MegaTrainConfig, device_type: str, gpu_free: int | None) -> Plans:
+    """The engine's plans for ``shape`` (core/plan.py ``build_plans``, same inputs as the engine's conversion)."""
+    return build_plans(PlanInputs(shape.layer_numels + [shape.resident_numel],
+                                  shape.layer_frozen + [shape.resident_frozen], device_type, gpu_free), config)
 
 
-def resident_device_bytes(numel: int, config: MegaTrainConfig) -> int:
-    """GPU bytes of resident parts stepped on the device: FP32 master, grad, m, v + a compute-dtype copy."""
-    c = _elt(config.torch_compute_dtype)
-    return numel * (16 + (c if c < 4 else 0))
-
-
-def device_layer_bytes(numel: int) -> int:
-    """GPU bytes of one layer kept whole on the GPU: FP32 master, gradient, m, v (its weights are cast per visit)."""
-    return 16 * numel
-
-
-def device_step_bytes(k: int, max_numel: int, config: MegaTrainConfig) -> int:
-    """GPU bytes of ``k`` GPU-stepped layers: FP32 gradient + AdamW moments each, and the stepper's two
-    master + streaming-copy buffers."""
-    return 0 if k == 0 else 12 * k * max_numel + 2 * (4 + _elt(config.torch_compute_dtype)) * max_numel
+_STORE_ROWS = ("master fp32", "grad fp32", "exp_avg fp32", "exp_avg_sq fp32", "compute copy",
+               "frozen params (compute dtype)")
 
 
 @dataclass
-class LayerPlacement:
-    """Where each streamed layer's state lives: ``kept`` whole on the GPU, ``stepped`` (moments + gradient on the
-    GPU, master streamed, DeviceStepper), the rest on the host with the CPU AdamW."""
-
-    kept: list[int] = field(default_factory=list)
-    stepped: list[int] = field(default_factory=list)
-
-
-def layer_placement(numels: list[int], frozen: list[int], config: MegaTrainConfig, device_type: str,
-                    gpu_free: int | None) -> LayerPlacement:
-    """Engine rule for ``device_layers`` and ``device_step_layers`` (-1 = auto). ``gpu_free``: GPU memory left once
-    the resident parts are placed. Auto gives ``device_step_fraction`` of it to the first layers in forward order
-    (needed first by the next forward; the CPU's layers, needed last, get the most time): whole layers while they
-    fit (no PCIe at all), then GPU-stepped ones (12 B/param) with what remains."""
-    trainable = [i for i, n in enumerate(numels) if n > 0]
-    cfg_keep, cfg_step = config.device_layers, config.device_step_layers
-    auto_off = device_type != "cuda" or config.lean_store or bool(config.optimizer_state_dir)
-    budget = config.device_step_fraction * (gpu_free or 0)
-    # Kept layers: trainable and without frozen parameters (those stream with the unit's slot). (lean_store only
-    # allows 0 or -1 here and for device_step_layers, and turns auto off: every layer streams, no gradient is kept.)
-    eligible = [i for i in trainable if not frozen[i]]
-    if cfg_keep == -1:
-        kept = []
-        if not auto_off:
-            for i in eligible:
-                if device_layer_bytes(numels[i]) > budget:
-                    break
-                budget -= device_layer_bytes(numels[i])
-                kept.append(i)
-    else:
-        kept = eligible[:cfg_keep]
-        budget -= sum(device_layer_bytes(numels[i]) for i in kept)
-    rest = [i for i in trainable if i not in kept]
-    if cfg_step == -1:
-        k = 0
-        if not auto_off and rest:
-            n_max = max(numels[i] for i in rest)
-            k = len(rest)
-            while k > 0 and device_step_bytes(k, n_max, config) > budget:
-                k -= 1
-    else:
-        k = cfg_step
-    return LayerPlacement(kept, rest[:k])
-
-
-@dataclass
-class Plan:
+class MemoryPlan:
     """Bytes per component. ``device`` lists what the engine puts on its device (host RAM when it is the CPU)."""
 
     host: dict[str, int] = field(default_factory=dict)
@@ -243,6 +175,11 @@ class Plan:
         return max(train + min(max(ph.values(), default=0), CPU_MALLOC_RETENTION), construct)
 
     @property
+    def store_host_bytes(self) -> int:
+        """Host bytes of the unit store (trainable state + frozen copies), without baseline and staging."""
+        return sum(v for k, v in self.host.items() if k in _STORE_ROWS)
+
+    @property
     def peak_phase(self) -> str:
         return max(self.phases, key=lambda k: sum_values(self.phases[k])) if self.phases else ""
 
@@ -254,70 +191,60 @@ class Plan:
 
 def estimate(shape: ModelShape, config: MegaTrainConfig, seq_len: int, batch_size: int, *, device_type: str = "cuda",
              gpu_free: int | None = None, grad_accum: int = 1, source_bytes: int = 0, gpus: int = 1,
-             resident_on_dev: bool | None = None, placement: LayerPlacement | None = None) -> Plan:
+             plans: Plans | None = None) -> MemoryPlan:
     """Predict what ``MegaTrainEngine`` allocates for ``shape`` under ``config`` on ``device_type``.
 
-    ``gpu_free``: free memory of the target GPU (drives the engine's placement choices); ``source_bytes``: the
-    live HF model handed to the engine (freed during conversion; 0 for ``from_pretrained_streamed``).
-    ``resident_on_dev`` / ``placement``: placement an engine already chose (else derived from ``gpu_free``)."""
+    ``gpu_free``: the target GPU's budget (``core.memory.gpu_budget``; drives placement); ``source_bytes``: the
+    live HF model handed to the engine (freed during conversion; 0 for ``from_pretrained_streamed``); ``plans``:
+    unit plans an engine already built (else built here from ``gpu_free``, as the engine would). The store's bytes
+    are sums of ``UnitPlan.buffers`` over the plans: one formula for the engine and the planner."""
     cdt, odt = config.torch_compute_dtype, config.torch_grad_offload_dtype
     c, o, cuda = _elt(cdt), _elt(odt), device_type == "cuda"
-    plan = Plan(device_type=device_type, construction_extra=source_bytes, pinned=cuda and config.pin_memory)
-    on_dev = (resident_on_device(shape.resident_numel, config, device_type, gpu_free) if resident_on_dev is None
-              else resident_on_dev)
-    res_host = 0 if (on_dev and cuda) else shape.resident_numel
-    if placement is None:
-        res_dev = resident_device_bytes(shape.resident_numel, config) if (on_dev and cuda) else 0
-        free_after = None if gpu_free is None else max(gpu_free - res_dev, 0)
-        placement = layer_placement(shape.layer_numels, shape.layer_frozen, config, device_type, free_after)
-    # Layers kept whole on the GPU hold nothing on the host (on a CPU device their buffers are host RAM anyway).
-    n_kept = sum(shape.layer_numels[i] for i in placement.kept) if cuda else 0
-    n_host = sum(shape.layer_numels) - n_kept + res_host
+    plan = MemoryPlan(device_type=device_type, construction_extra=source_bytes, pinned=cuda and config.pin_memory)
+    plans = plans or unit_plans(shape, config, device_type, gpu_free)
     n_max = max(shape.layer_numels, default=0)
-    k = len(placement.stepped)
-    n_dev_moments = sum(shape.layer_numels[i] for i in placement.stepped)
     slot = max((a + b for a, b in zip(shape.layer_numels, shape.layer_frozen)), default=0)
-    h = plan.host
+    h, d = plan.host, plan.device
     h["baseline (python, torch, transformers)"] = HOST_BASELINE_BYTES + (CUDA_CONTEXT_HOST_BYTES if cuda else 0)
-    # Lean store: streamed layers keep master + moments only (12 B/param); the resident unit keeps the rest.
-    lean = config.lean_store
-    n_full = res_host if lean else n_host  # parameters with a host gradient buffer and a compute-dtype copy
-    h["master fp32"] = 4 * n_host
-    h["grad fp32"] = 4 * n_full
-    # Disk tier: the host units' moments live in memory-mapped files (page cache, reclaimable), not in RSS.
-    on_disk = bool(config.optimizer_state_dir)
-    # GPU-stepped layers keep their moments on the GPU.
-    h["exp_avg fp32"] = 0 if on_disk else 4 * (n_host - n_dev_moments)
-    h["exp_avg_sq fp32"] = 0 if on_disk else 4 * (n_host - n_dev_moments)
-    h["compute copy"] = (bytes_per_param(cdt) - 16) * n_full  # the store's rule: none in fp32 compute
-    # Frozen resident parameters (a PEFT base's embeddings) stay on the GPU with CUDA; streamed ones on the host.
-    h["frozen params (compute dtype)"] = c * (shape.frozen - (shape.resident_frozen if cuda else 0))
+    # The store, buffer by buffer: host rows, device rows by placement, disk (memory-mapped moments: page cache).
+    for name in _STORE_ROWS:
+        h[name] = 0
+    on_disk, layer_dev = 0, {Stepper.DEVICE: 0, Stepper.DEVICE_STREAMED: 0}
+    for up in plans.units:
+        for name, (where, nbytes) in up.buffers(cdt).items():
+            if where is Where.HOST:
+                h[name] += nbytes
+            elif where is Where.DISK:
+                on_disk += nbytes
+            elif up.streamed:
+                layer_dev[up.stepper] += nbytes
+            elif name.startswith("frozen"):  # frozen resident parameters stay in the model (host RAM on a CPU)
+                d["frozen resident params (compute dtype)"] = nbytes if cuda else 0
+                h[name] += 0 if cuda else nbytes
+            else:
+                d["resident master, grad, AdamW, copy"] = d.get("resident master, grad, AdamW, copy", 0) + nbytes
+    kept, stepped = plans.kept, plans.device_stepped
+    if kept:
+        d[f"{len(kept)} layers kept on the GPU (fp32 master, grad, moments)"] = layer_dev[Stepper.DEVICE]
+    if stepped:  # + the stepper's two master + compute-copy buffers
+        d[f"GPU AdamW: {len(stepped)} layers' fp32 grads + moments, 2 master/copy buffers"] = (
+            layer_dev[Stepper.DEVICE_STREAMED] + 2 * (4 + c) * max(shape.layer_numels[i] for i in stepped))
+    lean = any(up.stepper is Stepper.LEAN for up in plans.units)
     # Staging is touched only when pinned (CUDA) or used: a second accumulation step or a non-fp32 offload.
     staged = plan.pinned or grad_accum > 1 or o != 4 or lean
     h["executor staging (2 x layer, offload dtype)"] = 2 * n_max * o if staged else 0
-
-    d = plan.device
     tokens, V, H, L = batch_size * seq_len, shape.vocab, shape.hidden, shape.num_layers
     chunk_seqs = config.micro_batch_size if 0 < config.micro_batch_size < batch_size else batch_size
     if cuda:
         d["CUDA context"] = CUDA_CONTEXT_GPU_BYTES
     res, cc = shape.resident_numel, (c if c < 4 else 0)  # cc: a separate compute-dtype copy exists
-    if on_dev and cuda:
-        d["resident master, grad, AdamW, copy"] = resident_device_bytes(res, config)
-    elif not on_dev:
+    if not plans.resident_on_device:
         d["resident params (compute dtype)"] = c * res
-    if cuda:
-        d["frozen resident params (compute dtype)"] = c * shape.resident_frozen
     d["weight slots"] = config.num_slots * slot * c
     d["grad_param (1 x layer)"] = n_max * c
     d["grad offload (2 x layer)"] = 2 * n_max * o
     if lean and c < 4:
-        d["lean FP32 H2D cast staging"] = min(4 * n_max, LEAN_H2D_CHUNK_BYTES)
-    if n_kept:
-        d[f"{len(placement.kept)} layers kept on the GPU (fp32 master, grad, moments)"] = device_layer_bytes(n_kept)
-    if k:
-        n_step = max(shape.layer_numels[i] for i in placement.stepped)
-        d[f"GPU AdamW: {k} layers' fp32 grads + moments, 2 master/copy buffers"] = device_step_bytes(k, n_step, config)
+        d["lean FP32 H2D cast staging"] = min(4 * n_max, CAST_STAGING_BYTES)
     # Activations and gradients: the phases of a step follow each other; the peak is the largest one.
     boundaries = {"boundary activations ((L+1) x B x T x H)": (L + 1) * tokens * H * c,
                   "final norm + loss input/grad": tokens * H * (2 * c + 4)}
@@ -338,7 +265,7 @@ def estimate(shape: ModelShape, config: MegaTrainConfig, seq_len: int, batch_siz
             sum(v for n, v in d.items() if n != "CUDA context") + max(map(sum_values, plan.phases.values()))))
     s = config.torch_save_dtype
     if on_disk:
-        plan.disk["AdamW moments while training (optimizer_state_dir)"] = 8 * n_host
+        plan.disk["AdamW moments while training (optimizer_state_dir)"] = on_disk
     plan.disk["model export (save_dtype)"] = shape.trainable * _elt(s) + shape.frozen * c
     plan.disk["training state (AdamW m, v [+ fp32 master])"] = (
         8 * shape.trainable + (4 * shape.trainable if s != torch.float32 else 0))
@@ -355,15 +282,14 @@ def estimate(shape: ModelShape, config: MegaTrainConfig, seq_len: int, batch_siz
 
 def check_fits(engine_or_shape: Any, config: MegaTrainConfig | None = None, seq_len: int | None = None,
                batch_size: int = 1, *, host_available: int | None = None, gpu_available: int | None = None,
-               device_type: str | None = None, baseline_paid: bool = False,
-               resident_on_dev: bool | None = None, placement: LayerPlacement | None = None) -> None:
+               device_type: str | None = None, baseline_paid: bool = False, plans: Plans | None = None) -> None:
     """Raise ``MemoryError`` with what to change when the run cannot fit. Accepts a ``MegaTrainEngine`` (after
     construction: GPU need is compared with free + what this process's allocator already holds) or a
     ``ModelShape`` (before anything is allocated). ``seq_len=None`` checks host RAM only.
 
     ``baseline_paid``: the caller is a running process (python, torch, the model already imported), so that part
     of the host baseline is in use already and MemAvailable reflects it (the engine's pre-allocation check);
-    ``resident_on_dev`` / ``placement``: the resident and layer placement the caller already chose."""
+    ``plans``: the unit plans the caller already built (an engine's are read off it)."""
     engine = None if isinstance(engine_or_shape, ModelShape) else engine_or_shape
     shape = engine_or_shape if engine is None else ModelShape.from_engine(engine)
     config = config or (engine.config if engine is not None else MegaTrainConfig())
@@ -371,23 +297,21 @@ def check_fits(engine_or_shape: Any, config: MegaTrainConfig | None = None, seq_
         device_type = engine.device.type if engine is not None else ("cuda" if torch.cuda.is_available() else "cpu")
     if gpu_available is None and device_type == "cuda" and torch.cuda.is_available():
         dev = engine.device if engine is not None else torch.device("cuda", torch.cuda.current_device())
-        free, _ = torch.cuda.mem_get_info(dev)
-        gpu_available = free + torch.cuda.memory_reserved(dev) + CUDA_CONTEXT_GPU_BYTES  # context already paid
+        # An engine's own buffers are allocated already and counted by its plan: add them back to the budget.
+        gpu_available = gpu_budget(dev) + (torch.cuda.memory_allocated(dev) if engine is not None else 0)
     if engine is not None:  # what the engine placed, not what the rules would pick for today's free memory
-        resident_on_dev = engine.resident_on_device
-        placement = engine.layer_placement
+        plans = engine.plans
     plan = estimate(shape, config, seq_len or 1, batch_size, device_type=device_type, gpu_free=gpu_available,
-                    resident_on_dev=resident_on_dev, placement=placement)
+                    plans=plans)
     errors = []
     if engine is None:  # before the store exists: the whole host plan must fit the reserve
         host_available = available_host_bytes() if host_available is None else host_available
         need = plan.host_total - (HOST_BASELINE_BYTES if baseline_paid else 0)
         if need > config.host_memory_fraction * host_available:
-            per_param = (bytes_per_param(config.torch_compute_dtype, lean=config.lean_store)
-                         - (8 if config.optimizer_state_dir else 0))
+            per_param = plan.store_host_bytes / max(shape.trainable, 1)
             errors.append(f"needs {format_bytes(need)} host RAM, {format_bytes(host_available)} available "
                           f"(host_memory_fraction={config.host_memory_fraction}; {shape.trainable / 1e6:.1f}M "
-                          f"trainable parameters at {per_param} B each, {shape.frozen / 1e6:.1f}M frozen); reduce "
+                          f"trainable parameters at {per_param:.3g} B each, {shape.frozen / 1e6:.1f}M frozen); reduce "
                           "the model size, freeze parameters (PEFT/LoRA: frozen ones cost only their compute "
                           "dtype), use compute_dtype='float32' (no separate streaming copy, -2 B/param), "
                           "optimizer_state_dir (AdamW moments on disk, -8 B/param), lean_store=True (12 B/param "
@@ -430,7 +354,7 @@ def _rows(items: dict[str, int], indent: str = "  ") -> list[str]:
     return [f"{indent}{k:<{56 - len(indent)}} {format_bytes(v):>11}" for k, v in items.items() if v]
 
 
-def _report(plan: Plan, host_verdict: str, gpu_verdict: str) -> list[str]:
+def _report(plan: MemoryPlan, host_verdict: str, gpu_verdict: str) -> list[str]:
     peak = plan.peak_phase
     others = ", ".join(f"{k} {format_bytes(sum_values(v))}" for k, v in plan.phases.items() if k != peak)
     return (["Host RAM"] + _rows(plan.host) + [f"  {'total (peak)':<54} {format_bytes(plan.host_total):>11}   "
@@ -474,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"megatrain estimate: error: {e}", file=sys.stderr)
         return 2
     gpu_here = torch.cuda.is_available()
-    gpu_avail = torch.cuda.mem_get_info()[0] + CUDA_CONTEXT_GPU_BYTES if gpu_here else None
+    gpu_avail = gpu_budget(torch.device("cuda", torch.cuda.current_device())) if gpu_here else None
     gpu_plan = a.gpu_memory * GiB if a.gpu_memory else (gpu_avail or 80 * GiB)
     plan = estimate(shape, config, a.seq_len, a.batch_size, device_type="cuda", gpu_free=gpu_plan,
                     grad_accum=a.grad_accum, gpus=a.gpus)

@@ -116,13 +116,14 @@ def _timeline(model: torch.nn.Module) -> HostTimeline:
     from hf_megatrain.optim.device_stepper import DeviceStepper
     from hf_megatrain.engine import MegaTrainEngine
     from hf_megatrain.engine.executor import StreamingExecutor
+    from hf_megatrain.core.step_state import StepState
     from hf_megatrain.optim.adamw import CPUAdamW
 
     tl = HostTimeline()
     tl.wrap(MegaTrainEngine, "__call__", "forward")
     tl.wrap(Accelerator, "backward", "backward")
     tl.wrap(CPUAdamW, "step", "opt.step")
-    tl.wrap(CPUAdamW, "_finish_unit", "unit", lambda self, u: f"[{u.index}]")
+    tl.wrap(StepState, "finish_update", "unit", lambda self, i, changed=True: f"[{i}]")
     tl.wrap(StreamingExecutor, "finish", "executor.finish")
     tl.wrap(DeviceStepper, "run", "device_stepper")
     tl.wrap(common, "sync", "clock_sync")

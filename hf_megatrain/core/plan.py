@@ -1,0 +1,221 @@
+"""Placement plans: where each unit's state lives and who steps it, decided once by one pure function.
+
+A *unit* is what moves as one: each decoder layer, and the resident parts (embeddings, final norm, lm_head) as
+one more. Its ``UnitPlan`` says where the FP32 master, the FP32 gradient, the AdamW moments and the compute-dtype
+copy live, and which stepper runs its AdamW. ``build_plans`` is the only code that reads the placement options
+(``resident_placement``, ``device_layers``, ``device_step_layers``, ``optimizer_state_dir``, ``lean_store``); the
+store allocates from the plans, the executor and the optimizer pick their strategy per plan, and the planner's
+byte counts are sums of ``UnitPlan.nbytes`` over the same plans.
+
+    plan              master  grad    moments      compute copy  stepper
+    host layer        host    host    host / disk  host (bf16)   HOST: fused AdamW on the CPU
+    GPU-stepped layer host    device  device       host (bf16)   DEVICE_STREAMED: master streams to the GPU for it
+    kept layer        device  device  device       none          DEVICE: everything on the GPU, cast per visit
+    lean layer        host    none    host / disk  none          LEAN: update as each gradient lands
+    resident (device) device  device  device       device (bf16) DEVICE
+    resident (host)   host    host    host / disk  host (bf16)   HOST, then published to the device parameters
+
+"device" is the engine's device; on a CPU-only machine that is host memory too (tests run every plan there).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import MegaTrainConfig
+
+
+class Where(enum.Enum):
+    NONE = "none"
+    HOST = "host"  # pinned host RAM
+    DEVICE = "device"  # the engine's device
+    DISK = "disk"  # memory-mapped file (optimizer_state_dir)
+
+
+class Stepper(enum.Enum):
+    HOST = "host"  # fused AdamW on the CPU over host buffers
+    DEVICE_STREAMED = "device_streamed"  # fused AdamW on the GPU; master streamed in and out (device_stepper.py)
+    DEVICE = "device"  # fused AdamW on the GPU over state that lives there
+    LEAN = "lean"  # whole update as the gradient lands, no gradient buffer (optim/lean.py)
+
+
+# FP32 masters cast to the compute dtype on the GPU (lean units) go through a staging buffer of at most this size,
+# so no full FP32 copy of a layer ever sits in GPU memory (executor and planner).
+CAST_STAGING_BYTES = 128 * 1024 ** 2
+
+# GPU bytes per parameter of the two GPU placements of a streamed layer (planner and build_plans share them).
+KEPT_LAYER_DEVICE_BYTES = 16  # FP32 master, gradient, m, v
+STEPPED_LAYER_DEVICE_BYTES = 12  # FP32 gradient, m, v
+
+
+def _elt(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class UnitPlan:
+    index: int
+    streamed: bool  # a decoder layer (streams through the weight slots) or the resident unit
+    numel: int  # trainable parameters
+    frozen_numel: int  # frozen parameters (compute-dtype copy on the host, streamed with the unit)
+    master: Where
+    grad: Where
+    moments: Where
+    compute: Where  # separate compute-dtype copy; NONE: the master is what is read (fp32, or cast on the device)
+    stepper: Stepper
+
+    def buffers(self, compute_dtype: torch.dtype) -> dict[str, tuple[Where, int]]:
+        """Every buffer this unit allocates: name -> (where, bytes)."""
+        c = _elt(compute_dtype)
+        out = {"master fp32": (self.master, 4 * self.numel), "grad fp32": (self.grad, 4 * self.numel),
+               "exp_avg fp32": (self.moments, 4 * self.numel), "exp_avg_sq fp32": (self.moments, 4 * self.numel),
+               "compute copy": (self.compute, c * self.numel)}
+        # Frozen parameters of layers stream from the host; frozen resident ones stay on the device.
+        out["frozen params (compute dtype)"] = (Where.HOST if self.streamed else Where.DEVICE, c * self.frozen_numel)
+        return {k: v for k, v in out.items() if v[0] is not Where.NONE}
+
+    def nbytes(self, where: Where, compute_dtype: torch.dtype) -> int:
+        return sum(n for w, n in self.buffers(compute_dtype).values() if w is where)
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """What ``build_plans`` decides from: unit sizes (layers first, the resident unit last), the device type and
+    the GPU memory this process may use (``None``: unknown / no GPU)."""
+
+    numels: list[int]
+    frozen_numels: list[int]
+    device_type: str
+    gpu_budget: int | None = None
+
+
+@dataclass(frozen=True)
+class Plans:
+    units: list[UnitPlan] = field(default_factory=list)
+
+    @property
+    def layers(self) -> list[UnitPlan]:
+        return self.units[:-1]
+
+    @property
+    def resident(self) -> UnitPlan:
+        return self.units[-1]
+
+    def indices(self, stepper: Stepper, streamed: bool = True) -> list[int]:
+        return [p.index for p in self.units if p.stepper is stepper and p.streamed == streamed and p.numel > 0]
+
+    @property
+    def kept(self) -> list[int]:
+        """Layers kept whole on the device."""
+        return self.indices(Stepper.DEVICE)
+
+    @property
+    def device_stepped(self) -> list[int]:
+        """Layers whose AdamW runs on the device with their master streamed."""
+        return self.indices(Stepper.DEVICE_STREAMED)
+
+    @property
+    def resident_on_device(self) -> bool:
+        return self.resident.master is Where.DEVICE
+
+    def nbytes(self, where: Where, compute_dtype: torch.dtype) -> int:
+        return sum(p.nbytes(where, compute_dtype) for p in self.units)
+
+    def summary(self) -> str:
+        n = sum(1 for p in self.layers if p.numel > 0)
+        kept, stepped = len(self.kept), len(self.device_stepped)
+        lean = len(self.indices(Stepper.LEAN))
+        return (f"of {n} streamed layers, {kept} stay on the GPU, {stepped} run AdamW on the GPU, "
+                f"{n - kept - stepped - lean} on the CPU{f', {lean} lean' if lean else ''}; resident parts "
+                f"{'on the device' if self.resident_on_device else 'on the host'}")
+
+
+def resident_device_bytes(numel: int, compute_dtype: torch.dtype) -> int:
+    """GPU bytes of resident parts stepped on the device: FP32 master, grad, m, v + a compute-dtype copy."""
+    c = _elt(compute_dtype)
+    return numel * (16 + (c if c < 4 else 0))
+
+
+def device_step_bytes(k: int, max_numel: int, compute_dtype: torch.dtype) -> int:
+    """GPU bytes of ``k`` GPU-stepped layers: FP32 gradient + AdamW moments each, and the stepper's two
+    master + compute-copy buffers."""
+    return 0 if k == 0 else STEPPED_LAYER_DEVICE_BYTES * k * max_numel + 2 * (4 + _elt(compute_dtype)) * max_numel
+
+
+def _resident_on_device(numel: int, config: MegaTrainConfig, device_type: str, budget: int | None) -> bool:
+    place = config.resident_placement
+    if place == "host" or device_type != "cuda":
+        return device_type == "cpu" and place != "host"
+    if place == "device":
+        return True
+    return resident_device_bytes(numel, config.torch_compute_dtype) <= config.resident_device_fraction * (budget or 0)
+
+
+def _layer_choice(numels: list[int], frozen: list[int], config: MegaTrainConfig, device_type: str,
+                  budget: int | None) -> tuple[list[int], list[int]]:
+    """(kept, device-stepped) layers for ``device_layers`` / ``device_step_layers`` (-1 = auto). Auto gives
+    ``device_step_fraction`` of the GPU budget left after the resident parts to the first layers in forward order
+    (needed first by the next forward; the CPU's layers, needed last, get the most time): whole layers while they
+    fit (no PCIe at all), then GPU-stepped ones with what remains."""
+    trainable = [i for i, n in enumerate(numels) if n > 0]
+    if config.lean_store:
+        return [], []  # every layer streams; its gradient is consumed as it lands (config validation refuses > 0)
+    auto_off = device_type != "cuda" or bool(config.optimizer_state_dir)
+    left = config.device_step_fraction * (budget or 0)
+    eligible = [i for i in trainable if not frozen[i]]  # frozen parameters stream with the unit's slot
+    if config.device_layers == -1:
+        kept: list[int] = []
+        if not auto_off:
+            for i in eligible:
+                if KEPT_LAYER_DEVICE_BYTES * numels[i] > left:
+                    break
+                left -= KEPT_LAYER_DEVICE_BYTES * numels[i]
+                kept.append(i)
+    else:
+        kept = eligible[:config.device_layers]
+        left -= sum(KEPT_LAYER_DEVICE_BYTES * numels[i] for i in kept)
+    rest = [i for i in trainable if i not in kept]
+    k = config.device_step_layers
+    if k == -1:
+        k = 0
+        if not auto_off and rest:
+            n_max = max(numels[i] for i in rest)
+            k = len(rest)
+            while k > 0 and device_step_bytes(k, n_max, config.torch_compute_dtype) > left:
+                k -= 1
+    return kept, rest[:k]
+
+
+def build_plans(inputs: PlanInputs, config: MegaTrainConfig) -> Plans:
+    """Every unit's plan (layers in order, then the resident unit) from the model's sizes, the config and the GPU
+    budget. Pure: the engine and the planner call it with the same inputs and get the same placement."""
+    *layer_numels, resident_numel = inputs.numels
+    *layer_frozen, resident_frozen = inputs.frozen_numels
+    fp32 = config.torch_compute_dtype == torch.float32
+    host_copy = Where.NONE if fp32 else Where.HOST
+    host_moments = Where.DISK if config.optimizer_state_dir else Where.HOST
+    on_dev = _resident_on_device(resident_numel, config, inputs.device_type, inputs.gpu_budget)
+    budget = inputs.gpu_budget
+    if budget is not None and on_dev:
+        budget = max(budget - resident_device_bytes(resident_numel, config.torch_compute_dtype), 0)
+    kept, stepped = _layer_choice(layer_numels, layer_frozen, config, inputs.device_type, budget)
+    units = []
+    for i, (n, f) in enumerate(zip(layer_numels, layer_frozen)):
+        if i in kept:
+            where = (Where.DEVICE, Where.DEVICE, Where.DEVICE, Where.NONE, Stepper.DEVICE)
+        elif i in stepped:
+            where = (Where.HOST, Where.DEVICE, Where.DEVICE, host_copy, Stepper.DEVICE_STREAMED)
+        elif config.lean_store:
+            where = (Where.HOST, Where.NONE, host_moments, Where.NONE, Stepper.LEAN)
+        else:
+            where = (Where.HOST, Where.HOST, host_moments, host_copy, Stepper.HOST)
+        units.append(UnitPlan(i, True, n, f, *where))
+    if on_dev:
+        where = (Where.DEVICE, Where.DEVICE, Where.DEVICE, Where.NONE if fp32 else Where.DEVICE, Stepper.DEVICE)
+    else:
+        where = (Where.HOST, Where.HOST, host_moments, host_copy, Stepper.HOST)
+    units.append(UnitPlan(len(layer_numels), False, resident_numel, resident_frozen, *where))
+    return Plans(units)

@@ -1,0 +1,153 @@
+"""StepState: the one owner of where each unit is in the training step.
+
+Per unit: ``EMPTY -> ACCUMULATING -> LANDED -> UPDATING -> READY`` (READY behaves as EMPTY for the next backward),
+the squared norm of its gradient when a single layer visit produced it (folded into the gradient's departure from
+the GPU, so the global norm needs no pass over host memory), a ready event and a version that changes whenever
+its master changes. Everyone asks this object instead of each other:
+
+- the executor reports gradients (``accumulate``, ``landed``) and, before it loads a unit's weights, waits for
+  it to be ready; its slot cache is keyed by ``version`` (no "invalidate" calls from outside);
+- the optimizer moves units through ``begin_update`` / ``finish_update`` (from worker threads) and lands the
+  step's gradients with ``land()``, which runs the landing functions the engine registered (the executor's
+  in-flight D2H copies, the resident parameters' ``.grad``) -- the one place gradients land;
+- readers of the masters (checkpoints, exports, PEFT saves) call ``wait_all()``;
+- a lean store's gradients go to the one ``consumer`` registered here (the lean optimizer); the recorded forward
+  of the step being computed (``replay``) lives here until the step ends.
+
+Mechanism only: no torch ops besides holding tensors, so it is tested with plain integers and fakes.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from typing import Any, Callable
+
+import torch
+
+
+class Phase(enum.Enum):
+    EMPTY = "empty"
+    ACCUMULATING = "accumulating"  # a gradient is being written (first visit overwrites, later ones add)
+    LANDED = "landed"  # the gradient is complete where the plan keeps it
+    UPDATING = "updating"  # an optimizer worker owns the unit's state
+    READY = "ready"  # updated; weights may be loaded (same as EMPTY for the next backward)
+
+
+_HAS_GRAD = (Phase.ACCUMULATING, Phase.LANDED)
+
+# A lean store's consumer: (unit index, host slab, host squared-norm cell, D2H event) -> wait() that returns once
+# the slab may be reused.
+Consumer = Callable[[int, torch.Tensor, torch.Tensor, Any], Callable[[], None]]
+
+
+class StepState:
+    def __init__(self, num_units: int) -> None:
+        self.phase = [Phase.EMPTY] * num_units
+        self.grad_sq: list[torch.Tensor | None] = [None] * num_units
+        self.version = [0] * num_units
+        self._ready = [threading.Event() for _ in range(num_units)]
+        for e in self._ready:
+            e.set()
+        self._error: BaseException | None = None
+        self._landers: list[Callable[[], None]] = []
+        self._joiners: list[Callable[[], None]] = []
+        self.consumer: Consumer | None = None
+        self.replay: Any = None  # the recorded forward of the step in progress (lean store)
+        self.unlanded = False  # a backward produced gradients that ``land()`` has not landed yet
+
+    def __len__(self) -> int:
+        return len(self.phase)
+
+    # -- gradients --------------------------------------------------------------------------------------------------
+    def has_grad(self, i: int) -> bool:
+        return self.phase[i] in _HAS_GRAD
+
+    def any_grad(self) -> bool:
+        return any(p in _HAS_GRAD for p in self.phase)
+
+    def accumulate(self, i: int, sq: torch.Tensor | None = None) -> bool:
+        """A gradient for unit ``i`` is on its way. Returns True when it is the step's first (it overwrites the
+        buffer and its squared norm ``sq`` stands for the unit); a later one adds and voids the norm."""
+        first = not self.has_grad(i)
+        self.phase[i] = Phase.ACCUMULATING
+        self.grad_sq[i] = sq if first else None
+        self.unlanded = True
+        return first
+
+    def landed(self, i: int) -> None:
+        self.phase[i] = Phase.LANDED
+
+    def add_lander(self, fn: Callable[[], None]) -> None:
+        """Register a function that lands gradients still in flight (run, in order, by ``land``)."""
+        self._landers.append(fn)
+
+    def add_joiner(self, fn: Callable[[], None]) -> None:
+        """Register a function that joins background work (run by ``wait_all`` before it checks the units)."""
+        self._joiners.append(fn)
+
+    def clear_joiners(self) -> None:
+        """Forget the joiners (a replaced optimizer's)."""
+        self._joiners.clear()
+
+    def land(self) -> None:
+        """Land every gradient in flight: the one place gradients land (before a step, before the next forward
+        of an accumulation, before ``parameters()`` hands them out)."""
+        for fn in self._landers:
+            fn()
+        self.unlanded = False
+
+    def consume(self, i: int, slab: torch.Tensor, sq: torch.Tensor, ready: Any) -> Callable[[], None]:
+        if self.consumer is None:
+            raise RuntimeError("hf_megatrain: lean_store needs the optimizer before the first backward "
+                               "(engine.create_optimizer)")
+        return self.consumer(i, slab, sq, ready)
+
+    # -- updates -----------------------------------------------------------------------------------------------------
+    def begin_update(self, i: int) -> None:
+        self.phase[i] = Phase.UPDATING
+        self._ready[i].clear()
+
+    def finish_update(self, i: int, changed: bool = True) -> None:
+        """Unit ``i``'s state is final for this step; ``changed``: its master moved (weights must be reloaded)."""
+        self.phase[i] = Phase.READY
+        self.grad_sq[i] = None
+        if changed:
+            self.version[i] += 1
+        self._ready[i].set()
+
+    def touch(self, i: int | None = None) -> None:
+        """A master changed outside an update (checkpoint load, a lean take-back): cached copies are stale."""
+        for j in range(len(self)) if i is None else (i,):
+            self.version[j] += 1
+
+    def discard(self) -> None:
+        """Drop every gradient of the step (``zero_grad``, a skipped step): units become READY, masters unchanged."""
+        for i, p in enumerate(self.phase):
+            if p in _HAS_GRAD:
+                self.phase[i] = Phase.READY
+            self.grad_sq[i] = None
+        self.replay = None
+
+    def fail(self, error: BaseException) -> None:
+        """A worker failed: remember the error (raised by the next wait) and release every waiter."""
+        self._error = error
+        for e in self._ready:
+            e.set()
+
+    def wait_ready(self, i: int) -> None:
+        self._ready[i].wait()
+        self._raise()
+
+    def wait_all(self) -> None:
+        """Block until no update is in flight; re-raise a worker's failure."""
+        for fn in self._joiners:
+            fn()
+        for e in self._ready:
+            e.wait()
+        self._raise()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError("hf_megatrain: the optimizer step failed") from err

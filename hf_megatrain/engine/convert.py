@@ -1,0 +1,157 @@
+"""Conversion: an HF causal LM -> unit plans, a filled unit store, layer templates and weightless proxies.
+
+Everything that happens once, before the first step: find the decoder-layer stack, lay out one unit per layer and
+one resident unit (embeddings, final norm, lm_head; ``model.layers.unit_layouts``), build every unit's plan
+(core/plan.py) for this device's GPU budget, check with the planner that the run fits host RAM (the one RAM check,
+before anything large is allocated), allocate the store from the plans, copy each layer's weights into it and free
+the layer (peak = store + one layer), and rebind the resident parameters to device copies (views of the unit's
+device buffers when its plan keeps it there). ``install_proxies`` then swaps each decoder layer for a
+``StreamedLayer`` run by the executor. The runtime (engine/runtime.py) never decides placement.
+
+Frozen parameters (``requires_grad=False``: a PEFT base, frozen layers) get no FP32 master or optimizer state: in
+layers they stream from a compute-dtype host copy, outside layers they stay on the device in compute dtype.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .. import planner
+from ..config import MegaTrainConfig
+from ..core.memory import gpu_budget
+from ..core.plan import PlanInputs, Plans, Where, build_plans
+from ..core.store import UnitStore
+from ..model.families import check_supported
+from ..model.layers import LayerStack, find_layer_stack, group_layers, unit_layouts
+from ..model.template import LayerTemplate
+from .executor import StreamedLayer, StreamingExecutor
+
+logger = logging.getLogger(__name__)
+
+# transformers.Trainer.get_decay_parameter_names: no decay for biases and norm weights.
+_NO_DECAY = [re.compile(p) for p in (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")]
+
+
+def default_decay_names(model: nn.Module) -> set[str]:
+    """Names Trainer would weight-decay (same rule as ``Trainer.get_decay_parameter_names``)."""
+    out = set()
+    for mname, module in model.named_modules():
+        if isinstance(module, nn.LayerNorm):
+            continue
+        for pname, _ in module.named_parameters(recurse=False):
+            full = f"{mname}.{pname}" if mname else pname
+            if not any(p.search(full.lower()) for p in _NO_DECAY):
+                out.add(full)
+    return out
+
+
+def _check_not_converted(model: nn.Module) -> None:
+    """A model whose layers are already streamed proxies (converted before ``get_peft_model`` wrapped it) has no
+    layer weights left to adapt or train: say what to do instead."""
+    if any(isinstance(m, StreamedLayer) for m in model.modules()):
+        raise ValueError(
+            f"this {type(model).__name__} holds a model already converted by hf_megatrain (its decoder layers are "
+            "streamed proxies). Call peft.get_peft_model(model, config) on the plain model *before* handing it to "
+            "MegaTrainEngine / MegaTrainTrainer / MegaTrainPlugin; an existing engine is reused by passing "
+            "engine.model (or the engine) itself.")
+
+
+def _check_plain_head(model: nn.Module) -> None:
+    """The chunked loss multiplies by ``lm_head.weight`` (+ bias): an adapter wrapped around lm_head (LoRA on it)
+    would be silently skipped, so refuse it."""
+    head = model.get_output_embeddings()
+    extra = [n for n, _ in head.named_parameters() if n not in ("weight", "bias")]
+    if extra:
+        raise ValueError(
+            f"the output embeddings ({type(head).__name__}) carry extra parameters {extra[:3]}: hf_megatrain computes "
+            "the loss from lm_head.weight directly, so adapters on lm_head are not supported. Leave lm_head out of "
+            "the PEFT target_modules (train it fully with requires_grad_(True) instead, or keep it frozen).")
+
+
+@dataclass
+class Converted:
+    """What conversion leaves for the runtime."""
+
+    stack: LayerStack
+    plans: Plans
+    store: UnitStore
+    kinds: list[int]  # template index per layer
+    templates: list[LayerTemplate]
+    buffers: list[dict[str, torch.Tensor]]  # each layer's buffers, on the device
+    originals: list[nn.Module]  # the HF layers (weights freed: meta), for the proxies' plain attributes
+    resident_params: dict[str, nn.Parameter]  # trainable parameters outside the layers (device working copies)
+    frozen_resident: dict[str, nn.Parameter]  # frozen ones (device, compute dtype)
+
+
+def convert(model: nn.Module, config: MegaTrainConfig, device: torch.device, decay_names: set[str] | None) -> Converted:
+    compute_dtype = config.torch_compute_dtype
+    if hasattr(model, "config"):
+        model.config.use_cache = False
+    _check_not_converted(model)
+    stack = find_layer_stack(model, config.layers_path)
+    check_supported(model, stack)
+    _check_plain_head(model)
+    decay = default_decay_names(model) if decay_names is None else set(decay_names)
+    ul = unit_layouts(model, stack, decay)
+    plans = build_plans(PlanInputs(ul.numels, ul.frozen_numels, device.type, gpu_budget(device)), config)
+    logger.info("hf_megatrain: %s", plans.summary())
+    planner.check_fits(planner.ModelShape.from_layouts(model, ul), config, device_type=device.type,
+                       gpu_available=gpu_budget(device), baseline_paid=True, plans=plans)
+    store = UnitStore(plans, ul.layouts, ul.frozen, compute_dtype=compute_dtype, device=device,
+                      pin=config.pin_memory and device.type == "cuda", state_dir=config.optimizer_state_dir)
+
+    # Layers -> store + templates. One layer at a time, so peak memory grows by one layer.
+    layers = stack.layers
+    kinds = group_layers(layers)
+    templates: dict[int, LayerTemplate] = {}
+    buffers: list[dict[str, torch.Tensor]] = []
+    originals = list(layers)
+    for i, layer in enumerate(originals):
+        unit = store.units[i]
+        if kinds[i] not in templates:
+            templates[kinds[i]] = LayerTemplate(layer, unit.params, unit.frozen_params, compile=config.torch_compile)
+        if not next(layer.parameters(), torch.empty(0, device="meta")).is_meta:
+            for n, p in layer.named_parameters():
+                store.load_(f"{stack.path}.{i}.{n}", p.detach())
+        buffers.append({n: b.to(device) for n, b in layer.named_buffers()})
+        layer.to("meta")  # free this layer's weights now that the store holds them
+        unit.refresh_compute_()
+
+    # Resident parameters: FP32 master + a compute-dtype working copy on the device; where the plan keeps the unit
+    # on the device the working parameters are views of its buffers (the optimizer's refresh updates them).
+    layer_ids = {id(p) for p in layers.parameters()}
+    outside = [(n, p) for n, p in model.named_parameters() if id(p) not in layer_ids]
+    resident_params = {n: p for n, p in outside if p.requires_grad}
+    frozen_resident = {n: p for n, p in outside if not p.requires_grad}
+    res = store.units[-1]
+    for name, p in resident_params.items():
+        if not p.is_meta:
+            store.load_(name, p.detach())
+    res.refresh_compute_()
+    for sl in res.params:
+        param = resident_params[sl.name]
+        if res.plan.master is Where.DEVICE:
+            param.data = res.view(res.source, sl)
+        else:
+            param.data = torch.empty(sl.shape, dtype=compute_dtype, device=device)
+    for p in {id(p): p for p in frozen_resident.values()}.values():
+        if not p.is_meta:
+            p.data = p.data.to(device, compute_dtype)
+    for mod in model.modules():  # rotary tables and other buffers follow to the device, dtype unchanged
+        for bname, b in list(mod._buffers.items()):
+            if b is not None and not b.is_meta:
+                mod._buffers[bname] = b.to(device)
+    return Converted(stack, plans, store, kinds, [templates[k] for k in range(len(templates))], buffers, originals,
+                     resident_params, frozen_resident)
+
+
+def install_proxies(conv: Converted, executor: StreamingExecutor) -> None:
+    """Swap each decoder layer of the model for a weightless proxy run by ``executor``."""
+    layers = conv.stack.layers
+    for i, layer in enumerate(conv.originals):
+        layers[i] = StreamedLayer(executor, i, layer)

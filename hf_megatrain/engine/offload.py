@@ -1,0 +1,127 @@
+"""GradientOffload: where each layer visit's weight gradient goes once the recompute has produced it.
+
+The backward accumulates a visit's weight gradient (compute dtype) into ``grad_param``, then casts it into one of
+two offload buffers (``buffer()``); ``send`` hands it to the sink the unit's plan picked at construction:
+
+    gradient on the device (kept, GPU-stepped)   accumulated there in FP32, on the compute stream
+    gradient on the host                         D2H on the D2H stream: the step's first visit straight into the
+                                                 host buffer, later ones (accumulation) through a staging buffer,
+                                                 added when they land
+    no gradient (lean)                           D2H into one of two FP32 staging slabs, with its squared norm, and
+                                                 handed to the step state's consumer (the lean optimizer), which
+                                                 releases the slab before it is reused
+
+The two offload buffers alternate, so layer i's D2H overlaps layer i-1's recompute. ``finish`` (a lander of the
+step state) lands whatever is in flight.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from ..core.memory import alloc_host
+from ..core.plan import Where
+from ..core.step_state import StepState
+from ..core.store import Unit
+from ..core.streams import StreamSet
+
+
+class GradientOffload:
+    def __init__(self, units: list[Unit], state: StepState, streams: StreamSet, *, device: torch.device,
+                 compute_dtype: torch.dtype, offload_dtype: torch.dtype, pin: bool) -> None:
+        self.units, self.state, self.streams = units, state, streams
+        n = max(u.numel for u in units)
+        # Weight gradients of one layer visit (autograd accumulates into views of it in place).
+        self.grad_param = torch.zeros(n, dtype=compute_dtype, device=device)
+        self.offload = [torch.empty(n, dtype=offload_dtype, device=device) for _ in range(2)]
+        self.staging = [alloc_host(n, offload_dtype, pin) for _ in range(2)]
+        self.done: list[Any] = [None, None]  # event: offload buffer k drained
+        # In flight per buffer: (unit, what landing does with the staging buffer: "", "copy", "add").
+        self.pending: list[tuple[Unit, str] | None] = [None, None]
+        self.lean_wait: list[Callable[[], None] | None] = [None, None]  # the consumer's wait() per slab
+        sinks = {Where.DEVICE: self._to_device, Where.HOST: self._to_host, Where.NONE: self._to_consumer}
+        self.sink = [sinks[u.plan.grad] for u in units]  # the strategy, per layer
+        lean = any(u.plan.grad is Where.NONE for u in units)
+        self.sq_host = [alloc_host(1, torch.float32, pin) for _ in range(2)] if lean else []
+        self._next = 0
+        self.d2h_bytes = 0
+
+    def buffer(self, n: int) -> tuple[int, torch.Tensor]:
+        """The next offload buffer (its previous D2H drained on the device), first ``n`` elements."""
+        k = self._next
+        self._next ^= 1
+        self.streams.wait(self.streams.compute, self.done[k])
+        return k, self.offload[k][:n]
+
+    def send(self, index: int, k: int) -> None:
+        """Offload buffer ``k`` holds layer ``index``'s gradient for this visit: send it where its plan says."""
+        unit = self.units[index]
+        off = self.offload[k][:unit.numel]
+        # The gradient-norm reduction rides along with the gradient's departure (first visit of the step only; a
+        # lean unit's every gradient is a whole step's, a re-run's included).
+        first = unit.plan.grad is Where.NONE or not self.state.has_grad(unit.index)
+        sq = torch.linalg.vector_norm(off, dtype=torch.float32).square() if first else None
+        self.sink[index](k, unit, off, sq)
+
+    def _to_device(self, k: int, unit: Unit, off: torch.Tensor, sq: torch.Tensor | None) -> None:
+        if self.state.accumulate(unit.index, sq):
+            unit.grad.copy_(off)
+        else:
+            unit.grad.add_(off)
+        self.state.landed(unit.index)
+        self.done[k] = self.streams.record(self.streams.compute)
+
+    def _to_host(self, k: int, unit: Unit, off: torch.Tensor, sq: torch.Tensor | None) -> None:
+        ready = self.streams.record(self.streams.compute)
+        self._drain(k)
+        first = self.state.accumulate(unit.index, sq)
+        direct = first and off.dtype == unit.grad.dtype
+        dst = unit.grad if direct else self.staging[k][:unit.numel]
+        st = self.streams
+        with st.on(st.d2h):
+            st.wait(st.d2h, ready)
+            dst.copy_(off, non_blocking=True)
+            self.done[k] = st.record(st.d2h)
+        self.d2h_bytes += off.numel() * off.element_size()
+        self.pending[k] = (unit, "" if direct else "copy" if first else "add")
+
+    def _to_consumer(self, k: int, unit: Unit, off: torch.Tensor, sq: torch.Tensor | None) -> None:
+        ready = self.streams.record(self.streams.compute)
+        self._drain(k)  # slab k released by the consumer (it may still be reading the gradient of two layers up)
+        slab, sq_host = self.staging[k][:unit.numel], self.sq_host[k][0]
+        st = self.streams
+        with st.on(st.d2h):
+            st.wait(st.d2h, ready)
+            slab.copy_(off, non_blocking=True)
+            sq_host.copy_(sq, non_blocking=True)
+            self.done[k] = st.record(st.d2h)
+        self.d2h_bytes += unit.numel * slab.element_size()
+        self.pending[k] = (unit, "")
+        self.state.accumulate(unit.index, sq)  # (keeps the device scalar alive until its copy is done)
+        self.lean_wait[k] = self.state.consume(unit.index, slab, sq_host, self.done[k])
+
+    def _drain(self, k: int) -> None:
+        wait = self.lean_wait[k]
+        if wait is not None:
+            self.lean_wait[k] = None
+            self.pending[k] = None
+            wait()
+            return
+        item = self.pending[k]
+        if item is None:
+            return
+        self.streams.synchronize(self.done[k])
+        unit, action = item
+        if action == "add":
+            unit.grad.add_(self.staging[k][:unit.numel])
+        elif action == "copy":
+            unit.grad.copy_(self.staging[k][:unit.numel])
+        self.state.landed(unit.index)
+        self.pending[k] = None
+
+    def finish(self) -> None:
+        """Land every gradient in flight."""
+        for k in (0, 1):
+            self._drain(k)

@@ -1,0 +1,105 @@
+"""WeightSlots: the GPU slots decoder layers run from, and how each unit's weights get into one.
+
+Each unit's plan (core/plan.py) picks, once, at construction, how its weights come in:
+
+    master on the device (kept layer)     cast into the slot on the compute stream: no PCIe
+    compute copy on the host              one H2D copy on the H2D stream
+    FP32 master on the host (lean, fp32)  H2D; when the compute dtype differs, cast on the GPU in chunks through a
+                                          small FP32 staging buffer (a non-blocking copy with a dtype change would
+                                          allocate a full FP32 temporary of the layer on the GPU)
+
+Before loading a unit the slots wait until the step state says it is ready (its update may still run on an
+optimizer thread); a slot is reused only while it holds the unit's current version, so nobody has to tell the
+slots that weights changed. Slots are filled least-recently-used first, the ones the pass needs next protected.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from ..core.plan import CAST_STAGING_BYTES, Where
+from ..core.step_state import StepState
+from ..core.store import Unit
+from ..core.streams import StreamSet
+
+
+class WeightSlots:
+    def __init__(self, units: list[Unit], state: StepState, streams: StreamSet, *, device: torch.device,
+                 compute_dtype: torch.dtype, num_slots: int) -> None:
+        self.units, self.state, self.streams = units, state, streams
+        slot_numel = max(u.numel + u.frozen_numel for u in units)
+        self.slots = [torch.empty(slot_numel, dtype=compute_dtype, device=device) for _ in range(num_slots)]
+        self.held: list[tuple[int, int] | None] = [None] * num_slots  # (layer, version) in each slot
+        self.ready: list[Any] = [None] * num_slots  # event: the slot's load finished
+        self.free: list[Any] = [None] * num_slots  # event: the last compute reading the slot finished
+        self.tick = [0] * num_slots
+        self._tick = 0
+        self.from_device = [u.plan.master is Where.DEVICE for u in units]  # the load strategy, per layer
+        cast_numel = max((u.numel for u, dev in zip(units, self.from_device)
+                          if not dev and u.source.dtype != compute_dtype), default=0)
+        self.cast_stage = (torch.empty(min(cast_numel, CAST_STAGING_BYTES // 4), dtype=torch.float32, device=device)
+                           if cast_numel and device.type == "cuda" else None)
+        self.h2d_bytes = 0
+        self.wait_optimizer_s = 0.0  # host time the passes spent waiting for optimizer updates
+
+    def acquire(self, index: int, step: int) -> int:
+        """Make layer ``index`` resident and prefetch the next ones in pass direction ``step`` (+1 / -1); the
+        compute stream waits for the slot's load. Returns the slot."""
+        s = self._load(index, protect=set())
+        self._tick += 1
+        self.tick[s] = self._tick
+        protect = {s}
+        for k in range(1, len(self.slots)):
+            j = index + k * step
+            if not 0 <= j < len(self.units):
+                break
+            protect.add(self._load(j, protect))
+        self.streams.wait(self.streams.compute, self.ready[s])
+        return s
+
+    def release(self, s: int) -> None:
+        """The compute stream's work on slot ``s`` is queued: the slot may be refilled once it has run."""
+        self.free[s] = self.streams.record(self.streams.compute)
+
+    def _load(self, index: int, protect: set[int]) -> int:
+        unit = self.units[index]
+        t0 = time.perf_counter()
+        with torch.profiler.record_function("megatrain.wait_optimizer"):
+            self.state.wait_ready(unit.index)
+        self.wait_optimizer_s += time.perf_counter() - t0
+        held = (index, self.state.version[unit.index])
+        if held in self.held:
+            return self.held.index(held)
+        s = min((k for k in range(len(self.slots)) if k not in protect), key=lambda k: self.tick[k])
+        st = self.streams
+        self.held[s] = held
+        slot = self.slots[s]
+        if self.from_device[index]:
+            st.wait(st.compute, self.free[s])
+            slot[:unit.numel].copy_(unit.master)  # device cast, no PCIe
+            self.ready[s] = None
+            return s
+        with st.on(st.h2d):
+            st.wait(st.h2d, self.free[s])
+            self._copy_in(slot[:unit.numel], unit.source)
+            if unit.frozen is not None:
+                slot[unit.numel:unit.numel + unit.frozen_numel].copy_(unit.frozen, non_blocking=True)
+            self.ready[s] = st.record(st.h2d)
+        self.h2d_bytes += unit.numel * unit.source.element_size() + unit.frozen_numel * slot.element_size()
+        return s
+
+    def _copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Host -> slot on the current (H2D) stream; an FP32 master cast through the staging buffer chunk by chunk
+        (chunks reuse the buffer in stream order)."""
+        if src.dtype == dst.dtype or self.cast_stage is None:
+            dst.copy_(src, non_blocking=True)  # (on the CPU a cast copy: same rounding as the GPU cast)
+            return
+        c = self.cast_stage.numel()
+        for a in range(0, src.numel(), c):
+            b = min(a + c, src.numel())
+            stage = self.cast_stage[:b - a]
+            stage.copy_(src[a:b], non_blocking=True)
+            dst[a:b].copy_(stage)

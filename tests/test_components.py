@@ -1,0 +1,153 @@
+"""Component tests on plain tensors and fakes (no HF model): the AdamW kernels and their undo, the step state's
+lifecycle, the lean store's decisions, and the placement plans."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from hf_megatrain import MegaTrainConfig
+from hf_megatrain.core import kernels
+from hf_megatrain.core.plan import PlanInputs, Stepper, Where, build_plans
+from hf_megatrain.core.step_state import Phase, StepState
+from hf_megatrain.optim.lean import Act, LeanPolicy
+
+from .parity import rel
+
+
+# -- kernels ---------------------------------------------------------------------------------------------------------
+def _flat_state(n: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, generator=g), torch.randn(n, generator=g), torch.zeros(n), torch.zeros(n)]
+
+
+@pytest.mark.parametrize("grad_scale", [None, 4.0])
+def test_adamw_matches_torch_adamw_per_group(grad_scale):
+    """Two spans with different hyper-parameters (decayed / not) over one flat buffer, three steps, against
+    torch.optim.AdamW on separate parameters with the gradient divided by grad_scale."""
+    n, cut = 64, 40
+    master, grad, m, v = _flat_state(n)
+    ref = [torch.nn.Parameter(master[:cut].clone()), torch.nn.Parameter(master[cut:].clone())]
+    ropt = torch.optim.AdamW([{"params": [ref[0]], "weight_decay": 0.1}, {"params": [ref[1]], "weight_decay": 0.0}],
+                             lr=1e-2, betas=(0.9, 0.99), eps=1e-8)
+    hyper = [kernels.Hyper.of(g) for g in ropt.param_groups]
+    groups = [(hyper[0], [(0, cut)]), (hyper[1], [(cut, n)])]
+    for step in range(1, 4):
+        g = grad * step
+        ref[0].grad, ref[1].grad = (g[:cut] / (grad_scale or 1)).clone(), (g[cut:] / (grad_scale or 1)).clone()
+        ropt.step()
+        kernels.adamw_(master, g.clone(), m, v, groups, step, grad_scale)
+    assert rel(master, torch.cat([p.detach() for p in ref])) <= 1e-6
+
+
+def test_undo_takes_back_an_update():
+    n = 128
+    master, grad, m, v = _flat_state(n, seed=1)
+    h = kernels.Hyper(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+    groups = [(h, [(0, n)])]
+    kernels.adamw_(master, grad.clone(), m, v, groups, 1)
+    before = [t.clone() for t in (master, m, v)]
+    g2 = torch.randn(n, generator=torch.Generator().manual_seed(2))
+    kernels.adamw_(master, g2.clone(), m, v, groups, 2, grad_scale=2.0)
+    kernels.undo_master_(master, m, v, groups, 2)
+    kernels.undo_moments_(g2, m, v, groups, 2, grad_scale=2.0)
+    for a, b in zip((master, m, v), before):
+        assert rel(a, b) <= 1e-6
+    kernels.undo_master_(master, m, v, groups, 1)
+    kernels.undo_moments_(grad, m, v, groups, 1, None)
+    assert torch.count_nonzero(m) == 0 and torch.count_nonzero(v) == 0  # the first update undoes exactly
+
+
+# -- step state --------------------------------------------------------------------------------------------------------
+def test_step_state_lifecycle():
+    st = StepState(2)
+    assert st.accumulate(0, torch.tensor(4.0)) is True and st.grad_sq[0] is not None
+    assert st.accumulate(0, torch.tensor(1.0)) is False and st.grad_sq[0] is None  # a second visit voids the norm
+    st.landed(0)
+    assert st.phase == [Phase.LANDED, Phase.EMPTY] and st.has_grad(0) and not st.has_grad(1)
+    order: list[str] = []
+    st.add_lander(lambda: order.append("executor"))
+    st.add_lander(lambda: order.append("resident"))
+    st.land()
+    assert order == ["executor", "resident"] and not st.unlanded
+    st.begin_update(0)
+    st.finish_update(0)
+    assert st.phase[0] is Phase.READY and st.version == [1, 0]
+    st.finish_update(1, changed=False)
+    assert st.version == [1, 0]
+    st.accumulate(1)
+    st.discard()
+    assert not st.any_grad() and st.replay is None
+
+
+def test_step_state_waiters_block_until_ready_and_see_failures():
+    st = StepState(1)
+    st.begin_update(0)
+    done: list[float] = []
+    t = threading.Thread(target=lambda: (st.wait_ready(0), done.append(time.perf_counter())))
+    t.start()
+    time.sleep(0.05)
+    assert not done  # still updating
+    finished = time.perf_counter()
+    st.finish_update(0)
+    t.join()
+    assert done and done[0] >= finished
+    st.begin_update(0)
+    st.fail(ValueError("kernel blew up"))
+    with pytest.raises(RuntimeError, match="optimizer step failed"):
+        st.wait_ready(0)
+    with pytest.raises(RuntimeError, match="lean_store needs the optimizer"):
+        st.consume(0, torch.zeros(1), torch.zeros(1), None)
+
+
+# -- lean policy (fakes: unit indices, norms and keys only) ------------------------------------------------------------
+def test_lean_policy_speculates_then_takes_back_when_the_step_clips():
+    p = LeanPolicy(norm_first=False)
+    key = (None, ("h",))
+    assert p.first_pass(2, 1.0, key) is Act.UPDATE and p.first_pass(1, 4.0, key) is Act.UPDATE
+    assert p.mode is False
+    clipped = (0.5, ("h",))
+    d = p.decide(skip=False, want=clipped, skip_nonfinite=True)
+    assert d.rerun and sorted(d.take_back) == [1, 2] and d.expected == {1, 2}
+    p.rerun = (0.5, False, clipped)
+    assert p.regenerated(2, 1.0) is Act.REDO and p.applied[2] == clipped
+    assert p.regenerated(1, 4.0) is Act.REDO
+    p.rerun = None
+    p.end(clipped=True)
+    assert p.norm_first and not p.seen and not p.applied
+
+
+def test_lean_policy_norm_first_and_nonfinite_and_accumulation():
+    p = LeanPolicy(norm_first=True)
+    key = (None, ("h",))
+    assert p.first_pass(1, 9.0, key) is Act.KEEP and p.first_pass(0, float("inf"), key) is Act.KEEP
+    assert p.nonfinite == {0}
+    d = p.decide(skip=True, want=(None, ("h",)), skip_nonfinite=True)  # non-finite: nothing applied, no re-run
+    assert not d.rerun and d.take_back == []
+    d = p.decide(skip=False, want=(2.0, ("h",)), skip_nonfinite=True)
+    assert d.rerun and d.take_back == [] and d.expected == {1}
+    p.rerun = (2.0, False, (2.0, ("h",)))
+    assert p.regenerated(1, 9.0) is Act.UPDATE
+    with pytest.raises(RuntimeError, match="second gradient"):
+        p.first_pass(1, 1.0, key)
+
+
+# -- plans -------------------------------------------------------------------------------------------------------------
+def test_plans_place_every_buffer_once():
+    n = 1000
+    inputs = PlanInputs([n] * 4 + [10], [0] * 5, "cuda", 10 ** 9)
+    p = build_plans(inputs, MegaTrainConfig(device_layers=1, device_step_layers=1))
+    assert [u.stepper for u in p.layers] == [Stepper.DEVICE, Stepper.DEVICE_STREAMED, Stepper.HOST, Stepper.HOST]
+    assert p.resident.stepper is Stepper.DEVICE and p.resident_on_device
+    bf16 = torch.bfloat16
+    assert p.layers[0].nbytes(Where.HOST, bf16) == 0 and p.layers[0].nbytes(Where.DEVICE, bf16) == 16 * n
+    assert p.layers[1].nbytes(Where.HOST, bf16) == 6 * n and p.layers[1].nbytes(Where.DEVICE, bf16) == 12 * n
+    assert p.layers[2].nbytes(Where.HOST, bf16) == 18 * n
+    lean = build_plans(inputs, MegaTrainConfig(lean_store=True, resident_placement="host"))
+    assert all(u.nbytes(Where.HOST, bf16) == 12 * n for u in lean.layers)
+    assert lean.resident.stepper is Stepper.HOST and lean.resident.grad is Where.HOST
+    disk = build_plans(PlanInputs([n, 10], [0, 0], "cpu"), MegaTrainConfig(optimizer_state_dir="/tmp"))
+    assert disk.layers[0].moments is Where.DISK and disk.layers[0].nbytes(Where.DISK, bf16) == 8 * n

@@ -118,6 +118,7 @@ def _load(out):
         return json.load(f)
 
 
+@pytest.mark.slow  # subprocess: one benchmark run per batch size
 def test_tiny_engine_end_to_end(tmp_path):
     out = str(tmp_path)
     assert bench.main(["--tiny", "--systems", "megatrain", "--megatrain-mode", "engine", "--sizes", "4,8",
@@ -134,6 +135,7 @@ def test_tiny_engine_end_to_end(tmp_path):
     assert os.path.exists(os.path.join(out, "logs", "megatrain_b4.log"))
 
 
+@pytest.mark.slow  # subprocess: one benchmark run per system
 def test_failed_run_is_recorded_and_the_next_one_goes_on(tmp_path):
     out = str(tmp_path)
     bench.main(["--tiny", "--systems", "megatrain,fsdp2", "--sizes", "4", "--steps", "1", "--warmup", "1",
@@ -145,6 +147,7 @@ def test_failed_run_is_recorded_and_the_next_one_goes_on(tmp_path):
     assert "**error**" in open(os.path.join(out, [f for f in os.listdir(out) if f.endswith(".md")][0])).read()
 
 
+@pytest.mark.slow  # subprocess: a benchmark run
 @pytest.mark.skipif(importlib.util.find_spec("hf_megatrain.hf.trainer") is None,
                     reason="hf_megatrain.hf.trainer not written yet")
 def test_tiny_trainer_end_to_end(tmp_path):

@@ -49,6 +49,7 @@ CLEAN_LOAD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # subprocess: plain-transformers load in a clean interpreter
 @pytest.mark.parametrize("save_dtype, tie", [("float32", False), ("bfloat16", True)])
 def test_save_model_loads_with_plain_transformers(tmp_path, save_dtype, tie):
     args = mt_args(tmp_path / "run", max_steps=2, megatrain_save_dtype=save_dtype, megatrain_max_shard_size="30KB")
@@ -128,6 +129,7 @@ KILL_CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # subprocess: a training child, SIGKILLed mid-save
 def test_killed_mid_save_leaves_previous_checkpoint_usable(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
@@ -203,6 +205,7 @@ RSS_CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # subprocess: peak RSS measured in a child process
 def test_streamed_load_peak_rss(tmp_path):
     """Loading a multi-shard checkpoint never holds a second copy: peak RSS <= 1.15 x the host store."""
     cfg = transformers.LlamaConfig(vocab_size=1024, hidden_size=1024, intermediate_size=2816, num_hidden_layers=16,

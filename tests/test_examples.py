@@ -45,6 +45,7 @@ def default_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
     return r, out
 
 
+@pytest.mark.slow  # subprocess: examples/train.py as a script
 def test_default_job_trains_and_exports(default_run):
     r, out = default_run
     first, last = first_last(r.stdout)
@@ -67,6 +68,7 @@ def test_default_job_trains_and_exports(default_run):
     assert "eval_perplexity" in metrics and 0.0 < metrics["eval_accuracy"] <= 1.0
 
 
+@pytest.mark.slow  # subprocess: examples/train.py as a script
 def test_finetune_from_local_checkpoint_and_own_files(default_run, tmp_path):
     """--model_name_or_path <dir> (streamed load) and --train_file/--validation_file (jsonl)."""
     _, ckpt = default_run
@@ -82,6 +84,7 @@ def test_finetune_from_local_checkpoint_and_own_files(default_run, tmp_path):
     transformers.AutoModelForCausalLM.from_pretrained(checkpoint(r.stdout))
 
 
+@pytest.mark.slow  # subprocess: accelerate launch
 def test_accelerate_launch_with_example_config(tmp_path):
     accelerate = [sys.executable, "-m", "accelerate.commands.launch"]  # what the `accelerate launch` CLI runs
     r = run([*accelerate, "--config_file", "examples/megatrain.yaml", "examples/train.py", *SMALL,
@@ -89,6 +92,7 @@ def test_accelerate_launch_with_example_config(tmp_path):
     assert "effective MegaTrainConfig" in r.stdout and (tmp_path / "model.safetensors").is_file()
 
 
+@pytest.mark.slow  # subprocess: examples/accelerate_loop.py as a script
 def test_accelerate_loop_example(tmp_path):
     r = run([sys.executable, "examples/accelerate_loop.py", "--steps", "12", "--gradient_accumulation_steps", "2",
              "--output_dir", str(tmp_path)])

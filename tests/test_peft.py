@@ -236,7 +236,12 @@ def test_trainer_with_peft_model_matches_plain_trainer_and_saves_adapter(tmp_pat
         if p.requires_grad:
             assert rel(loaded.get_parameter(n), p.detach()) <= 1e-5, n
     trainer.save_merged_model(str(tmp_path / "merged"))
-    assert transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")) is not None
+    merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
+    assert not any("lora" in n for n, _ in merged.named_parameters())  # adapters folded into the base weights
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        theirs = merged(input_ids=ids).logits
+    assert rel(_our_logits(trainer.engine, ids), theirs) <= 1e-5
 
 
 def test_trainer_peft_checkpoint_resume(tmp_path):

@@ -79,6 +79,7 @@ def test_layer_placement_rule():
         MegaTrainConfig(lean_store=True, device_layers=1)
 
 
+@pytest.mark.slow  # subprocess (integration/measure_memory.py) forking one child per case
 def test_host_prediction_within_10_percent_of_measured(tmp_path):
     """Three Llama sizes x {fp32, bf16}: engine + one train step in forked children of one subprocess; peak RSS
     growth (store + executor buffers + step transients) vs the planner's host total less its baseline constant."""
@@ -152,15 +153,24 @@ def test_check_fits_errors_say_what_to_change():
     cfg = MegaTrainConfig()
     with pytest.raises(MemoryError, match=r"needs .* host RAM, .* available .*; reduce"):
         planner.check_fits(shape, cfg, host_available=1 << 20, device_type="cpu")
-    planner.check_fits(shape, cfg, host_available=1 << 40, device_type="cpu")
+    assert planner.check_fits(shape, cfg, host_available=1 << 40, device_type="cpu") is None
     with pytest.raises(MemoryError, match=r"GPU memory for seq_len=4096.*reduce seq_len"):
         planner.check_fits(shape, cfg, 4096, 8, host_available=1 << 40, gpu_available=256 << 20, device_type="cuda")
-    planner.check_fits(shape, cfg, 4096, 8, host_available=1 << 40, gpu_available=1 << 40, device_type="cuda")
+    assert planner.check_fits(shape, cfg, 4096, 8, host_available=1 << 40, gpu_available=1 << 40,
+                              device_type="cuda") is None
 
 
 def test_check_fits_on_a_built_engine():
+    """On an engine the store already exists, so the host budget is not checked again; the GPU need is, per step
+    shape, and a shortfall names the knobs to turn."""
     engine = MegaTrainEngine(tiny("llama"), MegaTrainConfig(compute_dtype="float32"), device="cpu")
-    planner.check_fits(engine, seq_len=16, batch_size=2)  # CPU engine: store already allocated, nothing to check
+    assert planner.check_fits(engine, seq_len=16, batch_size=2) is None  # CPU engine: nothing left to check
+    assert planner.check_fits(engine, seq_len=16, batch_size=2, host_available=1, gpu_available=1) is None
+    assert planner.check_fits(engine, seq_len=16, batch_size=2, host_available=1, gpu_available=1 << 40,
+                              device_type="cuda") is None
+    with pytest.raises(MemoryError, match=r"this run does not fit: needs .* GPU memory for seq_len=16, "
+                                          r"batch_size=2, .* available .*reduce seq_len or batch_size"):
+        planner.check_fits(engine, seq_len=16, batch_size=2, gpu_available=1 << 20, device_type="cuda")
 
 
 def test_estimate_cli_table_and_verdict(tmp_path, capsys):

@@ -23,6 +23,7 @@ GIB = 2 ** 30
 FULL = {"tiny": False, "batch": 4, "seq": 4096, "host_fraction": 1.0, "megatrain_config": {}}
 
 
+@pytest.mark.slow  # subprocess: two scaling runs
 def test_tiny_run_writes_results(tmp_path):
     out, mirror = tmp_path / "out", tmp_path / "mirror"
     assert scale_123b.main(["--tiny", "--out", str(out), "--mirror", str(mirror)]) == 0

@@ -28,8 +28,8 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from ..checkpoint.safetensors_io import (DEFAULT_MAX_SHARD_SIZE, _nbytes, _shard_files, open_safetensors, parse_size, write_json,
-                             write_safetensors)
+from ..checkpoint.safetensors_io import (DEFAULT_MAX_SHARD_SIZE, _nbytes, _shard_files, open_safetensors, parse_size,
+                                         write_json, write_safetensors)
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 

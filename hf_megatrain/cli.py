@@ -4,26 +4,25 @@
     megatrain estimate [planner args]
 
 ``launch`` reads ONE yaml holding the standard ``accelerate config`` keys plus a ``megatrain:`` section. The
-section is validated up front (unknown keys fail before any process starts), written to a temp yaml whose
-path the training process receives as ``MEGATRAIN_CONFIG`` (read by ``MegaTrainTrainingArguments`` and
-``MegaTrainPlugin``), and the rest is written to a temp accelerate config handed to ``accelerate launch``
-(``accelerate.commands.launch``, run in-process) together with every other argument, unchanged. So anything
-``accelerate launch`` accepts still works, and ``accelerate launch --config_file`` users lose nothing.
+section is validated up front by ``config.resolve_config``, with any ``MEGATRAIN_<KEY>`` env variables (unknown
+keys fail before any process starts), and written to a temp yaml whose path the training process receives as
+``MEGATRAIN_CONFIG`` (resolved there by the same ``resolve_config``); the rest is written to a temp accelerate
+config handed to ``accelerate launch`` (``accelerate.commands.launch``, run in-process) together with every other
+argument, unchanged. So anything ``accelerate launch`` accepts still works, and ``accelerate launch --config_file``
+users lose nothing.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import subprocess
 import sys
 import tempfile
 from typing import Any
 
-from .config import MegaTrainConfig
+from .config import CONFIG_ENV, SECTION, MegaTrainConfig, read_launch_yaml, resolve_config
 
-SECTION = "megatrain"
 # Filled in when the accelerate part leaves them out: single process, precision left to hf_megatrain.
 _ACCELERATE_DEFAULTS = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "NO", "mixed_precision": "no",
                         "num_processes": 1}
@@ -57,21 +56,15 @@ def _split_config_arg(argv: list[str]) -> tuple[str | None, list[str]]:
 
 
 def split_combined(path: str) -> tuple[dict[str, Any], MegaTrainConfig, dict[str, Any]]:
-    """Read a combined yaml -> (accelerate part, validated MegaTrainConfig, megatrain section as written)."""
-    import yaml
-
-    if not os.path.isfile(path):
-        raise ConfigError(f"config file {path!r} does not exist")
-    with open(path) as f:
-        data = yaml.safe_load(f) or {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping of accelerate keys plus a '{SECTION}:' section")
-    section = data.pop(SECTION, None) or {}
-    if not isinstance(section, dict):
-        raise ConfigError(f"{path}: '{SECTION}:' must be a mapping of MegaTrainConfig keys, "
-                          f"valid keys: {MegaTrainConfig.valid_keys()}")
+    """Read a combined yaml -> (accelerate part, the MegaTrainConfig the training process will resolve: the
+    section plus any MEGATRAIN_<KEY> env variables, megatrain section as written)."""
     try:
-        config = MegaTrainConfig.from_dict(section)
+        data, section = read_launch_yaml(path)
+    except ValueError as e:  # a missing file (ConfigFileNotFoundError is a ValueError too), not a mapping
+        raise ConfigError(str(e)) from e
+    section = section or {}
+    try:
+        config = resolve_config(section)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"{path}: invalid '{SECTION}:' section: {e}") from e
 
@@ -116,8 +109,8 @@ def launch(argv: list[str]) -> int:
             yaml.safe_dump(accel, f)
         with open(mt_path, "w") as f:
             yaml.safe_dump(section, f)
-        os.environ["MEGATRAIN_CONFIG"] = mt_path  # accelerate's launchers copy os.environ into the child
-        print(f"[megatrain] {path}: accelerate part -> {accel_path}; megatrain section -> MEGATRAIN_CONFIG={mt_path} "
+        os.environ[CONFIG_ENV] = mt_path  # accelerate's launchers copy os.environ into the child
+        print(f"[megatrain] {path}: accelerate part -> {accel_path}; megatrain section -> {CONFIG_ENV}={mt_path} "
               f"({section if section else 'empty: MegaTrainConfig defaults'})", file=sys.stderr, flush=True)
         return _run_accelerate(launch_command_parser, launch_command, ["--config_file", accel_path, *rest])
 
@@ -132,15 +125,9 @@ def _run_accelerate(parser_fn, launch_fn, args: list[str]) -> int:
 
 
 def estimate(argv: list[str]) -> int:
-    try:
-        planner = importlib.import_module(f"{__package__}.planner")  # lazy: optional, may import transformers
-    except ModuleNotFoundError as e:
-        if e.name != f"{__package__}.planner":
-            raise
-        print("megatrain estimate: this hf_megatrain install has no memory/throughput planner "
-              "(hf_megatrain/planner.py is missing). Upgrade hf_megatrain to use it.", file=sys.stderr)
-        return 1
-    result = planner.main(argv)
+    from .planner import main as planner_main  # lazy: may import transformers
+
+    result = planner_main(argv)
     return int(result) if isinstance(result, int) else 0
 
 

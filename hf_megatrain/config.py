@@ -2,14 +2,17 @@
 
 Mechanism modules take explicit arguments; only this file decides defaults, validates user input and
 knows the names users type (in yaml, in ``MEGATRAIN_*`` env vars, in ``TrainingArguments``).
+``resolve_config`` is the one place a config is assembled from what the user gave (see its docstring for the
+order); the Trainer arguments, the Accelerate plugin, ``from_pretrained_streamed`` and ``megatrain launch`` call it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -43,7 +46,6 @@ class MegaTrainConfig:
             e.g. "model.layers".
         host_memory_fraction: refuse to build a host store needing more than this fraction of available RAM.
         pin_memory: pin host buffers (only honoured when CUDA is available).
-        optimizer: CPU optimizer kernel ("adamw": torch fused CPU AdamW).
         overlap_optimizer: step each layer in a background thread while the next forward streams earlier layers.
         grad_offload_dtype: dtype gradients cross PCIe in ("float32" exact accumulation, or "bfloat16").
         save_dtype: dtype of exported standard checkpoints ("float32" default, "bfloat16").
@@ -73,7 +75,7 @@ class MegaTrainConfig:
             parameter): weights stream as FP32 and are cast on the GPU, each layer's gradient gets its AdamW update
             as soon as its backward ends (a step that clips re-runs its forward+backward for the exact clipped
             update; taken back and redone when an unclipped guess turns out to clip). One backward per
-            optimizer step: gradient accumulation is refused (use ``micro_batch_size``). See lean_step.py.
+            optimizer step: gradient accumulation is refused (use ``micro_batch_size``). See optim/lean.py.
         torch_compile: run each layer template and the loss's per-chunk softmax/gradient through ``torch.compile``
             (fuses the elementwise work: ~17% faster steps at 14B width; one compilation per layer kind, tens of
             seconds at start). Same math, different fp32 rounding (parity ~1e-5..1e-4 instead of bit-exact
@@ -88,7 +90,6 @@ class MegaTrainConfig:
     layers_path: str | None = None
     host_memory_fraction: float = 0.9
     pin_memory: bool = True
-    optimizer: str = "adamw"
     overlap_optimizer: bool = True
     grad_offload_dtype: str = "float32"
     save_dtype: str = "float32"
@@ -107,9 +108,6 @@ class MegaTrainConfig:
         parse_dtype(self.compute_dtype, "compute_dtype")
         parse_dtype(self.grad_offload_dtype, "grad_offload_dtype")
         parse_dtype(self.save_dtype, "save_dtype")
-        if self.optimizer not in ("adamw", "adamw_torch", "adamw_torch_fused"):
-            raise ValueError(f"optimizer={self.optimizer!r} is not supported by hf_megatrain; use 'adamw' "
-                             "(torch fused CPU AdamW over the FP32 master)")
         if self.num_slots < 2:
             raise ValueError(f"num_slots={self.num_slots}: need at least 2 GPU slots for double buffering")
         if self.micro_batch_size < 0:
@@ -169,39 +167,12 @@ class MegaTrainConfig:
         return cls(**known, extra=data)
 
     @classmethod
-    def from_yaml(cls, path: str) -> "MegaTrainConfig":
-        import yaml  # only needed when a yaml path is given
-
-        with open(path) as f:
-            data = yaml.safe_load(f) or {}
-        if "megatrain" in data and isinstance(data["megatrain"], dict):  # combined launch yaml
-            data = data["megatrain"]
-        return cls.from_dict(data)
-
-    @classmethod
-    def from_any(cls, value: "MegaTrainConfig | dict | str | None") -> "MegaTrainConfig":
-        if value is None:
-            return cls()
-        if isinstance(value, MegaTrainConfig):
-            return value
-        if isinstance(value, dict):
-            return cls.from_dict(value)
-        if isinstance(value, str):
-            if value.strip().startswith("{"):
-                import json
-
-                return cls.from_dict(json.loads(value))
-            return cls.from_yaml(value)
-        raise TypeError(f"cannot build a MegaTrainConfig from {type(value).__name__}; pass a dict, a yaml path or "
-                        "a MegaTrainConfig")
-
-    @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None, prefix: str = "MEGATRAIN_") -> dict[str, Any]:
+    def from_env(cls, environ: Mapping[str, str] | None = None, prefix: str = "MEGATRAIN_") -> dict[str, Any]:
         """Collect ``MEGATRAIN_<KEY>`` variables as a dict (typed by the field's default). Unknown keys raise."""
         environ = dict(os.environ if environ is None else environ)
         out: dict[str, Any] = {}
         types = {f.name: f for f in fields(cls)}
-        skip = {"MEGATRAIN_CONFIG", "MEGATRAIN_ENABLED"}
+        skip = {CONFIG_ENV, "MEGATRAIN_ENABLED"}
         for key, raw in environ.items():
             if not key.startswith(prefix) or key in skip:
                 continue
@@ -224,3 +195,87 @@ class MegaTrainConfig:
         d = dataclasses.asdict(self)
         d.pop("extra")
         return d
+
+
+# -- the one config resolution -----------------------------------------------------------------------------------------
+CONFIG_ENV = "MEGATRAIN_CONFIG"  # yaml path; ``megatrain launch`` sets it to the section of its combined yaml
+SECTION = "megatrain"  # the MegaTrainConfig section of a combined accelerate + megatrain launch yaml
+
+
+class ConfigFileNotFoundError(FileNotFoundError, ValueError):
+    """A config path that does not exist (a ``ValueError`` too: argument validation reports it like a bad key)."""
+
+
+def read_launch_yaml(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Read a yaml file -> (its top-level mapping without the ``megatrain:`` section, that section or None).
+
+    A combined accelerate + megatrain launch yaml yields (accelerate keys, section); a plain MegaTrainConfig
+    yaml yields (its keys, None). A ``megatrain:`` key left empty is an empty section."""
+    import yaml  # only needed when a yaml path is given
+
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ConfigFileNotFoundError(f"config file {path!r} does not exist (a config given as a string is a JSON "
+                                      "object or the path of an existing yaml file; this is neither)")
+    with open(path) as f:
+        data = yaml.safe_load(f)
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping (MegaTrainConfig keys, or accelerate keys plus a "
+                         f"'{SECTION}:' section), got {type(data).__name__}")
+    if SECTION not in data:
+        return data, None
+    section = data.pop(SECTION)
+    section = {} if section is None else section
+    if not isinstance(section, dict):
+        raise ValueError(f"{path}: '{SECTION}:' must be a mapping of MegaTrainConfig keys, valid keys: "
+                         f"{MegaTrainConfig.valid_keys()}")
+    return data, section
+
+
+def _source_values(source: Any) -> dict[str, Any]:
+    """The keys an explicit config source sets (see ``resolve_config``)."""
+    if source is None:
+        return {}
+    if isinstance(source, MegaTrainConfig):
+        return source.to_dict()
+    if isinstance(source, Mapping):
+        return dict(source)
+    if isinstance(source, (str, os.PathLike)):
+        text = os.fspath(source)
+        if not text.strip():
+            return {}
+        if text.lstrip().startswith("{"):
+            values = json.loads(text)
+            if not isinstance(values, dict):
+                raise ValueError(f"config JSON {text!r} is not an object of MegaTrainConfig keys")
+            return values
+        rest, section = read_launch_yaml(text)
+        return rest if section is None else section
+    raise TypeError(f"cannot build a MegaTrainConfig from {type(source).__name__}; pass a MegaTrainConfig, a dict, "
+                    "a JSON string or a yaml path")
+
+
+def resolve_config(source: Any = None, environ: Mapping[str, str] | None = None) -> MegaTrainConfig:
+    """THE config resolution, used by every entry point that takes a config from the user.
+
+    1. ``source`` when given: a ``MegaTrainConfig``, a dict, a JSON object string, a yaml path, or a combined
+       accelerate + megatrain launch yaml (its ``megatrain:`` section is used); a path that does not exist raises
+       ``ConfigFileNotFoundError``. Otherwise the yaml named by env ``MEGATRAIN_CONFIG``; otherwise the defaults.
+    2. Then single ``MEGATRAIN_<KEY>`` env variables override keys (typed by the field's default, see
+       ``MegaTrainConfig.from_env``).
+
+    ``environ`` defaults to ``os.environ``; pass ``{}`` for the explicit source alone. Unknown keys (in the
+    source or the environment) raise, listing the valid ones."""
+    environ = os.environ if environ is None else environ
+    from_env = source is None
+    if from_env:
+        source = environ.get(CONFIG_ENV) or None
+    try:
+        values = _source_values(source)
+    except ConfigFileNotFoundError as e:
+        if from_env:
+            raise ConfigFileNotFoundError(f"env {CONFIG_ENV}: {e}") from e
+        raise
+    values.update(MegaTrainConfig.from_env(environ))
+    return MegaTrainConfig.from_dict(values)

@@ -142,7 +142,7 @@ def count_params(spec: dict, layers: int) -> int:
 def run_config(spec: dict) -> MegaTrainConfig:
     # device_layers=0: every layer streams, as in the full 88-layer model (whose layers do not fit the GPU), so
     # the per-layer time extrapolates; a layer kept on the GPU would run without PCIe and skew it.
-    return MegaTrainConfig.from_any({"compute_dtype": "bfloat16", "host_memory_fraction": spec["host_fraction"],
+    return MegaTrainConfig.from_dict({"compute_dtype": "bfloat16", "host_memory_fraction": spec["host_fraction"],
                                      "device_layers": 0, **(spec.get("megatrain_config") or {})})
 
 

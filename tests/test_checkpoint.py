@@ -52,7 +52,8 @@ CLEAN_LOAD = textwrap.dedent("""
 @pytest.mark.slow  # subprocess: plain-transformers load in a clean interpreter
 @pytest.mark.parametrize("save_dtype, tie", [("float32", False), ("bfloat16", True)])
 def test_save_model_loads_with_plain_transformers(tmp_path, save_dtype, tie):
-    args = mt_args(tmp_path / "run", max_steps=2, megatrain_save_dtype=save_dtype, megatrain_max_shard_size="30KB")
+    args = mt_args(tmp_path / "run", {"compute_dtype": "float32", "save_dtype": save_dtype}, max_steps=2,
+                   megatrain_max_shard_size="30KB")
     tok = transformers.PreTrainedTokenizerFast(
         tokenizer_file=os.path.join(REPO, "hf_megatrain", "assets", "tokenizer", "tokenizer.json"))
     tr = MegaTrainTrainer(model=tiny("llama", tie=tie), args=args, train_dataset=dataset(), processing_class=tok,

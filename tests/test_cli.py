@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from hf_megatrain import MegaTrainConfig, cli
+from hf_megatrain.config import resolve_config
 
 ROOT = Path(__file__).resolve().parents[1]
 COMBINED = ROOT / "examples" / "megatrain_combined.yaml"
@@ -116,7 +117,7 @@ def test_launch_example_yaml_end_to_end(tmp_path):
     sent = re.search(r"MEGATRAIN_CONFIG=(\S+)", r.stderr).group(1)
     line = _effective(r.stdout)
     assert f"from: {sent}" in line  # the child read the section the launcher wrote
-    expected = MegaTrainConfig.from_yaml(str(COMBINED))
+    expected = resolve_config(str(COMBINED), environ={})
     assert f"compute_dtype='{expected.compute_dtype}'" in line and f"num_slots={expected.num_slots}" in line
     assert "checkpoint:" in r.stdout
 

@@ -180,3 +180,22 @@ def test_unknown_keys_are_errors(clean_env):
         MegaTrainPlugin({"slots": 2})
     with pytest.raises(FileNotFoundError, match="does not exist"):
         MegaTrainPlugin("/nonexistent/megatrain.yaml")
+
+
+def test_one_config_resolution(clean_env, tmp_path):
+    """The plugin, the Trainer arguments and `megatrain launch` resolve the same inputs to the same config."""
+    from hf_megatrain import MegaTrainTrainingArguments, cli
+    from hf_megatrain.config import resolve_config
+
+    y = tmp_path / "combined.yaml"
+    y.write_text("distributed_type: 'NO'\nmegatrain:\n  num_slots: 3\n  save_dtype: bfloat16\n")
+    clean_env.setenv("MEGATRAIN_MICRO_BATCH_SIZE", "2")
+    want = resolve_config(str(y))
+    assert (want.num_slots, want.save_dtype, want.micro_batch_size) == (3, "bfloat16", 2)
+    args = MegaTrainTrainingArguments(output_dir=str(tmp_path / "o"), use_cpu=True, report_to=[],
+                                      megatrain_config=str(y))
+    assert MegaTrainPlugin(str(y)).config == args.megatrain_resolved_config() == cli.split_combined(str(y))[1] == want
+    clean_env.setenv("MEGATRAIN_CONFIG", str(y))  # no explicit source: the env file, same answer
+    assert MegaTrainPlugin().config == resolve_config() == want
+    with pytest.raises(ValueError, match="unknown MegaTrain config keys.*optimizer"):  # `optimizer` selects nothing
+        resolve_config({"optimizer": "adamw"})

@@ -67,7 +67,7 @@ def test_full_width_plan():
                                   scale_123b.count_params(FULL, 88))
     assert 17.5 < plan["host_bytes_per_param"] < 18.5
     with pytest.raises(SystemExit, match="not even one layer"):
-        scale_123b.auto_layers(FULL, 30 * GIB, 8 * GIB, "cuda", 79 * GIB, 88)
+        scale_123b.auto_layers(FULL, 10 * GIB, 8 * GIB, "cuda", 79 * GIB, 88)
 
 
 def test_fit_uses_finished_runs_only():

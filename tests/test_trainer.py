@@ -123,7 +123,7 @@ def test_compute_loss_func_and_gradient_checkpointing_flag(tmp_path):
     (dict(deepspeed={"zero_optimization": {"stage": 3}}), "deepspeed"),
     (dict(fsdp="full_shard"), "fsdp"),
     (dict(optim="adafactor"), "adamw_torch"),
-    (dict(megatrain_save_dtype="float16"), "megatrain_save_dtype"),
+    (dict(megatrain_config={"compute_dtype": "float32", "save_dtype": "float16"}), "save_dtype"),
     (dict(megatrain_config={"compute_dtype": "float32", "stream_depth": 3}), "valid keys"),
     (dict(megatrain_config="/nonexistent/megatrain.yaml"), "neither"),
     (dict(fp16=True), "fp16"),
@@ -145,11 +145,11 @@ def test_config_sources(tmp_path, monkeypatch):
     assert (cfg.compute_dtype, cfg.save_dtype, cfg.num_slots) == ("float32", "bfloat16", 3)
     monkeypatch.setenv("MEGATRAIN_CONFIG", str(y))
     monkeypatch.setenv("MEGATRAIN_NUM_SLOTS", "4")
-    args = MegaTrainTrainingArguments(**common_args(tmp_path), megatrain_save_dtype="float32")
+    args = MegaTrainTrainingArguments(**common_args(tmp_path))
     cfg = args.megatrain_resolved_config()
-    assert (cfg.num_slots, cfg.save_dtype) == (4, "bfloat16")  # env key wins; default save dtype keeps the yaml's
-    args = MegaTrainTrainingArguments(**common_args(tmp_path), megatrain_config='{"compute_dtype": "float32"}',
-                                      megatrain_save_dtype="bfloat16")
+    assert (cfg.num_slots, cfg.save_dtype) == (4, "bfloat16")  # env key wins over the yaml's; save_dtype from the yaml
+    args = MegaTrainTrainingArguments(**common_args(tmp_path),
+                                      megatrain_config='{"compute_dtype": "float32", "save_dtype": "bfloat16"}')
     assert args.megatrain_resolved_config().save_dtype == "bfloat16"
     parsed, = transformers.HfArgumentParser(MegaTrainTrainingArguments).parse_args_into_dataclasses(
         ["--output_dir", str(tmp_path), "--megatrain_config", '{"compute_dtype": "float32"}', "--use_cpu"])
@@ -182,8 +182,8 @@ def test_exact_resume(tmp_path):
 
 def test_exact_resume_bf16_compute_bf16_export(tmp_path):
     """The FP32 master travels next to bf16 exported weights, so resuming stays exact."""
-    cfg = {"compute_dtype": "bfloat16"}
-    kw = dict(max_steps=4, save_strategy="steps", save_steps=2, megatrain_save_dtype="bfloat16")
+    cfg = {"compute_dtype": "bfloat16", "save_dtype": "bfloat16"}
+    kw = dict(max_steps=4, save_strategy="steps", save_steps=2)
     full = MegaTrainTrainer(model=tiny("llama"), args=mt_args(tmp_path / "a", cfg, **kw), train_dataset=dataset())
     full.train()
     ck = tmp_path / "a" / "checkpoint-2"

@@ -46,9 +46,7 @@ def save_pretrained_streamed(engine: Any, save_dir: str, *, dtype: torch.dtype =
     tensors (frozen parameters, persistent buffers), ``config.json`` recording ``dtype`` and, when the model can
     generate, ``generation_config.json``. Tied weights appear once (the store keeps the first name), as HF saves."""
     os.makedirs(save_dir, exist_ok=True)
-    if getattr(engine, "optimizer", None) is not None:
-        engine.optimizer.wait()  # an overlapped step may still be writing masters
-    items = list(engine.named_master_tensors()) + list(extra)
+    items = list(engine.named_master_tensors()) + list(extra)  # (waits for updates in flight)
     files = save_weights(save_dir, items, dtype=dtype, max_shard_size=max_shard_size)
     model = engine.model
     cfg = getattr(model, "config", None)
@@ -188,8 +186,7 @@ def load_pretrained_into_engine(engine: Any, path: str, *, prefix: str | None = 
     shards = weight_files(path, prefix)
     if shards is None:
         raise CheckpointError(f"no {prefix}.safetensors[.index.json] in {path}")
-    if getattr(engine, "optimizer", None) is not None:
-        engine.optimizer.wait()
+    engine.state.wait_all()  # no update may write a master while we do
     store = engine.store
     missing = set(store.names())
     for fname, names in shards.items():  # headers only: refuse a mismatched checkpoint before copying anything

@@ -1,7 +1,7 @@
 """PEFT (LoRA) on a streamed base: saving adapters and merged checkpoints from the engine's host store.
 
 Training needs nothing PEFT-specific: ``peft.get_peft_model`` freezes the base and adds adapter parameters, and
-the engine gives frozen parameters a compute-dtype copy only (host_store.py) and adapters the FP32 master and
+the engine gives frozen parameters a compute-dtype copy only (core/store.py) and adapters the FP32 master and
 AdamW state. What needs care is writing results, because the converted model's layers are weightless proxies:
 
 - ``save_adapter``: the standard PEFT adapter folder (``adapter_model.safetensors`` + ``adapter_config.json``)
@@ -28,8 +28,8 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from ..checkpoint.safetensors_io import (DEFAULT_MAX_SHARD_SIZE, _nbytes, _shard_files, open_safetensors, parse_size, write_json,
-                             write_safetensors)
+from ..checkpoint.safetensors_io import (DEFAULT_MAX_SHARD_SIZE, _nbytes, _shard_files, open_safetensors, parse_size,
+                                         write_json, write_safetensors)
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
@@ -43,8 +43,6 @@ def _peft_model(engine: Any) -> nn.Module:
     if not is_peft_model(engine.model):
         raise ValueError(f"the engine's model is a {type(engine.model).__name__}, not a peft.PeftModel: call "
                          "peft.get_peft_model(model, config) before handing the model to hf_megatrain")
-    if engine.optimizer is not None:
-        engine.optimizer.wait()  # an overlapped step may still be writing masters
     return engine.model
 
 

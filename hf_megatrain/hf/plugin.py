@@ -26,45 +26,18 @@ on the host and yields the FP32 masters with their ``.grad``), at the cost of on
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
 
-from . import peft_support
-from ..config import MegaTrainConfig
+from .export import export_model, extra_tensors
+from ..config import MegaTrainConfig, parse_dtype, resolve_config
 from ..engine.runtime import MegaTrainEngine, MegaTrainOutput
-from ..optim.adamw import CPUAdamW
+from ..optim.adamw import UnitAdamW
 
 logger = logging.getLogger(__name__)
-
-
-def _config_dict(value: Any) -> dict[str, Any]:
-    """The keys a user actually set (dict, JSON string, yaml path, combined launch yaml, MegaTrainConfig)."""
-    if value is None:
-        return {}
-    if isinstance(value, MegaTrainConfig):
-        return value.to_dict()
-    if isinstance(value, dict):
-        return dict(value)
-    if isinstance(value, (str, os.PathLike)):
-        text = str(value)
-        if text.strip().startswith("{"):
-            return json.loads(text)
-        import yaml
-
-        if not os.path.isfile(text):
-            raise FileNotFoundError(f"MegaTrain config file {text!r} does not exist")
-        with open(text) as f:
-            data = yaml.safe_load(f) or {}
-        if isinstance(data.get("megatrain"), dict):  # a combined accelerate + megatrain yaml
-            data = data["megatrain"]
-        return data
-    raise TypeError(f"megatrain_config must be a MegaTrainConfig, dict, JSON string or yaml path, "
-                    f"not {type(value).__name__}")
 
 
 @dataclass
@@ -75,8 +48,8 @@ class MegaTrainPlugin:
         megatrain_config (`MegaTrainConfig`, `dict`, `str`, *optional*):
             The policy (see ``MegaTrainConfig``): an object, a dict, a JSON string or a yaml path (a combined
             ``megatrain launch`` yaml works too: its ``megatrain:`` section is used). Defaults to the file in env
-            ``MEGATRAIN_CONFIG``; env ``MEGATRAIN_<KEY>`` variables override single keys (the same rule as
-            ``MegaTrainTrainingArguments``).
+            ``MEGATRAIN_CONFIG``; env ``MEGATRAIN_<KEY>`` variables override single keys
+            (``config.resolve_config``, as for ``MegaTrainTrainingArguments``).
         device (`str` or `torch.device`, *optional*):
             Device the layers stream to. Defaults to the current CUDA device, else CPU.
     """
@@ -90,15 +63,12 @@ class MegaTrainPlugin:
     config: MegaTrainConfig = field(init=False, repr=True)
 
     def __post_init__(self) -> None:
-        source = self.megatrain_config if self.megatrain_config is not None else os.environ.get("MEGATRAIN_CONFIG")
-        merged = _config_dict(source or None)
-        merged.update(MegaTrainConfig.from_env())
-        self.config = MegaTrainConfig.from_dict(merged)
+        self.config = resolve_config(self.megatrain_config)
         self.engine: MegaTrainEngine | None = None
 
     def prepare(self, model: torch.nn.Module, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                 eps: float = 1e-8, weight_decay: float = 0.0, max_grad_norm: float | None = None,
-                decay_names: set[str] | None = None) -> tuple["MegaTrainModel", CPUAdamW]:
+                decay_names: set[str] | None = None) -> tuple["MegaTrainModel", UnitAdamW]:
         """Convert ``model`` in place and build its CPU AdamW.
 
         Weight decay follows Trainer's rule (not biases / norm weights) unless ``decay_names`` is given.
@@ -120,7 +90,7 @@ class MegaTrainModel:
     def __init__(self, engine: MegaTrainEngine) -> None:
         self.engine = engine
         self.hf_model = engine.model
-        self._warned_lean = False
+        self._warned_apart = False
         # The optimizer's master views carry ``.grad`` (views of the host gradient buffers): hand those out.
         opt = engine.optimizer
         by_ptr = {(p.data_ptr(), tuple(p.shape)): p for g in opt.param_groups for p in g["params"]} if opt else {}
@@ -157,11 +127,13 @@ class MegaTrainModel:
     # -- parameters / gradients ----------------------------------------------------------------------------------------
     def _land_gradients(self) -> None:
         self.engine.land_gradients()
-        if any(u.grad is None for u in self.engine.store.units) and not self._warned_lean:
-            self._warned_lean = True
-            logger.warning("hf_megatrain: lean_store keeps no gradients of the streamed layers: parameters() "
-                           "yields their FP32 masters without .grad. Clip with prepare(max_grad_norm=...) (exact, "
-                           "inside the optimizer step), not with a norm over model.parameters().")
+        apart = [u.index for u in self.engine.store.units if u.plan.grad is not u.plan.master]
+        if apart and not self._warned_apart:
+            self._warned_apart = True
+            logger.warning("hf_megatrain: %d layers keep no gradient beside their FP32 master (lean_store: none at "
+                           "all; GPU-stepped layers: on the GPU), so parameters() yields their masters without "
+                           ".grad and a norm over model.parameters() would miss them. Clip with "
+                           "prepare(max_grad_norm=...) (exact, inside the optimizer step).", len(apart))
 
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, FP32 master) of every trainable parameter, gradients landed in ``.grad`` (tied names once)."""
@@ -176,46 +148,26 @@ class MegaTrainModel:
         return self.engine.num_parameters()
 
     # -- export --------------------------------------------------------------------------------------------------------
-    def _extra_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        """Frozen parameters (compute dtype) and persistent buffers: what a checkpoint holds besides the masters."""
-        extra = list(self.engine.named_frozen_tensors())
-        taken = {n for n, _ in extra} | set(self.engine.store.by_name)
-        buffers = {n for n, _ in self.hf_model.named_buffers()}
-        skip = set(getattr(self.hf_model, "_keys_to_ignore_on_save", None) or [])
-        extra += [(k, t) for k, t in self.hf_model.state_dict().items()
-                  if k in buffers and k not in taken and k not in skip and not t.is_meta]
-        return extra
-
     def state_dict(self, dtype: torch.dtype | str | None = None) -> dict[str, torch.Tensor]:
         """Standalone host copies: trainable masters and frozen parameters cast to ``dtype`` (default FP32),
         persistent buffers. Holds a second copy of the model: prefer ``save_pretrained`` for large models."""
-        from ..config import parse_dtype
-
         dt = parse_dtype(dtype, "dtype") if dtype is not None else torch.float32
-        if self.engine.optimizer is not None:
-            self.engine.optimizer.wait()
         out = {n: t.detach().to("cpu", dt, copy=True) for n, t in self.engine.named_master_tensors()}
-        for n, t in self._extra_tensors():
+        for n, t in extra_tensors(self.engine):
             out[n] = t.detach().to("cpu", dt if t.is_floating_point() else t.dtype, copy=True)
         return out
 
     def save_pretrained(self, save_directory: str, dtype: torch.dtype | str | None = None,
-                        max_shard_size: int | str | None = None, **kwargs: Any) -> list[str] | None:
+                        max_shard_size: int | str | None = None, **kwargs: Any) -> list[str]:
         """Write a standard HF checkpoint (safetensors + config) that plain ``from_pretrained`` loads, streamed
         tensor by tensor from the FP32 masters (no second copy of the model in memory); ``dtype`` defaults to
         the config's ``save_dtype``. For a PEFT model: the adapter folder ``PeftModel.from_pretrained(base, dir)``
-        loads (see ``save_merged``)."""
-        from .. import checkpoint
-        from ..config import parse_dtype
+        loads (``kwargs`` go to PEFT's ``save_pretrained``; see ``save_merged``). Returns the files written."""
+        return export_model(self.engine, save_directory, dtype=dtype, max_shard_size=max_shard_size,
+                            adapter_kwargs=kwargs)
 
-        dt = parse_dtype(dtype if dtype is not None else self.engine.config.save_dtype, "dtype")
-        if peft_support.is_peft_model(self.hf_model):
-            peft_support.save_adapter(self.engine, save_directory, dtype=dt, **kwargs)
-            return None
-        return checkpoint.save_pretrained_streamed(
-            self.engine, save_directory, dtype=dt, extra=self._extra_tensors(),
-            max_shard_size=max_shard_size or checkpoint.DEFAULT_MAX_SHARD_SIZE)
-
-    def save_merged(self, save_directory: str, dtype: torch.dtype = torch.float32, **kwargs: Any) -> list[str]:
-        """PEFT models: base + merged adapters as a standard HF checkpoint (plain ``from_pretrained`` loads it)."""
-        return peft_support.save_merged(self.engine, save_directory, dtype=dtype, **kwargs)
+    def save_merged(self, save_directory: str, dtype: torch.dtype | str | None = None,
+                    max_shard_size: int | str | None = None) -> list[str]:
+        """PEFT models: base + merged adapters as a standard HF checkpoint (plain ``from_pretrained`` loads it);
+        ``dtype`` defaults to the config's ``save_dtype``."""
+        return export_model(self.engine, save_directory, dtype=dtype, max_shard_size=max_shard_size, merged=True)

@@ -17,7 +17,7 @@ import transformers
 from torch import nn
 
 from .. import checkpoint as ckpt
-from ..config import MegaTrainConfig
+from ..config import MegaTrainConfig, resolve_config
 from ..engine.runtime import MegaTrainEngine
 from ..model.layers import find_layer_stack
 
@@ -63,10 +63,11 @@ def from_pretrained_streamed(model_id_or_path: str, config: MegaTrainConfig | di
 
     The HF skeleton is built with parameters on the meta device (buffers such as rotary tables are computed for
     real), the engine allocates its host store, and the masters are filled shard by shard from the safetensors
-    files (memory-mapped). Peak host memory is the store plus one chunk of one tensor."""
+    files (memory-mapped). Peak host memory is the store plus one chunk of one tensor. ``config`` is resolved by
+    ``config.resolve_config`` (default: env MEGATRAIN_CONFIG; MEGATRAIN_<KEY> env vars override keys)."""
     from accelerate import init_empty_weights
 
-    config = MegaTrainConfig.from_any(config)
+    config = resolve_config(config)
     path = model_id_or_path
     if not os.path.isdir(path):
         from huggingface_hub import snapshot_download

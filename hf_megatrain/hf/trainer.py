@@ -7,15 +7,15 @@ than GPU memory cannot be treated like a module:
 - the model is converted by ``MegaTrainEngine`` before Trainer sees it, and never moved by Trainer;
 - the loss comes from the engine (same ``num_items_in_batch`` semantics as the HF model, so Trainer's scaling
   applies untouched); evaluation asks the engine for logits only when metrics need them;
-- the optimizer is the engine's ``CPUAdamW``; gradient clipping happens inside its step (Trainer's own clip would
+- the optimizer is the engine's ``UnitAdamW``; gradient clipping happens inside its step (Trainer's own clip would
   only see the resident parameters), and the norm it measured is what gets logged as ``grad_norm``;
-- checkpoints are written from the FP32 master without a ``state_dict`` and committed atomically
-  (``checkpoint.py``); resuming restores masters, AdamW moments and step counts exactly.
+- models are exported by ``export.export_model`` (in the config's ``save_dtype``) from the FP32 master without a
+  ``state_dict``; checkpoints are committed atomically (``checkpoint``); resuming restores masters, AdamW moments
+  and step counts exactly.
 
 PEFT: pass a ``peft.get_peft_model(...)`` model (wrap it *before* handing it over). The base is frozen (streamed in
-compute dtype, no optimizer state), saves write the standard adapter folder (``peft_support.save_adapter``;
-checkpoints add the adapters' FP32 master for exact resume), and ``save_merged_model`` exports base + merged
-adapters as a plain HF checkpoint.
+compute dtype, no optimizer state), saves write the standard adapter folder (checkpoints add the adapters' FP32
+master for exact resume), and ``save_merged_model`` exports base + merged adapters as a plain HF checkpoint.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from .. import checkpoint as ckpt
 from . import peft_support
 from ..engine.runtime import MegaTrainEngine
+from .export import export_model
 from .pretrained import extra_sink, from_pretrained_streamed
 from .training_args import MegaTrainTrainingArguments, check_lean_accumulation
 
@@ -122,7 +123,7 @@ class MegaTrainTrainer(Trainer):
         return self.optimizer
 
     def _clip_grad_norm(self, model: nn.Module) -> Any:
-        # CPUAdamW.step clips with the exact global norm; Trainer's clip would only see resident parameters.
+        # UnitAdamW.step clips with the exact global norm; Trainer's clip would only see resident parameters.
         return None if self._mt else super()._clip_grad_norm(model)
 
     def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
@@ -186,27 +187,13 @@ class MegaTrainTrainer(Trainer):
         return loss, nested_detach(logits), labels
 
     # -- saving -------------------------------------------------------------------------------------------------------
-    def _mt_extra_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        """Frozen parameters and persistent buffers (what ``save_pretrained`` would add besides the masters)."""
-        model, store = self.engine.model, self.engine.store
-        resident = {t.data_ptr() for t in self.engine.resident_params.values()}
-        skip = set(getattr(model, "_keys_to_ignore_on_save", None) or [])
-        out = [(k, t) for k, t in model.state_dict().items()
-               if k not in store.by_name and k not in skip and not t.is_meta and t.data_ptr() not in resident]
-        # Frozen parameters of streamed layers live only in the store's compute-dtype copy.
-        return out + [(k, store.frozen_tensor(k)) for k in store.frozen_by_name if k not in skip]
-
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         if not self._mt:
             return super()._save(output_dir, state_dict)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         logger.info("Saving model checkpoint to %s", output_dir)
-        if self._mt_peft:
-            peft_support.save_adapter(self.engine, output_dir, dtype=self._mt_config.torch_save_dtype)
-        else:
-            ckpt.save_pretrained_streamed(self.engine, output_dir, dtype=self._mt_config.torch_save_dtype,
-                                          max_shard_size=self.args.megatrain_max_shard_size,
-                                          extra=self._mt_extra_tensors())
+        export_model(self.engine, output_dir, dtype=self._mt_config.save_dtype,
+                     max_shard_size=self.args.megatrain_max_shard_size)
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
         elif getattr(self.data_collator, "tokenizer", None) is not None:
@@ -217,14 +204,14 @@ class MegaTrainTrainer(Trainer):
     def _mt_peft(self) -> bool:
         return self.engine is not None and peft_support.is_peft_model(self.engine.model)
 
-    def save_merged_model(self, output_dir: str | None = None, dtype: torch.dtype = torch.float32) -> list[str]:
-        """PEFT runs: write base + merged adapters as a standard HF checkpoint (``from_pretrained`` loads it)."""
-        if not self._mt_peft:
-            raise ValueError("save_merged_model needs a PEFT model (peft.get_peft_model before MegaTrainTrainer); "
-                             "use save_model for a fully trained model")
+    def save_merged_model(self, output_dir: str | None = None, dtype: torch.dtype | str | None = None) -> list[str]:
+        """PEFT runs: write base + merged adapters as a standard HF checkpoint (``from_pretrained`` loads it);
+        ``dtype`` defaults to the config's ``save_dtype``."""
+        if not self._mt:
+            raise ValueError("save_merged_model needs megatrain=True and a PEFT model")
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        files = peft_support.save_merged(self.engine, output_dir, dtype=dtype,
-                                         max_shard_size=self.args.megatrain_max_shard_size)
+        files = export_model(self.engine, output_dir, dtype=dtype if dtype is not None else self._mt_config.save_dtype,
+                             max_shard_size=self.args.megatrain_max_shard_size, merged=True)
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
         return files
@@ -248,7 +235,7 @@ class MegaTrainTrainer(Trainer):
                 if not self.args.save_only_model:
                     # Adapters are small: always keep their FP32 master (the adapter file has PEFT's key names).
                     ckpt.save_training_state(self.engine, tmp, master=self._mt_peft or
-                                             self._mt_config.save_dtype != "float32")
+                                             self._mt_config.torch_save_dtype != torch.float32)
                     with open(os.path.join(tmp, SCHEDULER_NAME), "wb") as f:
                         torch.save(self.lr_scheduler.state_dict(), f)
                     self._save_rng_state(tmp)

@@ -7,19 +7,18 @@ message that says what to change -- not minutes later inside the training loop.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
 from ..checkpoint.folders import DEFAULT_MAX_SHARD_SIZE
-from ..config import MegaTrainConfig, parse_dtype
+from ..config import MegaTrainConfig, resolve_config
 
 SUPPORTED_OPTIM = ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw")
 
 
 def check_lean_accumulation(config: MegaTrainConfig, gradient_accumulation_steps: int) -> None:
-    """The lean store takes exactly one backward per optimizer step (lean_step.py)."""
+    """The lean store takes exactly one backward per optimizer step (optim/lean.py)."""
     if config.lean_store and gradient_accumulation_steps > 1:
         raise ValueError(f"lean_store=True does not support gradient_accumulation_steps={gradient_accumulation_steps}: "
                          "each layer's gradient is consumed when its backward ends. Put the sequences in one batch "
@@ -34,11 +33,9 @@ class MegaTrainTrainingArguments(TrainingArguments):
 
     megatrain: bool = field(default=True, metadata={"help": "Train with hf_megatrain's streamed engine."})
     megatrain_config: dict | str | None = field(
-        default=None, metadata={"help": "MegaTrainConfig as a dict, a JSON string or a yaml path. Defaults to the "
-                                        "MEGATRAIN_CONFIG env var; MEGATRAIN_<KEY> env vars override keys."})
-    megatrain_save_dtype: str = field(
-        default="float32", metadata={"help": "dtype of exported weights: float32 or bfloat16 (a non-default value "
-                                             "overrides the config's save_dtype)."})
+        default=None, metadata={"help": "MegaTrainConfig as a dict, a JSON string or a yaml path (export dtype: "
+                                        "its save_dtype key). Defaults to the MEGATRAIN_CONFIG env var; "
+                                        "MEGATRAIN_<KEY> env vars override keys."})
     megatrain_max_shard_size: str = field(
         default=DEFAULT_MAX_SHARD_SIZE, metadata={"help": "Largest safetensors shard written, e.g. '5GB'."})
 
@@ -77,19 +74,9 @@ class MegaTrainTrainingArguments(TrainingArguments):
             check_lean_accumulation(self.megatrain_resolved_config(), self.gradient_accumulation_steps)
 
     def megatrain_resolved_config(self) -> MegaTrainConfig:
-        """Config from ``megatrain_config`` (or env MEGATRAIN_CONFIG), then MEGATRAIN_* env keys, then
-        ``megatrain_save_dtype``."""
-        source = self.megatrain_config if self.megatrain_config is not None else os.environ.get("MEGATRAIN_CONFIG")
-        if isinstance(source, str) and not source.strip().startswith("{") and not os.path.isfile(source):
-            raise ValueError(f"megatrain_config={source!r} is neither a JSON object nor an existing yaml file")
-        values = MegaTrainConfig.from_any(source or None).to_dict()
-        env = MegaTrainConfig.from_env()
-        values.update(env)
-        save = str(parse_dtype(self.megatrain_save_dtype, "megatrain_save_dtype")).replace("torch.", "")
-        config_chose = values["save_dtype"] not in ("float32", "fp32") or "save_dtype" in env
-        if save != "float32" or not config_chose:
-            values["save_dtype"] = save
-        return MegaTrainConfig.from_dict(values)
+        """``config.resolve_config(megatrain_config)``: that source (else env MEGATRAIN_CONFIG), then the
+        MEGATRAIN_<KEY> env variables."""
+        return resolve_config(self.megatrain_config)
 
     @property
     def place_model_on_device(self) -> bool | None:  # the engine placed what lives on the device already

@@ -12,7 +12,7 @@ between families must be applied here, exactly as HF applies them:
 Router logits: HF records them with forward hooks on the router modules (``_can_record_outputs``). Our layers
 run as stateless templates inside one autograd Function per layer, so ``RouterTap`` hooks the *templates'*
 router modules instead. In the forward it collects each layer's logits, which the layer's Function returns as
-extra outputs (executor.py); the aux loss on them backpropagates into that Function, whose backward recomputes
+extra outputs (engine/proxy.py); the aux loss on them backpropagates into that Function, whose backward recomputes
 the layer and back-propagates ``[hidden, router_logits]`` together. Same function of the same logits,
 differentiated by autograd: the gradient is exact, router weights included.
 

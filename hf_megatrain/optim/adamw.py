@@ -50,7 +50,7 @@ class UnitAdamW(torch.optim.Optimizer):
             for p in unit.params:
                 g = 0 if p.decay else 1
                 view = unit.view(unit.master, p)
-                if unit.grad is not None:
+                if unit.plan.grad is unit.plan.master:  # (lean: none; GPU-stepped: on another device)
                     view.grad = unit.view(unit.grad, p)
                 (decay if g == 0 else no_decay).append(view)
                 per_group.setdefault(g, []).append((p.offset, p.offset + p.numel))

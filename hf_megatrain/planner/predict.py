@@ -1,7 +1,7 @@
 """Memory planner: host RAM, GPU memory and disk a run needs, predicted from the model's parameter shapes.
 
 Every number comes from the same unit layout the engine allocates (``layers.unit_layouts``: one unit per decoder
-layer + one resident unit; ``host_store.bytes_per_param``), the executor's buffer sizes, and the same placement
+layer + one resident unit; ``core/plan.py``: the bytes of every buffer of every unit plan), the executor's buffer sizes, and the same placement
 rules (resident parts on the GPU or not, how many layers AdamW-step on the GPU). ``megatrain estimate`` prints the
 plan for a config (the model is built on the meta device: nothing is allocated); ``check_fits`` raises before
 training starts when it cannot fit. Activations follow a documented Llama-style formula (``layer_recompute_bytes``),
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..config import MegaTrainConfig, parse_dtype
+from ..config import MegaTrainConfig, parse_dtype, resolve_config
 from ..core.memory import CUDA_CONTEXT_GPU_BYTES, available_host_bytes, format_bytes, gpu_budget
 from ..core.plan import CAST_STAGING_BYTES, PlanInputs, Plans, Stepper, Where, build_plans
 from ..model.layers import UnitLayouts, find_layer_stack, unit_layouts
@@ -390,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         over = {k: v for k, v in (("compute_dtype", a.compute_dtype), ("num_slots", a.num_slots),
                                   ("micro_batch_size", a.micro_batch_size), ("device_layers", a.device_layers),
                                   ("lean_store", a.lean_store or None)) if v is not None}
-        config = MegaTrainConfig.from_dict({**MegaTrainConfig.from_any(a.config).to_dict(), **over})
+        config = MegaTrainConfig.from_dict({**resolve_config(a.config).to_dict(), **over})
         if a.seq_len <= 0 or a.batch_size <= 0 or a.gpus <= 0:
             raise ValueError("--seq-len, --batch-size and --gpus must be positive")
         shape = load_shape(a.model, config.layers_path, a.trust_remote_code)

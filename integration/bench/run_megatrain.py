@@ -50,10 +50,11 @@ def _host_phases(per_step: list[dict], warm: int) -> dict[str, Any]:
 
 
 def run_engine(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str, Any]:
-    from hf_megatrain import MegaTrainConfig, MegaTrainEngine
+    from hf_megatrain import MegaTrainEngine
+    from hf_megatrain.config import resolve_config
 
     t = time.perf_counter()
-    engine = MegaTrainEngine(model, MegaTrainConfig.from_any(mt_config))
+    engine = MegaTrainEngine(model, resolve_config(mt_config, environ={}))
     opt = engine.create_optimizer(lr=LR, weight_decay=0.0, max_grad_norm=MAX_GRAD_NORM)
     setup_s = time.perf_counter() - t
     ex = engine.executor
@@ -92,7 +93,7 @@ def run_engine(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str,
            "skipped_steps": getattr(opt, "skipped_steps", None), "periods": clock.periods,
            "cpu_optimizer": _host_phases(per_step[:warm + steps], warm), "phases": phases,
            "h2d_gb": getattr(ex, "h2d_bytes", 0) / 1e9, "d2h_gb": getattr(ex, "d2h_bytes", 0) / 1e9,
-           "megatrain_config": MegaTrainConfig.from_any(mt_config).to_dict()}
+           "megatrain_config": resolve_config(mt_config, environ={}).to_dict()}
     return out
 
 

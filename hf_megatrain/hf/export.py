@@ -1,0 +1,65 @@
+"""The one export path: every model save (Trainer ``save_model``/checkpoints, ``MegaTrainModel.save_pretrained``,
+merged PEFT exports) goes through ``export_model``.
+
+What gets written depends only on the model and on ``merged``:
+
+- a PEFT model: the standard adapter folder ``PeftModel.from_pretrained(base, dir)`` loads
+  (``peft_support.save_adapter``);
+- a PEFT model with ``merged=True``: base + merged adapters as a plain HF checkpoint (``peft_support.save_merged``);
+- any other model: the full standard HF checkpoint, streamed tensor by tensor from the FP32 masters
+  (``checkpoint.save_pretrained_streamed``) plus ``extra_tensors``.
+
+The dtype defaults to the engine config's ``save_dtype`` (the one export-dtype knob).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import peft_support
+from .. import checkpoint as ckpt
+from ..config import parse_dtype
+
+
+def extra_tensors(engine: Any) -> list[tuple[str, torch.Tensor]]:
+    """What a standard checkpoint holds besides the trainable FP32 masters: frozen parameters (compute dtype;
+    streamed layers' from the host store, resident ones from the device) and persistent buffers. Names in the
+    model's ``_keys_to_ignore_on_save`` are left out; a tied name appears once (as HF saves)."""
+    model = engine.model
+    skip = set(getattr(model, "_keys_to_ignore_on_save", None) or [])
+    taken = {n for n, _ in engine.named_master_tensors()} | skip
+    out: list[tuple[str, torch.Tensor]] = []
+    for name, t in engine.named_frozen_tensors():
+        if name not in taken:
+            out.append((name, t))
+            taken.add(name)
+    buffers = {n for n, _ in model.named_buffers()}
+    for name, t in model.state_dict().items():  # state_dict: persistent buffers only
+        if name in buffers and name not in taken and not t.is_meta:
+            out.append((name, t))
+            taken.add(name)
+    return out
+
+
+def export_model(engine: Any, save_dir: str, *, dtype: torch.dtype | str | None = None,
+                 max_shard_size: int | str | None = None, merged: bool = False,
+                 adapter_kwargs: dict[str, Any] | None = None) -> list[str]:
+    """Write ``engine.model`` to ``save_dir`` (see the module docstring) and return the files written.
+
+    ``dtype``: ``float32`` or ``bfloat16`` (default: ``engine.config.save_dtype``). ``max_shard_size``: largest
+    safetensors shard (default ``checkpoint.DEFAULT_MAX_SHARD_SIZE``; unused by the small adapter file).
+    ``adapter_kwargs`` go to PEFT's ``save_pretrained`` for an adapter folder."""
+    dt = parse_dtype(dtype if dtype is not None else engine.config.save_dtype, "dtype")
+    shard = max_shard_size if max_shard_size is not None else ckpt.DEFAULT_MAX_SHARD_SIZE
+    peft = peft_support.is_peft_model(engine.model)
+    if merged:
+        if not peft:
+            raise ValueError("a merged export needs a PEFT model (peft.get_peft_model before handing the model to "
+                             "hf_megatrain); a fully trained model is exported by save_model / save_pretrained")
+        return peft_support.save_merged(engine, save_dir, dtype=dt, max_shard_size=shard)
+    if peft:
+        return peft_support.save_adapter(engine, save_dir, dtype=dt, **(adapter_kwargs or {}))
+    return ckpt.save_pretrained_streamed(engine, save_dir, dtype=dt, max_shard_size=shard,
+                                         extra=extra_tensors(engine))

@@ -1,0 +1,78 @@
+"""Old vs new hf_megatrain on the same GPU, same lease: the benchmark model through each tree's own bench script.
+
+    git archive <old-commit> | tar -x -C bench_old        # here; the untracked folder travels to the device
+    python integration/compare_commits.py --old bench_old --regime streamed --out $OUT   # on the device
+
+Runs ``integration/bench_vs_deepspeed.py --systems megatrain`` once from each tree (new first), same sizes,
+same hf_megatrain config, each in its own subprocess, and writes one compact JSON (tokens/s, step time, MFU,
+peak GPU / host memory per size, and new / old) plus the two Markdown tables to ``--out``. Regimes: ``auto``
+(placement chosen by the planner: the model fits, most layers stay on the GPU) and ``streamed`` (every layer
+streamed, no per-parameter state of a streamed layer on the GPU: ``device_layers=0, device_step_layers=0``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REGIMES = {"auto": {}, "streamed": {"device_layers": 0, "device_step_layers": 0}}
+KEEP = ("tokens_per_step", "step_time_s", "tokens_per_s", "model_tflops", "mfu", "peak_gpu_alloc_gib",
+        "peak_host_rss_gib", "status", "error")
+
+
+def run_tree(tree: str, regime: str, a: argparse.Namespace, scratch: str) -> dict:
+    cfg = json.dumps({"torch_compile": True, **REGIMES[regime]})
+    cmd = [sys.executable, "integration/bench_vs_deepspeed.py", "--systems", "megatrain", "--sizes", a.sizes,
+           "--megatrain-mode", "trainer", "--megatrain-config", cfg, "--no-profile", "--steps", str(a.steps),
+           "--warmup", str(a.warmup), "--budget", str(a.budget), "--timeout", str(a.timeout), "--out", scratch,
+           "--fresh"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=tree, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": tree})
+    out = {"tree": tree, "command": " ".join(cmd), "returncode": proc.returncode,
+           "wall_s": round(time.perf_counter() - t0, 1), "stderr_tail": proc.stderr[-1500:], "rows": {}}
+    for path in glob.glob(os.path.join(scratch, "bench_vs_deepspeed_*.json")):
+        data = json.load(open(path))
+        for rec in data.get("records", {}).values():
+            if rec.get("system") == "megatrain":
+                out["rows"][str(rec.get("tokens_per_step"))] = {k: rec.get(k) for k in KEEP}
+        out["table"] = open(path[:-5] + ".md").read() if os.path.exists(path[:-5] + ".md") else ""
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--old", required=True, help="folder holding the old tree (git archive of the old commit)")
+    ap.add_argument("--new", default=os.path.dirname(HERE), help="folder of the new tree (default: this repo)")
+    ap.add_argument("--regime", choices=sorted(REGIMES), required=True)
+    ap.add_argument("--sizes", default="4,16")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--budget", type=float, default=250, help="seconds per tree")
+    ap.add_argument("--timeout", type=float, default=200, help="seconds per bench subprocess")
+    ap.add_argument("--old-first", action="store_true", help="run the old tree first (order effects)")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    res = {"regime": a.regime, "megatrain_config": {"torch_compile": True, **REGIMES[a.regime]}}
+    order = [("new", a.new), ("old", a.old)]
+    for name, tree in (order[::-1] if a.old_first else order):
+        res[name] = run_tree(os.path.abspath(tree), a.regime, a, f"/tmp/compare_{a.regime}_{name}")
+        print(name, json.dumps(res[name]["rows"]), flush=True)
+    res["new_over_old_tokens_per_s"] = {
+        k: round(v["tokens_per_s"] / res["old"]["rows"][k]["tokens_per_s"], 3)
+        for k, v in res["new"]["rows"].items()
+        if v.get("tokens_per_s") and res["old"]["rows"].get(k, {}).get("tokens_per_s")}
+    print("new / old tokens/s:", res["new_over_old_tokens_per_s"], flush=True)
+    with open(os.path.join(a.out, f"compare_commits_{a.regime}.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                "megatrain estimate --help",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("command", choices=["launch", "estimate", "keys"],
-                   help="launch: accelerate launch with one combined yaml; estimate: memory/time planner; "
+                   help="launch: accelerate launch with one combined yaml; estimate: memory planner; "
                         "keys: list the valid megatrain: section keys")
     p.add_argument("--version", action="version", version=f"hf_megatrain {_version()}")
     if not argv or argv[0] in ("-h", "--help", "--version"):

@@ -49,26 +49,6 @@ class HostMemoryError(MemoryError):
     pass
 
 
-def check_host_memory(needed: int, fraction: float, what: str, available: int | None = None) -> None:
-    """Raise before allocating when ``needed`` bytes exceed ``fraction`` of the available host RAM."""
-    available = available_host_bytes() if available is None else available
-    if needed > fraction * available:
-        raise HostMemoryError(
-            f"not enough host RAM for {what}: need {format_bytes(needed)}, available {format_bytes(available)} "
-            f"(host_memory_fraction={fraction}). Use a machine with more RAM, a smaller model, or "
-            "compute_dtype='float32' (no separate streaming copy).")
-
-
-def pin_(t: torch.Tensor) -> torch.Tensor:
-    """Page-lock an existing host tensor in place (no-op without CUDA or when already pinned)."""
-    if t.numel() == 0 or not torch.cuda.is_available() or t.device.type != "cpu" or t.is_pinned():
-        return t
-    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-    if int(err) == 0:
-        weakref.finalize(t, torch.cuda.cudart().cudaHostUnregister, t.data_ptr())
-    return t
-
-
 def alloc_on_disk(numel: int, dtype: torch.dtype, directory: str) -> torch.Tensor:
     """A zero-filled buffer backed by a memory-mapped file in ``directory`` (the disk tier).
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .memory import alloc_host, alloc_on_disk, check_disk_space
-from .plan import Plans, UnitPlan, Where
+from .plan import Plans, Stepper, UnitPlan, Where
 
 
 @dataclass
@@ -68,9 +68,6 @@ class Unit:
     def view(self, flat: torch.Tensor, p: ParamSlice) -> torch.Tensor:
         return flat[p.offset:p.offset + p.numel].view(p.shape)
 
-    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {p.local: self.view(flat, p) for p in self.params}
-
     def refresh_compute_(self) -> None:
         """Copy the master into the compute copy (after the master changed)."""
         if self.compute is not None:
@@ -78,10 +75,12 @@ class Unit:
 
 
 def bytes_per_param(compute_dtype: torch.dtype, lean: bool = False) -> int:
-    """Host bytes per trainable parameter of a host-stepped streamed unit (``lean``: a lean unit)."""
-    if lean:
-        return 12
-    return 16 + (0 if compute_dtype == torch.float32 else torch.empty((), dtype=compute_dtype).element_size())
+    """Host bytes per trainable parameter of a host-stepped streamed unit (``lean``: a lean unit), from the same
+    ``UnitPlan.buffers`` formula the store and the planner use."""
+    copy = Where.NONE if lean or compute_dtype == torch.float32 else Where.HOST
+    grad, stepper = (Where.NONE, Stepper.LEAN) if lean else (Where.HOST, Stepper.HOST)
+    plan = UnitPlan(0, True, 1, 0, Where.HOST, grad, Where.HOST, copy, stepper)
+    return plan.nbytes(Where.HOST, compute_dtype)
 
 
 Layout = list[tuple[str, str, tuple[int, ...], bool]]  # (model name, name inside the unit, shape, decay)

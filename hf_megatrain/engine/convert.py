@@ -24,12 +24,13 @@ from torch import nn
 from .. import planner
 from ..config import MegaTrainConfig
 from ..core.memory import gpu_budget
-from ..core.plan import PlanInputs, Plans, Where, build_plans
+from ..core.plan import Plans, Where
 from ..core.store import UnitStore
 from ..model.families import check_supported
 from ..model.layers import LayerStack, find_layer_stack, group_layers, unit_layouts
 from ..model.template import LayerTemplate
-from .executor import StreamedLayer, StreamingExecutor
+from .executor import StreamingExecutor
+from .proxy import StreamedLayer
 
 logger = logging.getLogger(__name__)
 
@@ -98,10 +99,11 @@ def convert(model: nn.Module, config: MegaTrainConfig, device: torch.device, dec
     _check_plain_head(model)
     decay = default_decay_names(model) if decay_names is None else set(decay_names)
     ul = unit_layouts(model, stack, decay)
-    plans = build_plans(PlanInputs(ul.numels, ul.frozen_numels, device.type, gpu_budget(device)), config)
+    shape = planner.ModelShape.from_layouts(model, ul)
+    plans = planner.unit_plans(shape, config, device.type, gpu_budget(device))
     logger.info("hf_megatrain: %s", plans.summary())
-    planner.check_fits(planner.ModelShape.from_layouts(model, ul), config, device_type=device.type,
-                       gpu_available=gpu_budget(device), baseline_paid=True, plans=plans)
+    planner.check_fits(shape, config, device_type=device.type, gpu_available=gpu_budget(device),
+                       baseline_paid=True, plans=plans)
     store = UnitStore(plans, ul.layouts, ul.frozen, compute_dtype=compute_dtype, device=device,
                       pin=config.pin_memory and device.type == "cuda", state_dir=config.optimizer_state_dir)
 

@@ -28,7 +28,6 @@ from ..core.store import Unit
 from ..core.streams import StreamSet
 from ..model.template import LayerTemplate
 from .offload import GradientOffload
-from .proxy import StreamedLayer, _StreamedLayerFunction  # noqa: F401  (StreamedLayer: the engine's proxies)
 from .slots import WeightSlots
 
 
@@ -167,7 +166,6 @@ class StreamingExecutor:
         grads = tmpl.bind(gp, frozen=False)
         for p in tmpl.layout:
             params[p.local].grad = grads[p.local]
-        st = self.streams
         k, off = self.grads.buffer(n)
         args, kwargs = call
         batch = hidden.shape[0]

@@ -31,7 +31,7 @@ from ..core.step_state import StepState
 from ..model.families import ModelHead
 from ..optim.adamw import UnitAdamW
 from ..optim.lean import GA_MESSAGE, LeanAdamW
-from .convert import convert, default_decay_names, install_proxies  # noqa: F401  (default_decay_names: public)
+from .convert import convert, install_proxies
 from .executor import StreamingExecutor
 from .replay import StepReplay
 
@@ -88,10 +88,6 @@ class MegaTrainEngine:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         self._published = self.state.version[u.index]
-
-    def load_master_(self, name: str, tensor: torch.Tensor) -> None:
-        self.state.wait_all()
-        self.store.load_(name, tensor)
 
     def sync_device_(self) -> None:
         """After masters changed outside the optimizer (loading a checkpoint): every copy is stale."""

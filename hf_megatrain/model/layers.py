@@ -121,7 +121,6 @@ class UnitLayouts:
 
     layouts: list[Layout]
     frozen: list[FrozenLayout]
-    resident_names: list[str]  # trainable resident parameters, in resident-unit order
 
     @property
     def numels(self) -> list[int]:
@@ -148,4 +147,4 @@ def unit_layouts(model: nn.Module, stack: LayerStack, decay: set[str] | None = N
     resident = [(n, p) for n, p in model.named_parameters() if id(p) not in layer_ids]
     layouts.append([(n, n, tuple(p.shape), n in decay) for n, p in resident if p.requires_grad])
     frozen.append([(n, n, tuple(p.shape)) for n, p in resident if not p.requires_grad])
-    return UnitLayouts(layouts, frozen, [n for n, p in resident if p.requires_grad])
+    return UnitLayouts(layouts, frozen)

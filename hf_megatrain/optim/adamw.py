@@ -20,7 +20,7 @@ import logging
 import math
 import threading
 import time
-from typing import Callable, Iterable
+from typing import Callable
 
 import torch
 
@@ -247,10 +247,6 @@ class UnitAdamW(torch.optim.Optimizer):
         for g, saved in zip(self.param_groups, state["param_groups"]):
             g.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items()})
         self.skipped_steps = int(state.get("skipped_steps", 0))
-
-    def parameters_iter(self) -> Iterable[torch.Tensor]:
-        for g in self.param_groups:
-            yield from g["params"]
 
 
 CPUAdamW = UnitAdamW  # the name of the first releases (it steps GPU-placed units too)

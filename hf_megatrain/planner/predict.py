@@ -11,23 +11,20 @@ calibrated on CPU against the allocator; CUDA context sizes are named constants 
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import os
-import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..config import MegaTrainConfig, parse_dtype, resolve_config
+from ..config import MegaTrainConfig
 from ..core.memory import CUDA_CONTEXT_GPU_BYTES, available_host_bytes, format_bytes, gpu_budget
 from ..core.plan import CAST_STAGING_BYTES, PlanInputs, Plans, Stepper, Where, build_plans
 from ..model.layers import UnitLayouts, find_layer_stack, unit_layouts
 
 __all__ = ["HOST_BASELINE_BYTES", "CUDA_CONTEXT_HOST_BYTES", "CUDA_CONTEXT_GPU_BYTES", "GiB", "ModelShape",
-           "layer_recompute_bytes", "unit_plans", "MemoryPlan", "estimate", "check_fits", "load_shape", "main"]
+           "layer_recompute_bytes", "step_reserve_bytes", "placement_budget", "unit_plans", "MemoryPlan", "estimate",
+           "check_fits", "sum_values"]
 
 GiB = 1024 ** 3
 # Host RSS of python + torch + transformers + hf_megatrain imported (394 MiB measured, torch 2.13 CPU build), plus
@@ -134,10 +131,29 @@ def layer_recompute_bytes(shape: ModelShape, tokens: int, compute_dtype: torch.d
     return tokens * per_token + c * shape.max_weight
 
 
+def step_reserve_bytes(shape: ModelShape, config: MegaTrainConfig) -> int:
+    """GPU bytes every step needs whatever the model's placement: the CUDA context and the executor's buffers
+    (weight slots, one layer's compute-dtype gradient, two offload buffers, the FP32 cast staging), with the
+    allocator's fragmentation on top. Placement spends its fractions of what is left (the rest of it is for
+    activations and the loss), so auto placement does not plan the GPU full before a step's own buffers."""
+    c, o = _elt(config.torch_compute_dtype), _elt(config.torch_grad_offload_dtype)
+    n_max = max(shape.layer_numels, default=0)
+    slot = max((a + b for a, b in zip(shape.layer_numels, shape.layer_frozen)), default=0)
+    executor = config.num_slots * slot * c + n_max * c + 2 * n_max * o + (
+        min(4 * n_max, CAST_STAGING_BYTES) if config.lean_store and c < 4 else 0)
+    return CUDA_CONTEXT_GPU_BYTES + int((1 + GPU_FRAGMENTATION_FRACTION) * executor)
+
+
+def placement_budget(shape: ModelShape, config: MegaTrainConfig, gpu_free: int | None) -> int | None:
+    """What placement may give to GPU-kept state: the GPU budget less ``step_reserve_bytes`` (None: no GPU)."""
+    return None if gpu_free is None else max(gpu_free - step_reserve_bytes(shape, config), 0)
+
+
 def unit_plans(shape: ModelShape, config: MegaTrainConfig, device_type: str, gpu_free: int | None) -> Plans:
     """The engine's plans for ``shape`` (core/plan.py ``build_plans``, same inputs as the engine's conversion)."""
     return build_plans(PlanInputs(shape.layer_numels + [shape.resident_numel],
-                                  shape.layer_frozen + [shape.resident_frozen], device_type, gpu_free), config)
+                                  shape.layer_frozen + [shape.resident_frozen], device_type,
+                                  placement_budget(shape, config, gpu_free)), config)
 
 
 _STORE_ROWS = ("master fp32", "grad fp32", "exp_avg fp32", "exp_avg_sq fp32", "compute copy",
@@ -326,107 +342,3 @@ def check_fits(engine_or_shape: Any, config: MegaTrainConfig | None = None, seq_
                           f"or num_slots=2 (now {config.num_slots})")
     if errors:
         raise MemoryError("hf_megatrain: this run does not fit: " + "; ".join(errors))
-
-
-# -- megatrain estimate ----------------------------------------------------------------------------------------------
-def load_shape(path: str, layers_path: str | None = None, trust_remote_code: bool = False) -> ModelShape:
-    """Build ``path``'s model on the meta device (local dir, config.json, or hub id) and measure its layout."""
-    import transformers
-
-    local = os.path.exists(path)
-    looks_local = path.startswith(("/", ".", "~")) or path.endswith(".json") or path.count("/") > 1
-    if not local and looks_local:
-        raise FileNotFoundError(f"{path}: no such file or directory; pass a model directory holding config.json, "
-                                "a config.json path, or a Hugging Face hub id")
-    try:
-        cfg = transformers.AutoConfig.from_pretrained(os.path.expanduser(path), trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
-        where = "the local config" if local else "the hub (no network, or not cached?)"
-        raise FileNotFoundError(f"could not load a model config for {path!r} from {where}: {e}. Pass a local "
-                                "directory with config.json or a config.json path.") from e
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(cfg, trust_remote_code=trust_remote_code)
-    model.tie_weights()
-    return ModelShape.from_model(model, layers_path)
-
-
-def _rows(items: dict[str, int], indent: str = "  ") -> list[str]:
-    return [f"{indent}{k:<{56 - len(indent)}} {format_bytes(v):>11}" for k, v in items.items() if v]
-
-
-def _report(plan: MemoryPlan, host_verdict: str, gpu_verdict: str) -> list[str]:
-    peak = plan.peak_phase
-    others = ", ".join(f"{k} {format_bytes(sum_values(v))}" for k, v in plan.phases.items() if k != peak)
-    return (["Host RAM"] + _rows(plan.host) + [f"  {'total (peak)':<54} {format_bytes(plan.host_total):>11}   "
-                                                f"{host_verdict}", "GPU memory (per GPU)"] + _rows(plan.device)
-            + [f"  step peak = {peak}:"] + _rows(plan.phases.get(peak, {}), "    ") + [f"    (other phases: {others})"]
-            + [f"  {'total':<54} {format_bytes(plan.device_total):>11}   {gpu_verdict}",
-               "Disk (per checkpoint; + AdamW moments with optimizer_state_dir)"]
-            + _rows(plan.disk) + [f"  {'total':<54} {format_bytes(sum_values(plan.disk)):>11}"])
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="megatrain estimate", description="Host RAM, GPU memory and disk a "
-                                "hf_megatrain run needs, from the model config alone (nothing is allocated).")
-    p.add_argument("model", help="model directory with config.json, a config.json path, or a hub id")
-    p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--batch-size", type=int, default=1, help="sequences per optimizer micro-step")
-    p.add_argument("--micro-batch-size", type=int, default=None, help="split inside a layer visit (0 = none)")
-    p.add_argument("--gpus", type=int, default=1)
-    p.add_argument("--compute-dtype", default=None, choices=["bfloat16", "float32"])
-    p.add_argument("--num-slots", type=int, default=None)
-    p.add_argument("--grad-accum", type=int, default=1)
-    p.add_argument("--lean-store", action="store_true",
-                   help="plan for lean_store=True (12 host bytes per streamed parameter)")
-    p.add_argument("--device-layers", type=int, default=None,
-                   help="decoder layers kept whole on the GPU (default -1: as many as fit; 0: stream every layer)")
-    p.add_argument("--config", default=None, help="megatrain yaml (other MegaTrainConfig keys)")
-    p.add_argument("--gpu-memory", type=float, default=None,
-                   help="GiB of the target GPU when planning for another machine (default: this GPU, else 80)")
-    p.add_argument("--trust-remote-code", action="store_true")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    a = p.parse_args(argv)
-    try:
-        over = {k: v for k, v in (("compute_dtype", a.compute_dtype), ("num_slots", a.num_slots),
-                                  ("micro_batch_size", a.micro_batch_size), ("device_layers", a.device_layers),
-                                  ("lean_store", a.lean_store or None)) if v is not None}
-        config = MegaTrainConfig.from_dict({**resolve_config(a.config).to_dict(), **over})
-        if a.seq_len <= 0 or a.batch_size <= 0 or a.gpus <= 0:
-            raise ValueError("--seq-len, --batch-size and --gpus must be positive")
-        shape = load_shape(a.model, config.layers_path, a.trust_remote_code)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"megatrain estimate: error: {e}", file=sys.stderr)
-        return 2
-    gpu_here = torch.cuda.is_available()
-    gpu_avail = gpu_budget(torch.device("cuda", torch.cuda.current_device())) if gpu_here else None
-    gpu_plan = a.gpu_memory * GiB if a.gpu_memory else (gpu_avail or 80 * GiB)
-    plan = estimate(shape, config, a.seq_len, a.batch_size, device_type="cuda", gpu_free=gpu_plan,
-                    grad_accum=a.grad_accum, gpus=a.gpus)
-    host_avail = available_host_bytes()
-    host_need = plan.host_total
-    host_ok = host_need <= config.host_memory_fraction * host_avail
-    gpu_ok = None if gpu_avail is None else plan.device_total <= gpu_avail
-    if a.json:
-        print(json.dumps({"params": {"trainable": shape.trainable, "frozen": shape.frozen},
-                          "shape": asdict(shape) | {"layer_numels": None, "layer_frozen": None},
-                          "host": plan.host, "gpu": plan.device, "gpu_phases": plan.phases,
-                          "gpu_peak_phase": plan.peak_phase, "disk": plan.disk,
-                          "host_total": host_need, "gpu_total": plan.device_total,
-                          "disk_total": sum(plan.disk.values()),
-                          "host_available": host_avail, "gpu_available": gpu_avail, "host_fits": host_ok,
-                          "gpu_fits": gpu_ok, "notes": plan.notes}, indent=1))
-        return 0
-    print(f"{a.model}: {shape.trainable / 1e9:.3f}B trainable parameters ({shape.num_layers} streamed layers, "
-          f"{shape.resident_numel / 1e6:.1f}M resident), {config.compute_dtype} compute, seq_len={a.seq_len}, "
-          f"batch_size={a.batch_size}")
-    host_v = (("fits" if host_ok else "DOES NOT FIT") + f" ({config.host_memory_fraction:g} x "
-              f"{format_bytes(host_avail)} available)")
-    gpu_v = "no GPU here" if gpu_ok is None else (("fits" if gpu_ok else "DOES NOT FIT")
-                                                   + f" ({format_bytes(gpu_avail)} free)")
-    print("\n".join(_report(plan, host_v, gpu_v)))
-    for note in plan.notes + ([] if gpu_here else [f"no GPU here: placement planned for a "
-                                                     f"{format_bytes(gpu_plan)} GPU (--gpu-memory)"]):
-        print("note:", note)
-    fits = host_ok and gpu_ok is not False
-    print("verdict:", "fits this machine" if fits else "does NOT fit this machine")
-    return 0

@@ -1,0 +1,132 @@
+"""``megatrain estimate``: the memory plan of a model config, before anything is allocated.
+
+The model is built on the meta device from its config (a local folder, a config.json or a Hub id), measured with
+the engine's own layout code and planned by ``predict.estimate`` for a target GPU (this one, or ``--gpu-memory``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict
+
+import torch
+
+from ..config import MegaTrainConfig, resolve_config
+from ..core.memory import available_host_bytes, format_bytes, gpu_budget
+from .predict import GiB, MemoryPlan, ModelShape, estimate, sum_values
+
+__all__ = ["load_shape", "main"]
+
+
+# -- megatrain estimate ----------------------------------------------------------------------------------------------
+def load_shape(path: str, layers_path: str | None = None, trust_remote_code: bool = False) -> ModelShape:
+    """Build ``path``'s model on the meta device (local dir, config.json, or hub id) and measure its layout."""
+    import transformers
+
+    local = os.path.exists(path)
+    looks_local = path.startswith(("/", ".", "~")) or path.endswith(".json") or path.count("/") > 1
+    if not local and looks_local:
+        raise FileNotFoundError(f"{path}: no such file or directory; pass a model directory holding config.json, "
+                                "a config.json path, or a Hugging Face hub id")
+    try:
+        cfg = transformers.AutoConfig.from_pretrained(os.path.expanduser(path), trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        where = "the local config" if local else "the hub (no network, or not cached?)"
+        raise FileNotFoundError(f"could not load a model config for {path!r} from {where}: {e}. Pass a local "
+                                "directory with config.json or a config.json path.") from e
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, trust_remote_code=trust_remote_code)
+    model.tie_weights()
+    from ..model.families import check_supported  # a family the engine refuses must not "fit"
+    from ..model.layers import find_layer_stack
+
+    check_supported(model, find_layer_stack(model, layers_path))
+    return ModelShape.from_model(model, layers_path)
+
+
+def _rows(items: dict[str, int], indent: str = "  ") -> list[str]:
+    return [f"{indent}{k:<{56 - len(indent)}} {format_bytes(v):>11}" for k, v in items.items() if v]
+
+
+def _report(plan: MemoryPlan, host_verdict: str, gpu_verdict: str) -> list[str]:
+    peak = plan.peak_phase
+    others = ", ".join(f"{k} {format_bytes(sum_values(v))}" for k, v in plan.phases.items() if k != peak)
+    return (["Host RAM"] + _rows(plan.host) + [f"  {'total (peak)':<54} {format_bytes(plan.host_total):>11}   "
+                                                f"{host_verdict}", "GPU memory (per GPU)"] + _rows(plan.device)
+            + [f"  step peak = {peak}:"] + _rows(plan.phases.get(peak, {}), "    ") + [f"    (other phases: {others})"]
+            + [f"  {'total':<54} {format_bytes(plan.device_total):>11}   {gpu_verdict}",
+               "Disk (per checkpoint; + AdamW moments with optimizer_state_dir)"]
+            + _rows(plan.disk) + [f"  {'total':<54} {format_bytes(sum_values(plan.disk)):>11}"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="megatrain estimate", description="Host RAM, GPU memory and disk a "
+                                "hf_megatrain run needs, from the model config alone (nothing is allocated).")
+    p.add_argument("model", help="model directory with config.json, a config.json path, or a hub id")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--batch-size", type=int, default=1, help="sequences per optimizer micro-step")
+    p.add_argument("--micro-batch-size", type=int, default=None, help="split inside a layer visit (0 = none)")
+    p.add_argument("--gpus", type=int, default=1)
+    p.add_argument("--compute-dtype", default=None, choices=["bfloat16", "float32"])
+    p.add_argument("--num-slots", type=int, default=None)
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--lean-store", action="store_true",
+                   help="plan for lean_store=True (12 host bytes per streamed parameter)")
+    p.add_argument("--device-layers", type=int, default=None,
+                   help="decoder layers kept whole on the GPU (default -1: as many as fit; 0: stream every layer)")
+    p.add_argument("--config", default=None, help="megatrain yaml (other MegaTrainConfig keys)")
+    p.add_argument("--gpu-memory", type=float, default=None,
+                   help="GiB of the target GPU when planning for another machine (default: this GPU, else 80)")
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    a = p.parse_args(argv)
+    try:
+        over = {k: v for k, v in (("compute_dtype", a.compute_dtype), ("num_slots", a.num_slots),
+                                  ("micro_batch_size", a.micro_batch_size), ("device_layers", a.device_layers),
+                                  ("lean_store", a.lean_store or None)) if v is not None}
+        config = MegaTrainConfig.from_dict({**resolve_config(a.config).to_dict(), **over})
+        if a.seq_len <= 0 or a.batch_size <= 0 or a.gpus <= 0:
+            raise ValueError("--seq-len, --batch-size and --gpus must be positive")
+        shape = load_shape(a.model, config.layers_path, a.trust_remote_code)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"megatrain estimate: error: {e}", file=sys.stderr)
+        return 2
+    gpu_here = torch.cuda.is_available()
+    gpu_avail = gpu_budget(torch.device("cuda", torch.cuda.current_device())) if gpu_here else None
+    gpu_plan = a.gpu_memory * GiB if a.gpu_memory else (gpu_avail or 80 * GiB)
+    plan = estimate(shape, config, a.seq_len, a.batch_size, device_type="cuda", gpu_free=gpu_plan,
+                    grad_accum=a.grad_accum, gpus=a.gpus)
+    host_avail = available_host_bytes()
+    host_need = plan.host_total
+    host_ok = host_need <= config.host_memory_fraction * host_avail
+    # Against this GPU, or the one --gpu-memory describes (also when this machine has none).
+    gpu_target = gpu_avail if gpu_avail is not None and not a.gpu_memory else (gpu_plan if a.gpu_memory else None)
+    gpu_ok = None if gpu_target is None else plan.device_total <= gpu_target
+    if a.json:
+        print(json.dumps({"params": {"trainable": shape.trainable, "frozen": shape.frozen},
+                          "shape": asdict(shape) | {"layer_numels": None, "layer_frozen": None},
+                          "host": plan.host, "gpu": plan.device, "gpu_phases": plan.phases,
+                          "gpu_peak_phase": plan.peak_phase, "disk": plan.disk,
+                          "host_total": host_need, "gpu_total": plan.device_total,
+                          "disk_total": sum(plan.disk.values()),
+                          "host_available": host_avail, "gpu_available": gpu_target, "host_fits": host_ok,
+                          "gpu_fits": gpu_ok, "notes": plan.notes}, indent=1))
+        return 0
+    print(f"{a.model}: {shape.trainable / 1e9:.3f}B trainable parameters ({shape.num_layers} streamed layers, "
+          f"{shape.resident_numel / 1e6:.1f}M resident), {config.compute_dtype} compute, seq_len={a.seq_len}, "
+          f"batch_size={a.batch_size}")
+    host_v = (("fits" if host_ok else "DOES NOT FIT") + f" ({config.host_memory_fraction:g} x "
+              f"{format_bytes(host_avail)} available)")
+    gpu_v = "no GPU here" if gpu_ok is None else (("fits" if gpu_ok else "DOES NOT FIT") + (
+        f" (a {format_bytes(gpu_target)} GPU, --gpu-memory)" if a.gpu_memory else f" ({format_bytes(gpu_target)} free)"))
+    print("\n".join(_report(plan, host_v, gpu_v)))
+    for note in plan.notes + ([] if gpu_here else [f"no GPU here: placement planned for a "
+                                                     f"{format_bytes(gpu_plan)} GPU (--gpu-memory)"]):
+        print("note:", note)
+    fits = host_ok and gpu_ok is not False
+    where = "this machine's RAM and the planned GPU" if a.gpu_memory else "this machine"
+    print("verdict:", f"fits {where}" if fits else f"does NOT fit {where}")
+    return 0

@@ -145,7 +145,7 @@ class MegaTrainEngine:
         self.state.land()
         if self.state.any_grad():
             for u in self.store.units:
-                if u.grad is not None and not self.state.has_grad(u.index):
+                if u.plan.grad is not Where.NONE and not self.state.has_grad(u.index):
                     u.grad.zero_()
                     self.state.accumulate(u.index)
                     self.state.landed(u.index)

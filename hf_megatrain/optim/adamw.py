@@ -106,7 +106,7 @@ class UnitAdamW(torch.optim.Optimizer):
     def _zero_missing(self) -> None:
         """Units no backward reached since the last step have a zero gradient (as in torch)."""
         for u in self.store.units:
-            if not self.step_state.has_grad(u.index) and u.grad is not None:
+            if not self.step_state.has_grad(u.index) and u.plan.grad is not Where.NONE:
                 u.grad.zero_()
                 self.step_state.accumulate(u.index, None)
                 self.step_state.landed(u.index)

@@ -261,7 +261,7 @@ class LeanAdamW(UnitAdamW):
 
     def _zero_missing(self) -> None:
         for u in self.store.units:
-            if u.index not in self.lean and not self.step_state.has_grad(u.index) and u.grad is not None:
+            if u.index not in self.lean and not self.step_state.has_grad(u.index):
                 u.grad.zero_()
                 self.step_state.accumulate(u.index, None)
                 self.step_state.landed(u.index)

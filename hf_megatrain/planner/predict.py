@@ -133,14 +133,13 @@ def layer_recompute_bytes(shape: ModelShape, tokens: int, compute_dtype: torch.d
 
 def step_reserve_bytes(shape: ModelShape, config: MegaTrainConfig) -> int:
     """GPU bytes every step needs whatever the model's placement: the CUDA context and the executor's buffers
-    (weight slots, one layer's compute-dtype gradient, two offload buffers, the FP32 cast staging), with the
+    (weight slots, one layer's compute-dtype gradient, two offload buffers), with the
     allocator's fragmentation on top. Placement spends its fractions of what is left (the rest of it is for
     activations and the loss), so auto placement does not plan the GPU full before a step's own buffers."""
     c, o = _elt(config.torch_compute_dtype), _elt(config.torch_grad_offload_dtype)
     n_max = max(shape.layer_numels, default=0)
     slot = max((a + b for a, b in zip(shape.layer_numels, shape.layer_frozen)), default=0)
-    executor = config.num_slots * slot * c + n_max * c + 2 * n_max * o + (
-        min(4 * n_max, CAST_STAGING_BYTES) if config.lean_store and c < 4 else 0)
+    executor = config.num_slots * slot * c + n_max * c + 2 * n_max * o
     return CUDA_CONTEXT_GPU_BYTES + int((1 + GPU_FRAGMENTATION_FRACTION) * executor)
 
 

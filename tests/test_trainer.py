@@ -230,6 +230,15 @@ def test_corrupt_or_incomplete_resume_folder(tmp_path):
     with open(broken / "model.safetensors", "r+b") as f:
         f.write(b"\xff" * 16)  # garbled header
     assert "model.safetensors" in attempt(broken)
+    broken = tmp_path / "broken4"  # same size, bytes flipped inside the data: only the checksum can tell
+    shutil.copytree(ck, broken)
+    path = broken / "megatrain_optimizer.safetensors"
+    data = bytearray(path.read_bytes())
+    for i in range(len(data) - 4000, len(data)):
+        data[i] ^= 0x5A
+    path.write_bytes(bytes(data))
+    msg = attempt(broken)
+    assert "megatrain_optimizer.safetensors" in msg and "CRC-32" in msg
 
 
 def test_save_total_limit_and_load_best_model(tmp_path):

@@ -16,17 +16,22 @@ against its manifest before anything is loaded, so a corrupt folder raises befor
 from __future__ import annotations
 
 import contextlib
+import logging
 import copy
 import json
 import os
 import shutil
 import tempfile
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
 from .safetensors_io import (read_json_key, DEFAULT_MAX_SHARD_SIZE, WEIGHTS_PREFIX, CheckpointError, LazyTensors, copy_tensor_into,
                              open_safetensors, parse_size, save_weights, weight_files, write_json, write_safetensors)
+
+logger = logging.getLogger(__name__)
 
 MASTER_PREFIX = "megatrain_master"  # FP32 master, written only when the exported weights are not FP32
 OPTIMIZER_TENSORS = "megatrain_optimizer.safetensors"
@@ -79,11 +84,29 @@ def save_training_state(engine: Any, save_dir: str, *, master: bool) -> list[str
     return files
 
 
+def file_crc32(path: str, chunk: int = 64 << 20) -> str:
+    """CRC-32 of a file's bytes, read in large chunks (zlib releases the GIL on them: files hash in parallel)."""
+    crc = 0
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(chunk)
+        view = memoryview(buf)
+        while n := f.readinto(buf):
+            crc = zlib.crc32(view[:n], crc)
+    return f"{crc:08x}"
+
+
+def _crc32_all(paths: list[str]) -> list[str]:
+    with ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1))) as pool:
+        return list(pool.map(file_crc32, paths))
+
+
 def write_manifest(save_dir: str) -> None:
-    """Record every file in ``save_dir`` with its size; ``verify_checkpoint`` checks against it."""
-    files = {f: os.path.getsize(os.path.join(save_dir, f)) for f in sorted(os.listdir(save_dir))
-             if os.path.isfile(os.path.join(save_dir, f)) and f != MANIFEST}
-    write_json(os.path.join(save_dir, MANIFEST), {"format": 1, "files": files})
+    """Record every file in ``save_dir`` with its size and CRC-32; ``verify_checkpoint`` checks against both, so
+    a truncated file and a same-size corrupt one are refused before anything is loaded."""
+    names = [f for f in sorted(os.listdir(save_dir)) if os.path.isfile(os.path.join(save_dir, f)) and f != MANIFEST]
+    sums = _crc32_all([os.path.join(save_dir, f) for f in names])
+    files = {f: os.path.getsize(os.path.join(save_dir, f)) for f in names}
+    write_json(os.path.join(save_dir, MANIFEST), {"format": 2, "files": files, "crc32": dict(zip(names, sums))})
 
 
 # -- atomic folders --------------------------------------------------------------------------------------------------
@@ -154,6 +177,18 @@ def verify_checkpoint(path: str, *, training_state: bool = True) -> None:
             if os.path.getsize(p) != size:
                 raise CheckpointError(f"checkpoint {path} is corrupt: {fname} has {os.path.getsize(p)} bytes, "
                                       f"{size} were written")
+        with open(manifest_path) as fh:
+            sums = json.load(fh).get("crc32")
+        if sums is None:  # a manifest of an earlier release: sizes only
+            logger.warning("hf_megatrain: %s records no checksums (an earlier release wrote it): only file sizes "
+                           "are verified", manifest_path)
+            sums = {}
+        names = sorted(sums)
+        for fname, got in zip(names, _crc32_all([os.path.join(path, f) for f in names])):
+            if got != sums[fname]:
+                raise CheckpointError(f"checkpoint {path} is corrupt: {fname} does not hold the bytes that were "
+                                      f"written (CRC-32 {got}, recorded {sums[fname]}); resume from an earlier "
+                                      "checkpoint")
     if training_state and not os.path.isfile(os.path.join(path, "trainer_state.json")):
         raise CheckpointError(f"{path} has no trainer_state.json, so training cannot resume from it (it is a "
                               "model export, not a Trainer checkpoint); start a new run from it instead")

@@ -81,6 +81,12 @@ class MegaTrainConfig:
             seconds at start). Same math, different fp32 rounding (parity ~1e-5..1e-4 instead of bit-exact
             ops). Falls back to eager, with a warning, for a layer dynamo cannot trace; MoE layers whose router
             logits are recorded stay eager.
+        speculative_step: in the step's last backward (Trainer tells the engine which one that is), update each
+            CPU-stepped layer as soon as its gradient lands instead of after the backward, overlapping the CPU AdamW
+            with the GPU's backward; when the step turns out to clip (or the norm is non-finite) those updates are
+            taken back and redone exactly (optim/speculation.py). After a clipping step the next one does not
+            speculate. Needs ``overlap_optimizer`` to overlap anything; custom loops set
+            ``engine.state.final_backward = True`` before their last backward of a step to use it.
     """
 
     compute_dtype: str = "bfloat16"
@@ -102,6 +108,7 @@ class MegaTrainConfig:
     device_step_fraction: float = 0.5
     lean_store: bool = False
     torch_compile: bool = False
+    speculative_step: bool = True
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:

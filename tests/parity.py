@@ -38,8 +38,12 @@ def random_batches(steps, ga, batch, seq, vocab, seed, pad_some=True):
 
 
 def run_parity(model, *, steps=3, ga=2, batch=2, seq=12, lr=1e-3, wd=0.1, max_grad_norm=1.0, seed=0,
-               config: MegaTrainConfig | None = None, split_in_layer: bool = False, tol=1e-5, device="cpu"):
-    """Train a copy of ``model`` both ways; assert loss, every gradient and every updated weight match."""
+               config: MegaTrainConfig | None = None, split_in_layer: bool = False, tol=1e-5, device="cpu",
+               final_backward: bool = False, clip_schedule=None):
+    """Train a copy of ``model`` both ways; assert loss, every gradient and every updated weight match.
+    ``final_backward``: tell the engine which backward is a step's last (as the Trainer does), so speculative
+    updates run; ``clip_schedule``: max_grad_norm per step (both sides), to make a step clip after one that did
+    not."""
     ref = copy.deepcopy(model).to(device)
     ours = copy.deepcopy(model)
     config = config or MegaTrainConfig(compute_dtype="float32")
@@ -60,6 +64,7 @@ def run_parity(model, *, steps=3, ga=2, batch=2, seq=12, lr=1e-3, wd=0.1, max_gr
     # noise, which Adam normalises into full-size random steps in *both* runs. They are compared in absolute
     # terms: within a thousandth of one Adam step per element.
     null_grad: set[str] = set()
+    step_no = 0
     for micro in random_batches(steps, ga, batch, seq, vocab, seed):
         n_items = sum(int((lab[:, 1:] != -100).sum()) for _, lab in micro)
         ref_losses = []
@@ -68,15 +73,20 @@ def run_parity(model, *, steps=3, ga=2, batch=2, seq=12, lr=1e-3, wd=0.1, max_gr
                       num_items_in_batch=torch.tensor(n_items, device=device))
             out.loss.backward()
             ref_losses.append(out.loss.detach())
+        if clip_schedule is not None:
+            max_grad_norm = opt.max_grad_norm = clip_schedule[step_no]
+        step_no += 1
         if split_in_layer:  # one big batch, split into micro-batches inside each layer visit
             ids = torch.cat([m[0] for m in micro])
             lab = torch.cat([m[1] for m in micro])
             loss = engine(input_ids=ids, labels=lab, num_items_in_batch=n_items).loss
+            engine.state.final_backward = final_backward
             loss.backward()
             worst["loss"] = max(worst["loss"], rel(loss.detach().cpu(), sum(ref_losses).cpu()))
         else:
-            for (ids, lab), rl in zip(micro, ref_losses):
+            for j, ((ids, lab), rl) in enumerate(zip(micro, ref_losses)):
                 loss = engine(input_ids=ids, labels=lab, num_items_in_batch=n_items).loss
+                engine.state.final_backward = final_backward and j == len(micro) - 1
                 loss.backward()
                 worst["loss"] = max(worst["loss"], rel(loss.detach().cpu(), rl.cpu()))
         engine.finish_backward()

@@ -13,7 +13,7 @@ from hf_megatrain import MegaTrainConfig
 from hf_megatrain.core import kernels
 from hf_megatrain.core.plan import PlanInputs, Stepper, Where, build_plans
 from hf_megatrain.core.step_state import Phase, StepState
-from hf_megatrain.optim.lean import Act, LeanPolicy
+from hf_megatrain.optim.speculation import Act, LeanPolicy
 
 from .parity import rel
 

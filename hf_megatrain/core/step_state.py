@@ -55,6 +55,10 @@ class StepState:
         self.consumer: Consumer | None = None
         self.replay: Any = None  # the recorded forward of the step in progress (lean store)
         self.unlanded = False  # a backward produced gradients that ``land()`` has not landed yet
+        # The integration says the backward in progress is the step's last (Trainer: ``sync_gradients``): a unit's
+        # gradient that lands now is final, and ``on_landed`` (the optimizer) may update the unit right away.
+        self.final_backward = False
+        self.on_landed: Callable[[int, float | None], None] | None = None
 
     def __len__(self) -> int:
         return len(self.phase)
@@ -75,8 +79,12 @@ class StepState:
         self.unlanded = True
         return first
 
-    def landed(self, i: int) -> None:
+    def landed(self, i: int, sq: float | None = None) -> None:
+        """Unit ``i``'s gradient is complete where its plan keeps it; ``sq``: its squared norm, read on the host
+        (first visit only). In the step's last backward the listener hears of it."""
         self.phase[i] = Phase.LANDED
+        if self.final_backward and self.on_landed is not None:
+            self.on_landed(i, sq)
 
     def add_lander(self, fn: Callable[[], None]) -> None:
         """Register a function that lands gradients still in flight (run, in order, by ``land``)."""
@@ -108,10 +116,12 @@ class StepState:
         self.phase[i] = Phase.UPDATING
         self._ready[i].clear()
 
-    def finish_update(self, i: int, changed: bool = True) -> None:
-        """Unit ``i``'s state is final for this step; ``changed``: its master moved (weights must be reloaded)."""
-        self.phase[i] = Phase.READY
-        self.grad_sq[i] = None
+    def finish_update(self, i: int, changed: bool = True, keep_grad: bool = False) -> None:
+        """Unit ``i``'s state is final for this step; ``changed``: its master moved (weights must be reloaded).
+        ``keep_grad``: a speculative update -- the gradient (and its norm) stays landed for the step to judge."""
+        self.phase[i] = Phase.LANDED if keep_grad else Phase.READY
+        if not keep_grad:
+            self.grad_sq[i] = None
         if changed:
             self.version[i] += 1
         self._ready[i].set()
@@ -128,6 +138,7 @@ class StepState:
                 self.phase[i] = Phase.READY
             self.grad_sq[i] = None
         self.replay = None
+        self.final_backward = False
 
     def fail(self, error: BaseException) -> None:
         """A worker failed: remember the error (raised by the next wait) and release every waiter."""

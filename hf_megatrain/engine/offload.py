@@ -45,6 +45,8 @@ class GradientOffload:
         self.sink = [sinks[u.plan.grad] for u in units]  # the strategy, per layer
         lean = any(u.plan.grad is Where.NONE for u in units)
         self.sq_host = [alloc_host(1, torch.float32, pin) for _ in range(2)] if lean else []
+        # Host units: each first visit's squared norm lands beside its gradient (read by a speculative step).
+        self.sq_cells = alloc_host(len(units), torch.float32, pin)
         self._next = 0
         self.d2h_bytes = 0
 
@@ -83,6 +85,8 @@ class GradientOffload:
         with st.on(st.d2h):
             st.wait(st.d2h, ready)
             dst.copy_(off, non_blocking=True)
+            if sq is not None and first:
+                self.sq_cells[unit.index:unit.index + 1].copy_(sq.reshape(1), non_blocking=True)
             self.done[k] = st.record(st.d2h)
         self.d2h_bytes += off.numel() * off.element_size()
         self.pending[k] = (unit, "" if direct else "copy" if first else "add")
@@ -118,8 +122,9 @@ class GradientOffload:
             unit.grad.add_(self.staging[k][:unit.numel])
         elif action == "copy":
             unit.grad.copy_(self.staging[k][:unit.numel])
-        self.state.landed(unit.index)
         self.pending[k] = None
+        sq = self.state.grad_sq[unit.index]
+        self.state.landed(unit.index, None if sq is None else float(self.sq_cells[unit.index]))
 
     def finish(self) -> None:
         """Land every gradient in flight."""

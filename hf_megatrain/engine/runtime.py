@@ -30,7 +30,8 @@ from ..core.plan import Stepper, Where
 from ..core.step_state import StepState
 from ..model.families import ModelHead
 from ..optim.adamw import UnitAdamW
-from ..optim.lean import GA_MESSAGE, LeanAdamW
+from ..optim.lean import LeanAdamW
+from ..optim.speculation import GA_MESSAGE
 from .convert import convert, install_proxies
 from .executor import StreamingExecutor
 from .replay import StepReplay
@@ -244,5 +245,6 @@ class MegaTrainEngine:
         cls = LeanAdamW if self._lean else UnitAdamW
         self.optimizer = cls(self.store, self.state, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                              max_grad_norm=max_grad_norm, unit_order=order, skip_nonfinite=self.config.skip_nonfinite,
-                             overlap=self.config.overlap_optimizer)
+                             overlap=self.config.overlap_optimizer,
+                             **({} if cls is LeanAdamW else {"speculate": self.config.speculative_step}))
         return self.optimizer

@@ -147,6 +147,10 @@ class MegaTrainTrainer(Trainer):
         if want_logits is None:
             want_logits = return_outputs or self.compute_loss_func is not None
         out = self.engine(**kwargs, return_logits=want_logits)
+        # The backward about to run is the step's last when accelerate will sync (step) after it: its gradients are
+        # final as they land, so the optimizer may update CPU-stepped layers during it (speculative_step).
+        self.engine.state.final_backward = bool(model.training and torch.is_grad_enabled()
+                                                and self.accelerator.sync_gradients)
         outputs = CausalLMOutputWithPast(loss=out.loss, logits=out.logits)
         if self.compute_loss_func is not None:
             loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)

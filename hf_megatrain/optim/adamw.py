@@ -12,6 +12,11 @@ splits them), so LR schedulers drive it unchanged. ``step()`` runs in named phas
 With ``overlap=True`` the workers run in background threads in the order the next forward consumes units (resident
 first, then layer 0, 1, ...); the executor waits, per layer, until the step state says that unit is ready. Every
 unit uses the same norm, hyper-parameters and kernel, so the math does not depend on who steps it.
+
+With ``speculate=True`` the CPU's work also overlaps the backward: in the step's last backward (the integration
+sets ``StepState.final_backward``), each HOST unit is updated on a worker as soon as its gradient lands, with no
+clip factor; ``step()`` then takes back and redoes only the updates the true global norm proves wrong (exact to
+rounding: optim/speculation.py), and launches the rest.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import logging
 import math
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 import torch
@@ -29,6 +35,7 @@ from ..core.plan import Stepper, Where
 from ..core.step_state import StepState
 from ..core.store import Unit, UnitStore
 from .device_stepper import DeviceStepper
+from .speculation import Act, Key, LeanPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +44,7 @@ class UnitAdamW(torch.optim.Optimizer):
     def __init__(self, store: UnitStore, state: StepState, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, max_grad_norm: float | None = None,
                  unit_order: list[int] | None = None, skip_nonfinite: bool = True, overlap: bool = False,
-                 host_chunk: int = 0) -> None:
+                 host_chunk: int = 0, speculate: bool = False) -> None:
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"invalid AdamW hyper-parameters lr={lr} betas={betas} eps={eps} "
                              f"weight_decay={weight_decay}")
@@ -85,23 +92,101 @@ class UnitAdamW(torch.optim.Optimizer):
         self.last_grad_norm: float | None = None
         self._workers: list[threading.Thread] = []
         state.add_joiner(self._join)
+        # Speculative updates of HOST units during the step's last backward (module docstring).
+        self.speculate = speculate
+        self.policy = LeanPolicy(norm_first=bool(max_grad_norm and max_grad_norm > 0))
+        self._spec_pool = ThreadPoolExecutor(1, thread_name_prefix="megatrain-spec") if speculate and overlap else None
+        self._spec_jobs: list[Future] = []
+        self.speculated = 0  # units updated during a backward
+        self.taken_back = 0  # speculative updates taken back and redone (steps that clipped after one that did not)
+        if speculate:
+            state.on_landed = self._on_landed
+            state.add_joiner(self._sync_spec)
 
     # -- phases ------------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         loss = closure() if closure is not None else None
         self.step_state.wait_all()
-        self.step_state.land()
+        self.step_state.land()  # (may hand the last units to the speculative worker)
+        self._sync_spec()
         self._zero_missing()
         t0 = time.perf_counter()
         norm = self.grad_norm()
         self.last_norm_seconds = time.perf_counter() - t0
         self.last_grad_norm = norm
-        if not math.isfinite(norm) and self.skip_nonfinite:
+        skip = not math.isfinite(norm) and self.skip_nonfinite
+        hyper = self._hyper()
+        grad_scale = None if skip else self._grad_scale(norm)
+        done = self._judge_speculation(skip, hyper, grad_scale)
+        if skip:
             self._skip(norm)
             return loss
-        self._launch(self._hyper(), self._grad_scale(norm))
+        self._launch(hyper, grad_scale, [i for i in self.unit_order if i not in done])
         return loss
+
+    # -- speculation ---------------------------------------------------------------------------------------------------
+    def _on_landed(self, i: int, sq: float | None) -> None:
+        """Main thread, the step's last backward: unit ``i``'s gradient is final. A HOST unit whose squared norm
+        is known (its first visit) goes to the speculative worker."""
+        if sq is None or self.store.units[i].plan.stepper is not Stepper.HOST:
+            return
+        self.step_state.begin_update(i)
+        job = lambda: self._speculate(i, sq)  # noqa: E731
+        if self._spec_pool is None:
+            job()
+        else:
+            self._spec_jobs.append(self._spec_pool.submit(job))
+
+    def _speculate(self, i: int, sq: float) -> None:
+        changed = False
+        try:
+            hyper = self._hyper()
+            with torch.no_grad(), torch.profiler.record_function("megatrain.optimizer.speculative_unit"):
+                if self.policy.first_pass(i, sq, self._key(hyper, None)) is Act.UPDATE:
+                    u = self.store.units[i]
+                    self.update_(u, [u.master, u.grad, u.exp_avg, u.exp_avg_sq], hyper, None)
+                    changed = True
+                    self.speculated += 1
+        except BaseException as e:  # surfaced by the next wait
+            self.step_state.fail(e)
+        finally:
+            self.step_state.finish_update(i, changed, keep_grad=True)
+
+    def _sync_spec(self) -> None:
+        jobs, self._spec_jobs = self._spec_jobs, []
+        for f in jobs:
+            f.result()
+
+    @staticmethod
+    def _key(hyper: list[kernels.Hyper], grad_scale: float | None) -> Key:
+        return grad_scale, tuple(hyper)
+
+    def _judge_speculation(self, skip: bool, hyper: list[kernels.Hyper], grad_scale: float | None) -> set[int]:
+        """Take back the speculative updates the true norm proves wrong; returns the units already stepped right."""
+        if not self.speculate or not self.policy.seen:
+            self.policy.end(None if skip else grad_scale is not None)
+            return set()
+        d = self.policy.decide(skip, self._key(hyper, grad_scale), self.skip_nonfinite)
+        for i in d.take_back:
+            self._take_back(i, self.policy.applied.pop(i))
+        done = set(self.policy.applied)
+        for i in done:  # their update stands: the unit is ready for the next forward
+            self.step_state.finish_update(i, changed=False)
+        self.policy.end(None if skip else grad_scale is not None)
+        return done
+
+    def _take_back(self, i: int, key: Key) -> None:
+        """Undo unit ``i``'s speculative update (its gradient is still in its buffer: the kernel without a clip
+        factor leaves it untouched), so the normal launch redoes it with the true factor."""
+        u = self.store.units[i]
+        groups = self.groups_of(u, list(key[1]))
+        kernels.undo_master_(u.master, u.exp_avg, u.exp_avg_sq, groups, self._counts[i])
+        kernels.undo_moments_(u.grad, u.exp_avg, u.exp_avg_sq, groups, self._counts[i], key[0])
+        self._counts[i] -= 1
+        u.refresh_compute_()
+        self.step_state.touch(i)
+        self.taken_back += 1
 
     def _zero_missing(self) -> None:
         """Units no backward reached since the last step have a zero gradient (as in torch)."""
@@ -210,8 +295,14 @@ class UnitAdamW(torch.optim.Optimizer):
         self.step_state.wait_all()
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]
-        # Gradients are overwritten by the first backward of the next step; only their bookkeeping is dropped.
+        # Gradients are overwritten by the first backward of the next step; only their bookkeeping is dropped
+        # (and speculative updates of a step that will not happen are taken back).
         self.step_state.land()
+        if self.speculate and self.policy.seen:
+            self.step_state.wait_all()
+            for i, key in list(self.policy.applied.items()):
+                self._take_back(i, key)
+            self.policy.end(None)
         self.step_state.discard()
 
     # -- state (per unit flat buffers, see checkpoint/) --------------------------------------------------------------
@@ -239,14 +330,15 @@ class UnitAdamW(torch.optim.Optimizer):
                 dst.copy_(src)
 
     def hyper_state(self) -> dict:
-        """Scheduler-visible state (LRs etc.), JSON-serialisable."""
+        """Scheduler-visible state (LRs etc.) and the speculation mode, JSON-serialisable."""
         return {"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
-                "skipped_steps": self.skipped_steps}
+                "skipped_steps": self.skipped_steps, "speculate_norm_first": self.policy.norm_first}
 
     def load_hyper_state(self, state: dict) -> None:
         for g, saved in zip(self.param_groups, state["param_groups"]):
             g.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items()})
         self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.policy.norm_first = bool(state.get("speculate_norm_first", self.policy.norm_first))
 
 
 CPUAdamW = UnitAdamW  # the name of the first releases (it steps GPU-placed units too)

@@ -1,0 +1,111 @@
+"""Speculative updates: apply a unit's AdamW update as soon as its gradient is final, before the global norm is known.
+
+A step that does not clip needs no correction, so after an unclipped step the next one *speculates*: each unit is
+updated as its gradient lands (with no clip factor). When ``step()`` finds that the global norm clips (or is
+non-finite, or the hyper-parameters changed since), every speculated update is taken back (core/kernels.py: the
+master from the new moments within an ulp, the moments from the gradient they took) and redone with the true
+factor. After a step that clipped, the next one takes its *norm first* (no speculation), so a run that clips
+throughout never takes anything back. ``LeanPolicy`` makes these decisions on plain numbers (tested with fakes);
+the lean store (optim/lean.py) and the speculative host step (optim/adamw.py) carry them out.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+GA_MESSAGE = ("lean_store: {what} before optimizer.step(). The lean store consumes each layer's gradient as its "
+              "backward ends, so it supports exactly one backward per optimizer step: no gradient accumulation. "
+              "Use micro_batch_size (splits the batch inside each layer visit: same math, one backward) with "
+              "gradient_accumulation_steps=1, or lean_store=False.")
+
+Key = tuple  # (grad_scale or None, Hyper per param group): what a unit's update assumed
+
+
+class Act(enum.Enum):
+    KEEP = "keep"  # nothing to do (norm recorded; or the applied update was right)
+    UPDATE = "update"  # apply the whole update
+    UNDO = "undo"  # undo the applied moments (master taken back already); no new update
+    REDO = "redo"  # undo the applied moments, then apply the right update
+
+
+@dataclass
+class StepDecision:
+    rerun: bool  # the forward+backward must run again
+    take_back: list[int]  # units whose applied update was wrong: take their masters back before the re-run
+    expected: set[int]  # units the re-run must bring a gradient for
+
+
+@dataclass
+class LeanPolicy:
+    """Speculation decisions for one optimizer, on unit indices, norms and keys only."""
+
+    norm_first: bool  # the next step's mode
+    mode: bool | None = None  # the mode of the step in progress (fixed by its first gradient); True = norm first
+    seen: set[int] = field(default_factory=set)
+    sq: dict[int, float] = field(default_factory=dict)
+    applied: dict[int, Key] = field(default_factory=dict)  # unit -> what its applied update assumed
+    nonfinite: set[int] = field(default_factory=set)
+    rerun: tuple | None = None  # (grad_scale, skip, key) while the step re-runs
+    corrected: set[int] = field(default_factory=set)
+    max_sq_error: float = 0.0  # largest relative change of a layer's squared norm in a re-run
+
+    def first_pass(self, i: int, sq: float, key_now: Key) -> Act:
+        """A gradient of the step's own backward arrived for unit ``i`` with squared norm ``sq``."""
+        if i in self.seen:
+            raise RuntimeError(GA_MESSAGE.format(what=f"layer unit {i} received a second gradient"))
+        if self.mode is None:
+            self.mode = self.norm_first
+        self.seen.add(i)
+        self.sq[i] = sq
+        if not math.isfinite(sq):  # the global norm is non-finite too: the step is skipped, nothing to take back
+            self.nonfinite.add(i)
+            return Act.KEEP
+        if self.mode:
+            return Act.KEEP
+        self.applied[i] = key_now
+        return Act.UPDATE
+
+    def decide(self, skip: bool, want: Key, skip_nonfinite: bool) -> StepDecision:
+        """At ``step()``: which speculated updates are wrong and whether the step must re-run."""
+        take_back = [i for i, k in self.applied.items() if skip or k != want]
+        pending = not skip and any(i not in self.applied for i in self.seen)  # norm first, or NaN layers
+        expected = set(self.applied) | (set() if skip else self.seen - self.nonfinite)
+        if not skip and not skip_nonfinite:
+            expected |= self.nonfinite
+        return StepDecision(bool(take_back or pending), take_back, expected)
+
+    def regenerated(self, i: int, sq: float) -> Act:
+        """A gradient of the re-run arrived for unit ``i``."""
+        grad_scale, skip, want = self.rerun
+        ref = self.sq.get(i)
+        if ref is not None and math.isfinite(ref) and ref > 0:
+            self.max_sq_error = max(self.max_sq_error, abs(sq - ref) / ref)
+        self.corrected.add(i)
+        if i in self.applied:
+            if self.applied[i] == want and not skip:
+                return Act.KEEP
+            if not math.isfinite(sq):
+                raise RuntimeError(f"lean_store: the re-run gave layer unit {i} a non-finite gradient where the "
+                                   "first run's was finite (nondeterministic kernels?); its AdamW state cannot be "
+                                   "corrected")
+            del self.applied[i]
+            if skip:
+                return Act.UNDO
+            self.applied[i] = want
+            return Act.REDO
+        if skip:
+            return Act.KEEP
+        self.applied[i] = want
+        return Act.UPDATE
+
+    def end(self, clipped: bool | None) -> None:
+        """The step's gradients are spent; ``clipped`` (None: skipped/discarded) sets the next step's mode."""
+        if clipped is not None:
+            self.norm_first = clipped
+        self.seen.clear()
+        self.sq.clear()
+        self.applied.clear()
+        self.nonfinite.clear()
+        self.mode = None

@@ -32,6 +32,13 @@ def run_tree(tree: str, regime: str, a: argparse.Namespace, scratch: str) -> dic
            "--megatrain-mode", "trainer", "--megatrain-config", cfg, "--no-profile", "--steps", str(a.steps),
            "--warmup", str(a.warmup), "--budget", str(a.budget), "--timeout", str(a.timeout), "--out", scratch,
            "--fresh"]
+    if a.max_grad_norm is not None:
+        if "--max-grad-norm" in open(os.path.join(tree, "integration/bench_vs_deepspeed.py")).read():
+            cmd += ["--max-grad-norm", str(a.max_grad_norm)]
+        else:
+            runner = os.path.join(tree, "integration/bench/run_megatrain.py")
+            src = open(runner).read().replace("LR, MAX_GRAD_NORM = 1e-5, 1.0", f"LR, MAX_GRAD_NORM = 1e-5, {a.max_grad_norm}")
+            open(runner, "w").write(src)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=tree, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": tree})
     out = {"tree": tree, "command": " ".join(cmd), "returncode": proc.returncode,
@@ -56,10 +63,14 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=250, help="seconds per tree")
     ap.add_argument("--timeout", type=float, default=200, help="seconds per bench subprocess")
     ap.add_argument("--old-first", action="store_true", help="run the old tree first (order effects)")
+    ap.add_argument("--max-grad-norm", type=float, default=None,
+                    help="clip threshold for both trees (the old tree's bench may lack the flag: then its runner's "
+                         "MAX_GRAD_NORM constant is rewritten in that scratch copy)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    res = {"regime": a.regime, "megatrain_config": {"torch_compile": True, **REGIMES[a.regime]}}
+    res = {"regime": a.regime, "megatrain_config": {"torch_compile": True, **REGIMES[a.regime]},
+           "max_grad_norm": a.max_grad_norm if a.max_grad_norm is not None else 1.0}
     order = [("new", a.new), ("old", a.old)]
     for name, tree in (order[::-1] if a.old_first else order):
         res[name] = run_tree(os.path.abspath(tree), a.regime, a, f"/tmp/compare_{a.regime}_{name}")

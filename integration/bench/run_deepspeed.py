@@ -110,7 +110,7 @@ def run(spec: dict) -> dict[str, Any]:
         output_dir=tempfile.mkdtemp(prefix="bench_ds_"), deepspeed=copy.deepcopy(config),
         per_device_train_batch_size=micro, gradient_accumulation_steps=ga, max_steps=warm + steps,
         bf16=True, use_cpu=not cuda, gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False},
-        learning_rate=LR, weight_decay=0.0, max_grad_norm=MAX_GRAD_NORM, lr_scheduler_type="constant",
+        learning_rate=LR, weight_decay=0.0, max_grad_norm=spec.get("max_grad_norm", MAX_GRAD_NORM), lr_scheduler_type="constant",
         warmup_steps=0, logging_steps=10 ** 6, save_strategy="no", report_to=[], disable_tqdm=True,
         remove_unused_columns=False, dataloader_num_workers=0, dataloader_pin_memory=cuda,
         seed=int(spec.get("seed", 0)))

@@ -94,7 +94,7 @@ def run(spec: dict) -> dict[str, Any]:
             loss = model(input_ids=ids, labels=ids).loss / ga
             loss.backward()
             total += loss.detach()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), spec.get("max_grad_norm", MAX_GRAD_NORM))
         t0 = time.perf_counter()
         try:
             opt.step()

@@ -55,7 +55,7 @@ def run_engine(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str,
 
     t = time.perf_counter()
     engine = MegaTrainEngine(model, resolve_config(mt_config, environ={}))
-    opt = engine.create_optimizer(lr=LR, weight_decay=0.0, max_grad_norm=MAX_GRAD_NORM)
+    opt = engine.create_optimizer(lr=LR, weight_decay=0.0, max_grad_norm=spec.get("max_grad_norm", MAX_GRAD_NORM))
     setup_s = time.perf_counter() - t
     ex = engine.executor
     warm, steps, batch = int(spec["warmup"]), int(spec["steps"]), int(spec["batch"])
@@ -180,7 +180,7 @@ def run_trainer(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str
         # bf16=False: layers compute in megatrain_config's compute_dtype; Trainer's autocast would only wrap the
         # resident ops (embedding, loss head) and add casts.
         gradient_accumulation_steps=1, max_steps=total, bf16=False, use_cpu=not cuda, learning_rate=LR,
-        weight_decay=0.0, max_grad_norm=MAX_GRAD_NORM, lr_scheduler_type="constant", warmup_steps=0,
+        weight_decay=0.0, max_grad_norm=spec.get("max_grad_norm", MAX_GRAD_NORM), lr_scheduler_type="constant", warmup_steps=0,
         logging_steps=10 ** 6, save_strategy="no", report_to=[], disable_tqdm=True, remove_unused_columns=False,
         dataloader_num_workers=0, seed=int(spec.get("seed", 0)))
     t = time.perf_counter()

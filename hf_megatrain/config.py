@@ -30,6 +30,52 @@ def parse_dtype(name: str | torch.dtype, what: str, allowed: tuple[str, ...] = (
     return dtype
 
 
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def parse_value(key: str, value: Any, kind: str, where: str = "") -> Any:
+    """``value`` of config key ``key`` as its field's type ``kind`` ("bool", "int", "float", "str", "str | None"),
+    read the way a user means it: "false" / "0" / "no" / "off" are False, "4" is 4, "0.5" is 0.5. Anything else
+    (a typo such as "ture", "2.5" for an integer, a number for a name) raises naming the key and ``where`` it came
+    from (" (env MEGATRAIN_<KEY>)"); a bool is never taken for a number."""
+    given = value
+
+    def bad(expected: str) -> ValueError:
+        return ValueError(f"{key}{where}={given!r} is not {expected}")
+
+    text = value.strip().lower() if isinstance(value, str) else None
+    if kind == "bool":
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        if text in _TRUE or text in _FALSE:
+            return text in _TRUE
+        raise bad("a boolean; use true or false (1/0, yes/no, on/off are read too)")
+    if kind in ("int", "float"):
+        if isinstance(value, str):
+            try:
+                value = float(text) if kind == "float" or "." in text or "e" in text else int(text)
+            except ValueError:
+                raise bad(f"a number ({kind})") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad(f"a number ({kind})")
+        if kind == "float":
+            return float(value)
+        if float(value).is_integer():
+            return int(value)
+        raise bad("an integer")
+    if value is None and kind == "str | None":
+        return None
+    if isinstance(value, torch.dtype) and key.endswith("_dtype"):
+        return str(value).replace("torch.", "")
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if not isinstance(value, str):
+        raise bad("a string")
+    return value
+
+
 @dataclass
 class MegaTrainConfig:
     """Policy for streamed full-precision training.
@@ -112,6 +158,9 @@ class MegaTrainConfig:
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
+        for f in fields(self):  # every source (dict, JSON, yaml, env, keyword) is read the same way
+            if f.name != "extra":
+                setattr(self, f.name, parse_value(f.name, getattr(self, f.name), str(f.type)))
         parse_dtype(self.compute_dtype, "compute_dtype")
         parse_dtype(self.grad_offload_dtype, "grad_offload_dtype")
         parse_dtype(self.save_dtype, "save_dtype")
@@ -135,8 +184,9 @@ class MegaTrainConfig:
         if self.optimizer_state_dir is not None and not os.path.isdir(self.optimizer_state_dir):
             raise ValueError(f"optimizer_state_dir={self.optimizer_state_dir!r} is not an existing directory; create "
                              "it on a local disk with room for 8 bytes per parameter, or leave it unset")
-        if not 0.0 <= self.device_step_fraction <= 1.0:
-            raise ValueError(f"device_step_fraction={self.device_step_fraction} must be in [0, 1]")
+        for frac in ("device_step_fraction", "resident_device_fraction"):
+            if not 0.0 <= getattr(self, frac) <= 1.0:  # (nan fails too)
+                raise ValueError(f"{frac}={getattr(self, frac)} must be in [0, 1]")
         if self.resident_placement not in ("auto", "device", "host"):
             raise ValueError(f"resident_placement={self.resident_placement!r}; use 'auto', 'device' or 'host'")
         if self.lean_store and self.torch_grad_offload_dtype != torch.float32:
@@ -175,7 +225,8 @@ class MegaTrainConfig:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, prefix: str = "MEGATRAIN_") -> dict[str, Any]:
-        """Collect ``MEGATRAIN_<KEY>`` variables as a dict (typed by the field's default). Unknown keys raise."""
+        """Collect ``MEGATRAIN_<KEY>`` variables as a dict, each read as its field's type (``parse_value``) and
+        checked on its own, so a bad value raises naming the variable. Unknown keys raise."""
         environ = dict(os.environ if environ is None else environ)
         out: dict[str, Any] = {}
         types = {f.name: f for f in fields(cls)}
@@ -187,15 +238,13 @@ class MegaTrainConfig:
             if name not in types or name == "extra":
                 raise ValueError(f"unknown environment variable {key}; valid: "
                                  f"{[prefix + k.upper() for k in cls.valid_keys()]}")
-            default = types[name].default
-            if isinstance(default, bool):
-                out[name] = raw.strip().lower() in ("1", "true", "yes", "on")
-            elif isinstance(default, int):
-                out[name] = int(raw)
-            elif isinstance(default, float):
-                out[name] = float(raw)
-            else:
-                out[name] = None if raw == "" else raw
+            kind = str(types[name].type)
+            value = parse_value(name, None if raw == "" and kind == "str | None" else raw, kind, f" (env {key})")
+            try:
+                cls(**{name: value})  # range / choice checks of this key alone
+            except ValueError as e:
+                raise ValueError(f"env {key}: {e}") from None
+            out[name] = value
         return out
 
     def to_dict(self) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from ..model.families import check_supported
 from ..model.layers import LayerStack, find_layer_stack, group_layers, unit_layouts
 from ..model.template import LayerTemplate
 from .executor import StreamingExecutor
+from .kv_cache import CachingStreamedLayer
 from .proxy import StreamedLayer
 
 logger = logging.getLogger(__name__)
@@ -153,7 +154,8 @@ def convert(model: nn.Module, config: MegaTrainConfig, device: torch.device, dec
 
 
 def install_proxies(conv: Converted, executor: StreamingExecutor) -> None:
-    """Swap each decoder layer of the model for a weightless proxy run by ``executor``."""
+    """Swap each decoder layer of the model for a weightless proxy run by ``executor`` (one that also runs with a
+    KV cache, for ``generate()``: engine/kv_cache.py)."""
     layers = conv.stack.layers
     for i, layer in enumerate(conv.originals):
-        layers[i] = StreamedLayer(executor, i, layer)
+        layers[i] = CachingStreamedLayer(executor, i, layer)

@@ -38,6 +38,8 @@ from .replay import StepReplay
 
 logger = logging.getLogger(__name__)
 
+ENGINE_ATTR = "megatrain_engine"  # set on the converted HF model so integrations (Trainer, TRL...) find its engine
+
 
 @dataclass
 class MegaTrainOutput:
@@ -71,15 +73,25 @@ class MegaTrainEngine:
         self.state.add_lander(self.executor.finish)
         self.state.add_lander(self._land_resident)
         self._published = -1  # version of the resident unit last copied into its device working parameters
-        self._publish_resident()
+        self.publish_resident()
         self.optimizer: UnitAdamW | None = None
         self._replaying = False
         self._checked_shapes: set[tuple[int, int]] = set()  # (batch, seq) shapes the GPU check passed
+        # The HF model's own forward (generate(), a direct call) bypasses ``forward`` below: the decoder module
+        # still gets final resident weights, the model's train/eval mode and (MoE) its router logits.
+        self._hf_router_capture: tuple[Any, list[torch.Tensor]] | None = None
+        self.stack.parent.register_forward_pre_hook(self._before_decoder, with_kwargs=True)
+        self.stack.parent.register_forward_hook(self._after_decoder, always_call=True)
+        setattr(model, ENGINE_ATTR, self)
+        from ..hf.model_view import present_weights  # (hf/ imports the engine: import here, not at the top)
+
+        present_weights(self)
 
     # -- masters -----------------------------------------------------------------------------------------------------
-    def _publish_resident(self) -> None:
-        """Copy the resident masters into their device working parameters when they changed (a host-placed
-        resident unit; on the device the parameters are views of the unit's own buffers)."""
+    def publish_resident(self) -> None:
+        """Wait for the resident unit's update in flight, then copy its masters into their device working
+        parameters when they changed (a host-placed resident unit; on the device the parameters are views of the
+        unit's own buffers)."""
         u = self.resident_unit
         self.state.wait_ready(u.index)
         if u.plan.master is Where.DEVICE or self._published == self.state.version[u.index]:
@@ -90,12 +102,32 @@ class MegaTrainEngine:
             torch.cuda.current_stream(self.device).synchronize()
         self._published = self.state.version[u.index]
 
+    def _before_decoder(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        """Forward pre-hook of the module that owns the layer stack (runs for every forward, ours or HF's)."""
+        self.publish_resident()
+        self.executor.training = module.training
+        router = self.head_extras.router
+        if router is not None and not router.tap.active and router.wanted(kwargs):
+            # An HF forward asking for router logits (its aux loss): HF records them with hooks on router
+            # modules, which live in our templates, not in the model; our tap records them instead.
+            capture = router.tap.capturing()
+            self._hf_router_capture = (capture, capture.__enter__())  # (context, the list it fills)
+
+    def _after_decoder(self, module: nn.Module, args: Any, output: Any) -> None:
+        held, self._hf_router_capture = self._hf_router_capture, None
+        if held is None:
+            return
+        capture, logits = held
+        capture.__exit__(None, None, None)
+        if hasattr(output, "router_logits"):
+            output.router_logits = tuple(logits)
+
     def sync_device_(self) -> None:
         """After masters changed outside the optimizer (loading a checkpoint): every copy is stale."""
         self.state.wait_all()
         self.store.refresh_all_compute_()
         self.state.touch()
-        self._publish_resident()
+        self.publish_resident()
 
     def named_master_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF parameter name, FP32 master) for every trainable parameter, tied names once; waits for updates in
@@ -158,7 +190,7 @@ class MegaTrainEngine:
         replay = self._record_forward(dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
                                            num_items_in_batch=num_items_in_batch, return_logits=return_logits,
                                            **kwargs))
-        self._publish_resident()
+        self.publish_resident()
         if self.state.unlanded or any(p.grad is not None for p in self.resident_params.values()):
             self.state.land()  # an accumulation step: FP32-accumulate before the next backward adds more
         self.executor.training = self.model.training

@@ -1,5 +1,5 @@
-"""The one export path: every model save (Trainer ``save_model``/checkpoints, ``MegaTrainModel.save_pretrained``,
-merged PEFT exports) goes through ``export_model``.
+"""The one export path: every model save (Trainer ``save_model``/checkpoints, ``MegaTrainModel.save_pretrained``, the
+converted HF model's own ``save_pretrained`` (model_view.py), merged PEFT exports) goes through ``export_model``.
 
 What gets written depends only on the model and on ``merged``:
 
@@ -14,7 +14,7 @@ The dtype defaults to the engine config's ``save_dtype`` (the one export-dtype k
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -36,11 +36,19 @@ def extra_tensors(engine: Any) -> list[tuple[str, torch.Tensor]]:
             out.append((name, t))
             taken.add(name)
     buffers = {n for n, _ in model.named_buffers()}
-    for name, t in model.state_dict().items():  # state_dict: persistent buffers only
+    # The class's state_dict (the converted model's own one comes back here: model_view.py); persistent buffers only.
+    for name, t in type(model).state_dict(model).items():
         if name in buffers and name not in taken and not t.is_meta:
             out.append((name, t))
             taken.add(name)
     return out
+
+
+def model_tensors(engine: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of everything a full export writes: trainable FP32 masters (waits for updates in flight),
+    then ``extra_tensors``; values are the live tensors, not copies."""
+    yield from engine.named_master_tensors()
+    yield from extra_tensors(engine)
 
 
 def export_model(engine: Any, save_dir: str, *, dtype: torch.dtype | str | None = None,

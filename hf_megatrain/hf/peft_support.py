@@ -74,7 +74,9 @@ def save_adapter(engine: Any, save_dir: str, dtype: torch.dtype = torch.float32,
     os.makedirs(save_dir, exist_ok=True)
     before = set(os.listdir(save_dir))
     with _layers_visible(engine):
-        model.save_pretrained(save_dir, state_dict=_state_dict(engine, dtype), safe_serialization=True, **kwargs)
+        # PEFT's own method (the converted model's save_pretrained is hf_megatrain's, which comes here).
+        type(model).save_pretrained(model, save_dir, state_dict=_state_dict(engine, dtype), safe_serialization=True,
+                                    **kwargs)
     return sorted(set(os.listdir(save_dir)) - before | {ADAPTER_WEIGHTS, "adapter_config.json"})
 
 

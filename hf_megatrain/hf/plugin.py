@@ -32,7 +32,7 @@ from typing import Any, Iterator
 
 import torch
 
-from .export import export_model, extra_tensors
+from .export import export_model, model_tensors
 from ..config import MegaTrainConfig, parse_dtype, resolve_config
 from ..engine.runtime import MegaTrainEngine, MegaTrainOutput
 from ..optim.adamw import UnitAdamW
@@ -152,10 +152,8 @@ class MegaTrainModel:
         """Standalone host copies: trainable masters and frozen parameters cast to ``dtype`` (default FP32),
         persistent buffers. Holds a second copy of the model: prefer ``save_pretrained`` for large models."""
         dt = parse_dtype(dtype, "dtype") if dtype is not None else torch.float32
-        out = {n: t.detach().to("cpu", dt, copy=True) for n, t in self.engine.named_master_tensors()}
-        for n, t in extra_tensors(self.engine):
-            out[n] = t.detach().to("cpu", dt if t.is_floating_point() else t.dtype, copy=True)
-        return out
+        return {n: t.detach().to("cpu", dt if t.is_floating_point() else t.dtype, copy=True)
+                for n, t in model_tensors(self.engine)}
 
     def save_pretrained(self, save_directory: str, dtype: torch.dtype | str | None = None,
                         max_shard_size: int | str | None = None, **kwargs: Any) -> list[str]:

@@ -36,7 +36,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from .. import checkpoint as ckpt
 from . import peft_support
-from ..engine.runtime import MegaTrainEngine
+from ..engine.runtime import ENGINE_ATTR, MegaTrainEngine
 from .export import export_model
 from .pretrained import extra_sink, from_pretrained_streamed
 from .training_args import MegaTrainTrainingArguments, check_lean_accumulation
@@ -44,8 +44,6 @@ from .training_args import MegaTrainTrainingArguments, check_lean_accumulation
 __all__ = ["MegaTrainTrainer", "MegaTrainTrainingArguments", "from_pretrained_streamed"]
 
 logger = logging.getLogger(__name__)
-
-ENGINE_ATTR = "megatrain_engine"  # set on the converted HF model so integrations can find its engine
 
 
 class MegaTrainTrainer(Trainer):
@@ -91,8 +89,17 @@ class MegaTrainTrainer(Trainer):
         if engine.device != args.device:
             raise ValueError(f"the engine runs on {engine.device} but TrainingArguments.device is {args.device}")
         self.engine = engine
-        setattr(engine.model, ENGINE_ATTR, engine)
         return engine.model
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``, returning only once the last optimizer step has updated every unit: the overlapped
+        AdamW runs on background threads, and what follows ``train()`` (reading weights, a script's exit) must
+        find it done."""
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            if self._mt and self.engine is not None:
+                self.engine.state.wait_all()
 
     def call_model_init(self, trial: Any = None) -> nn.Module:
         model = super().call_model_init(trial)

@@ -66,8 +66,12 @@ class MegaTrainTrainingArguments(TrainingArguments):
             if self.use_liger_kernel:
                 raise ValueError("use_liger_kernel=True is not supported with megatrain=True (hf_megatrain already "
                                  "computes the loss with a fused chunked cross-entropy); remove it.")
-            if self.torch_compile:
-                raise ValueError("torch_compile=True is not supported with megatrain=True; remove it.")
+            if self.torch_compile or self.torch_compile_backend or self.torch_compile_mode:
+                # (Trainer would compile the whole model, whose decoder layers are weightless streamed proxies.)
+                raise ValueError("TrainingArguments torch_compile / torch_compile_backend / torch_compile_mode are "
+                                 "not used with megatrain=True. Set the megatrain_config key instead: "
+                                 "megatrain_config={..., 'torch_compile': True} (compiles each layer template and "
+                                 "the loss chunk), and remove the TrainingArguments flag.")
         super().__post_init__()
         if self.megatrain:
             # validate now: unknown keys / bad dtypes fail at argument time

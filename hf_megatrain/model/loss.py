@@ -6,7 +6,8 @@ keeps. The backward only scales them by the incoming gradient. Peak extra memory
 
 Semantics follow transformers' ``ForCausalLMLoss``: labels shifted left by one, ``-100`` ignored, logits upcast
 to fp32, sum / ``num_items_in_batch`` when given (Trainer's normalisation across gradient accumulation), mean
-over counted tokens otherwise. Gemma-style final logit soft-capping is applied when ``softcap`` is set.
+over counted tokens otherwise (nan when no token counts, as HF). Gemma-style final logit soft-capping is applied
+when ``softcap`` is set.
 
 ``compiled``: the chunk's loss and logit gradient come from one ``torch.compile``d function (``_ce_chunk``) that
 reads the [chunk, vocab] logits once and writes their gradient once, instead of autograd's chain of fp32 copies,
@@ -15,6 +16,8 @@ Same math, fp32 throughout; eager mode keeps the autograd chain (bit-for-bit HF)
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -60,7 +63,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # hidden [N, H], weight [V, H], bias [V] | None, targets [N]
         need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        inv_norm = torch.full((), 1.0 / normalizer, dtype=torch.float32, device=hidden.device)  # a tensor: no recompiles
+        # a tensor (no recompiles); inf where no token counts (the loss is then nan: see linear_cross_entropy)
+        inv_norm = torch.full((), 1.0 / normalizer if normalizer else math.inf, dtype=torch.float32,
+                              device=hidden.device)
         grad_h = torch.empty_like(hidden) if need_grad else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grad else None
         grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_grad and bias is not None else None
@@ -119,5 +124,6 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         normalizer = float((targets != IGNORE_INDEX).sum().item())
     else:
         normalizer = float(num_items_in_batch.item() if torch.is_tensor(num_items_in_batch) else num_items_in_batch)
-    normalizer = max(normalizer, 1e-12) if num_items_in_batch is not None else max(normalizer, 1.0)
+    # No counted token (every label -100): 0 / 0 = nan, as HF's loss gives (mean over nothing, or a sum over a
+    # num_items_in_batch of 0), never a "perfect" 0.0; the gradients are nan too, so the optimizer skips the step.
     return _LinearCrossEntropy.apply(flat, weight, bias, targets, normalizer, chunk_tokens, softcap, compiled)

@@ -1,0 +1,72 @@
+"""Generation through the streamed layers: the HF KV cache, per layer.
+
+``model.generate()`` (and any no-grad forward with ``use_cache=True``) hands the decoder loop a transformers
+``Cache``; each HF attention then calls ``past_key_values.update(k, v, self.layer_idx)``. Two things break that
+when a weightless proxy runs the layer through a *shared* template:
+
+- the template is a copy of the first layer of its kind, so its attention's ``layer_idx`` is that layer's: every
+  layer of a kind would write into one cache slot (wrong keys from the prefill on, wrong text, no error);
+- the executor may split a batch into micro-batches inside a layer visit; the cache is one object, not a tensor,
+  so each chunk would append its rows to the whole batch's cache.
+
+``CachingStreamedLayer`` (the proxy the engine installs) fixes both where the call enters the layer: it hands the
+layer a ``LayerCache``, a view of the cache that writes to this proxy's own layer index, and runs a cached call
+unsplit. A cached call with gradients enabled is refused: the backward recomputes every layer from its input, which
+would update the cache a second time (and differentiate a different function than the forward ran).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+
+from .proxy import StreamedLayer
+
+_CACHE_KWARGS = ("past_key_values", "past_key_value")  # transformers 5 name, then the 4.x one
+
+
+class LayerCache:
+    """A transformers ``Cache`` as seen by decoder layer ``index``: ``update`` writes that layer's slot whatever
+    ``layer_idx`` the (shared) template passes; everything else is the cache's own."""
+
+    def __init__(self, cache: Any, index: int) -> None:
+        self._cache = cache
+        self._index = index
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int | None = None,
+               *args: Any, **kwargs: Any) -> Any:
+        return self._cache.update(key_states, value_states, self._index, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:  # only reached for names LayerCache itself does not define
+        return getattr(self._cache, name)
+
+
+@contextmanager
+def _whole_batch(executor: Any) -> Iterator[None]:
+    """Run the layer visit without the in-layer micro-batch split (the cache must see the whole batch at once)."""
+    saved = executor.micro_batch_size
+    executor.micro_batch_size = 0
+    try:
+        yield
+    finally:
+        executor.micro_batch_size = saved
+
+
+class CachingStreamedLayer(StreamedLayer):
+    """``StreamedLayer`` that also runs with a KV cache (generation); without one it is exactly the plain proxy."""
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        key = next((k for k in _CACHE_KWARGS if kwargs.get(k) is not None), None)
+        if key is None:
+            return super().forward(hidden_states, *args, **kwargs)
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "hf_megatrain: a forward with a KV cache (use_cache=True / past_key_values) and gradients enabled is "
+                "not supported: the streamed backward recomputes each layer from its input, which would update the "
+                "cache twice. Pass use_cache=False for a training forward, or run inference under torch.no_grad() "
+                "(model.generate() does).")
+        kwargs[key] = LayerCache(kwargs[key], self.index)
+        with _whole_batch(self._executor[0]):
+            return super().forward(hidden_states, *args, **kwargs)

@@ -1,0 +1,70 @@
+"""Config values read the way a user means them (issue 17, item 7): booleans and numbers given as strings (JSON,
+yaml, env variables, keywords), typos refused naming the key (and the env variable), every fraction range-checked,
+and TrainingArguments' torch_compile pointing at the megatrain_config key."""
+
+from __future__ import annotations
+
+import pytest
+
+from hf_megatrain import MegaTrainConfig, MegaTrainTrainingArguments
+from hf_megatrain.config import resolve_config
+
+from .test_trainer import common_args
+
+
+@pytest.mark.parametrize("text,expected", [("false", False), ("0", False), ("no", False), ("Off", False),
+                                           ("true", True), ("1", True), ("YES", True), (" on ", True)])
+def test_booleans_from_strings(text, expected):
+    assert MegaTrainConfig(overlap_optimizer=text).overlap_optimizer is expected
+    assert resolve_config(f'{{"lean_store": "{text}"}}', environ={}).lean_store is expected
+    env = {"MEGATRAIN_PIN_MEMORY": text}
+    assert resolve_config({}, environ=env).pin_memory is expected
+
+
+def test_numbers_from_strings(tmp_path):
+    y = tmp_path / "mt.yaml"
+    y.write_text('micro_batch_size: "4"\nresident_device_fraction: "0.25"\nnum_slots: 3.0\n')
+    cfg = resolve_config(str(y), environ={"MEGATRAIN_LOSS_CHUNK_TOKENS": "1024", "MEGATRAIN_DEVICE_LAYERS": "-1"})
+    assert (cfg.micro_batch_size, cfg.resident_device_fraction, cfg.num_slots) == (4, 0.25, 3)
+    assert (cfg.loss_chunk_tokens, cfg.device_layers) == (1024, -1)
+    assert type(cfg.micro_batch_size) is int and type(cfg.resident_device_fraction) is float
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("overlap_optimizer", "ture", r"overlap_optimizer='ture' is not a boolean"),
+    ("lean_store", 2, "lean_store=2 is not a boolean"),
+    ("micro_batch_size", "2.5", r"micro_batch_size='2.5' is not an integer"),
+    ("num_slots", "three", r"num_slots='three' is not a number"),
+    ("num_slots", True, "num_slots=True is not a number"),
+    ("host_memory_fraction", "most", "host_memory_fraction='most' is not a number"),
+    ("compute_dtype", 16, "compute_dtype=16 is not a string"),
+    ("resident_device_fraction", -1, r"resident_device_fraction=-1.0 must be in \[0, 1\]"),
+    ("resident_device_fraction", 7, r"resident_device_fraction=7.0 must be in \[0, 1\]"),
+    ("device_step_fraction", 1.5, r"device_step_fraction=1.5 must be in \[0, 1\]"),
+    ("host_memory_fraction", "nan", "host_memory_fraction=nan must be in"),
+])
+def test_bad_values_name_the_key(key, value, match):
+    with pytest.raises(ValueError, match=match):
+        MegaTrainConfig(**{key: value})
+    with pytest.raises(ValueError, match=match):
+        resolve_config({key: value}, environ={})
+
+
+@pytest.mark.parametrize("var,raw,match", [
+    ("MEGATRAIN_OVERLAP_OPTIMIZER", "ture", r"overlap_optimizer \(env MEGATRAIN_OVERLAP_OPTIMIZER\)='ture' is not a"),
+    ("MEGATRAIN_MICRO_BATCH_SIZE", "four", r"micro_batch_size \(env MEGATRAIN_MICRO_BATCH_SIZE\)='four' is not"),
+    ("MEGATRAIN_RESIDENT_DEVICE_FRACTION", "7", r"env MEGATRAIN_RESIDENT_DEVICE_FRACTION: resident_device_fraction"),
+    ("MEGATRAIN_NUM_SLOTS", "1", r"env MEGATRAIN_NUM_SLOTS: num_slots=1"),
+])
+def test_bad_env_values_name_the_variable(var, raw, match):
+    with pytest.raises(ValueError, match=match):
+        resolve_config({}, environ={var: raw})
+
+
+@pytest.mark.parametrize("flag", [dict(torch_compile=True), dict(torch_compile_backend="inductor"),
+                                  dict(torch_compile_mode="max-autotune")])
+def test_trainer_torch_compile_points_at_the_config_key(tmp_path, flag):
+    with pytest.raises(ValueError, match=r"megatrain_config=\{\.\.\., 'torch_compile': True\}"):
+        MegaTrainTrainingArguments(**common_args(tmp_path), megatrain_config={"compute_dtype": "float32"}, **flag)
+    args = MegaTrainTrainingArguments(**common_args(tmp_path), megatrain_config={"torch_compile": "true"})
+    assert args.megatrain_resolved_config().torch_compile is True

@@ -12,6 +12,8 @@ COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_la
 # head_dim 8 (defaults are 128-256), sliding windows (4) shorter than the sequence, soft-caps small enough that
 # tanh bends (tiny random logits are ~0.1), and MoE with 2 of 4 experts per token plus the router aux loss.
 _MOE = dict(num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.02)
+_GPT_DROPOUT = dict(embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.0)
+_GPT_IDS = dict(bos_token_id=1, eos_token_id=2)
 _FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
@@ -36,6 +38,16 @@ _FAMILIES = {
                 dict(head_dim=8, num_local_experts=4, intermediate_size=32, sliding_window=4, num_hidden_layers=4,
                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
                      attn_implementation="eager", **_MOE)),
+    # Layers that return a tuple (hidden_states, attn_weights) and loops that read outputs[0]; dropout off (the
+    # reference would draw its masks in another order), token ids inside the tiny vocabulary.
+    "gpt_neo": ("GPTNeoConfig", "GPTNeoForCausalLM",
+                dict(attention_types=[[["global", "local"], 1], [["global"], 1]], window_size=4, embed_dropout=0.0,
+                     attention_dropout=0.0, resid_dropout=0.0, **_GPT_IDS)),
+    "gptj": ("GPTJConfig", "GPTJForCausalLM", dict(rotary_dim=4, **_GPT_DROPOUT, **_GPT_IDS)),
+    "codegen": ("CodeGenConfig", "CodeGenForCausalLM", dict(rotary_dim=4, **_GPT_DROPOUT, **_GPT_IDS)),
+    "bloom": ("BloomConfig", "BloomForCausalLM", dict(**_GPT_IDS)),
+    "falcon": ("FalconConfig", "FalconForCausalLM", dict(**_GPT_IDS)),
+    "mpt": ("MptConfig", "MptForCausalLM", dict(resid_pdrop=0.0, emb_pdrop=0.0, **_GPT_IDS)),
 }
 FAMILIES = tuple(_FAMILIES)
 

@@ -85,6 +85,7 @@ class Converted:
     kinds: list[int]  # template index per layer
     templates: list[LayerTemplate]
     buffers: list[dict[str, torch.Tensor]]  # each layer's buffers, on the device
+    persistent_buffers: list[list[str]]  # names (inside the layer) of each layer's buffers that checkpoints hold
     originals: list[nn.Module]  # the HF layers (weights freed: meta), for the proxies' plain attributes
     resident_params: dict[str, nn.Parameter]  # trainable parameters outside the layers (device working copies)
     frozen_resident: dict[str, nn.Parameter]  # frozen ones (device, compute dtype)
@@ -113,6 +114,7 @@ def convert(model: nn.Module, config: MegaTrainConfig, device: torch.device, dec
     kinds = group_layers(layers)
     templates: dict[int, LayerTemplate] = {}
     buffers: list[dict[str, torch.Tensor]] = []
+    persistent: list[list[str]] = []
     originals = list(layers)
     for i, layer in enumerate(originals):
         unit = store.units[i]
@@ -122,6 +124,7 @@ def convert(model: nn.Module, config: MegaTrainConfig, device: torch.device, dec
             for n, p in layer.named_parameters():
                 store.load_(f"{stack.path}.{i}.{n}", p.detach())
         buffers.append({n: b.to(device) for n, b in layer.named_buffers()})
+        persistent.append([n for n in layer.state_dict() if n in buffers[-1]])  # state_dict: persistent ones
         layer.to("meta")  # free this layer's weights now that the store holds them
         unit.refresh_compute_()
 
@@ -149,8 +152,8 @@ def convert(model: nn.Module, config: MegaTrainConfig, device: torch.device, dec
         for bname, b in list(mod._buffers.items()):
             if b is not None and not b.is_meta:
                 mod._buffers[bname] = b.to(device)
-    return Converted(stack, plans, store, kinds, [templates[k] for k in range(len(templates))], buffers, originals,
-                     resident_params, frozen_resident)
+    return Converted(stack, plans, store, kinds, [templates[k] for k in range(len(templates))], buffers, persistent,
+                     originals, resident_params, frozen_resident)
 
 
 def install_proxies(conv: Converted, executor: StreamingExecutor) -> None:

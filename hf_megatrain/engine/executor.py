@@ -22,30 +22,17 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 import torch
+from torch.utils import _pytree as pytree
 
+from ..core.plan import Where
 from ..core.step_state import StepState
 from ..core.store import Unit
 from ..core.streams import StreamSet
 from ..model.template import LayerTemplate
+from .layer_io import Call, OutLayout, batch_major, merge_chunks, slice_call
 from .offload import GradientOffload
+from .reach import GradReach
 from .slots import WeightSlots
-
-
-def _batch_slice(obj: Any, a: int, b: int, batch: int) -> Any:
-    """Slice every tensor whose leading dim is the batch; broadcastable (dim 0 == 1) tensors pass unchanged."""
-    if isinstance(obj, torch.Tensor):
-        return obj[a:b] if obj.dim() > 0 and obj.shape[0] == batch else obj
-    if isinstance(obj, tuple):
-        return tuple(_batch_slice(x, a, b, batch) for x in obj)
-    if isinstance(obj, list):
-        return [_batch_slice(x, a, b, batch) for x in obj]
-    if isinstance(obj, dict):
-        return {k: _batch_slice(v, a, b, batch) for k, v in obj.items()}
-    return obj
-
-
-def _first(out: Any) -> torch.Tensor:
-    return out[0] if isinstance(out, (tuple, list)) else out
 
 
 class StreamingExecutor:
@@ -54,6 +41,9 @@ class StreamingExecutor:
                  grad_offload_dtype: torch.dtype, num_slots: int, micro_batch_size: int, pin: bool) -> None:
         self.units, self.kinds, self.templates, self.buffers = units, kinds, templates, buffers
         self.device = device
+        self.state = state
+        # Which parameters each backward reached (the optimizer skips the others, as torch.optim.AdamW does).
+        self.reach = GradReach()
         self.micro_batch_size = micro_batch_size
         self.streams = StreamSet(device)
         self.weights = WeightSlots(units, state, self.streams, device=device, compute_dtype=compute_dtype,
@@ -68,6 +58,8 @@ class StreamingExecutor:
         self.tap: Any = None
         # RNG states of the last stochastic forward, per chunk (read by the layer Function into its ctx).
         self.last_rng: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
+        # Output layout of the last forward (read by the proxy to rebuild the layer's own output structure).
+        self.last_layout: OutLayout | None = None
 
     # -- counters (benchmarks, logs) ---------------------------------------------------------------------------------
     @property
@@ -95,16 +87,23 @@ class StreamingExecutor:
             return [(0, batch)]
         return [(a, min(a + m, batch)) for a in range(0, batch, m)]
 
-    def forward_layer(self, index: int, hidden: torch.Tensor, call: tuple[tuple, dict],
-                      recompute: bool = False) -> torch.Tensor:
-        """``recompute``: the backward will recompute this visit (the RNG state of stochastic layers is kept)."""
+    def forward_layer(self, index: int, hidden: torch.Tensor, call: Call,
+                      recompute: bool = False) -> tuple[list[torch.Tensor], OutLayout]:
+        """Run layer ``index`` (no grad): its output as (tensors, layout), ``layout.rebuild(tensors)`` being what the
+        layer returned. ``recompute``: the backward will recompute this visit (stochastic layers' RNG is kept)."""
         with torch.profiler.record_function("megatrain.forward"):
             return self._forward_layer(index, hidden, call, recompute)
 
-    def backward_layer(self, index: int, hidden: torch.Tensor, call: tuple[tuple, dict],
-                       grad_out: torch.Tensor, side_grads: tuple = (), rng: list | None = None) -> torch.Tensor | None:
+    def backward_layer(self, index: int, hidden: torch.Tensor, call: Call, grad_pos: list[int],
+                       extras: list[torch.Tensor], needs: tuple[bool, ...], out_grads: tuple,
+                       layout: OutLayout, side_grads: tuple = (), rng: list | None = None
+                       ) -> list[torch.Tensor | None]:
+        """Recompute layer ``index`` with grad and back-propagate ``out_grads`` (one per tensor output, None where
+        none came) and ``side_grads``: weight gradient to its sink, and the gradients of [hidden, *extras] (the
+        call's leaves at ``grad_pos``) where ``needs`` says so."""
         with torch.profiler.record_function("megatrain.backward"):
-            return self._backward_layer(index, hidden, call, grad_out, side_grads, rng)
+            return self._backward_layer(index, hidden, call, grad_pos, extras, needs, out_grads, layout,
+                                        side_grads, rng)
 
     # -- random numbers -------------------------------------------------------------------------------------------------
     def _rng_state(self) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -124,77 +123,95 @@ class StreamingExecutor:
                 torch.cuda.set_rng_state(state[1], self.device)
             yield
 
-    def _forward_layer(self, index: int, hidden: torch.Tensor, call: tuple[tuple, dict],
-                       recompute: bool) -> torch.Tensor:
+    def _name(self, index: int) -> str:
+        return f"layer {index} ({type(self.templates[self.kinds[index]].module).__name__})"
+
+    def _forward_layer(self, index: int, hidden: torch.Tensor, call: Call,
+                       recompute: bool) -> tuple[list[torch.Tensor], OutLayout]:
         s = self.weights.acquire(index, +1)
         tmpl = self.templates[self.kinds[index]]
         params = tmpl.bind(self.weights.slots[s])
-        args, kwargs = call
         batch = hidden.shape[0]
         chunks = self._chunks(batch)
+        flat, spec = pytree.tree_flatten(call)
         rng = [] if recompute and self.training and tmpl.stochastic else None
+        outs = []
         with torch.no_grad():
-            if len(chunks) == 1:
+            for a, b in chunks:
                 if rng is not None:
                     rng.append(self._rng_state())
-                out = _first(tmpl(params, self.buffers[index], self.training, (hidden, *args), kwargs))
-            else:
-                outs = []
-                for a, b in chunks:
-                    if rng is not None:
-                        rng.append(self._rng_state())
-                    outs.append(_first(tmpl(params, self.buffers[index], self.training,
-                                            (hidden[a:b], *_batch_slice(args, a, b, batch)),
-                                            _batch_slice(kwargs, a, b, batch))))
-                out = torch.cat(outs)
+                args, kwargs = slice_call(flat, spec, a, b, batch)
+                h = hidden if len(chunks) == 1 else hidden[a:b]
+                outs.append(tmpl(params, self.buffers[index], self.training, (h, *args), kwargs))
         self.last_rng = rng
         self.weights.release(s)
-        return out
+        return merge_chunks(outs, [b - a for a, b in chunks], self._name(index))
 
-    def _backward_layer(self, index: int, hidden: torch.Tensor, call: tuple[tuple, dict],
-                        grad_out: torch.Tensor, side_grads: tuple = (), rng: list | None = None) -> torch.Tensor | None:
+    def _backward_layer(self, index: int, hidden: torch.Tensor, call: Call, grad_pos: list[int],
+                        extras: list[torch.Tensor], needs: tuple[bool, ...], out_grads: tuple,
+                        layout: OutLayout, side_grads: tuple = (), rng: list | None = None
+                        ) -> list[torch.Tensor | None]:
         unit = self.units[index]
         n = unit.numel
-        want_input_grad = hidden.requires_grad
-        if n == 0 and not want_input_grad:
-            return None  # nothing trainable here and nothing before it: no recompute needed
+        sources = [hidden, *extras]  # the inputs whose gradients may be asked for
+        grads_in: list[torch.Tensor | None] = [None] * len(sources)
+        if n == 0 and not any(needs):
+            return grads_in  # nothing trainable here and nothing before it: no recompute needed
+        if all(g is None for g in out_grads) and all(g is None for g in side_grads):
+            return grads_in  # no gradient reached this layer's outputs: none leaves it (as in plain autograd)
         s = self.weights.acquire(index, -1)
         tmpl = self.templates[self.kinds[index]]
         params = tmpl.bind(self.weights.slots[s], requires_grad=True)
         trainable = [params[p.local] for p in tmpl.layout]
         gp = self.grads.grad_param
         grads = tmpl.bind(gp, frozen=False)
-        for p in tmpl.layout:
+        # Which parameters autograd reaches (torch's AdamW skips the others): a hook on each leaf fires with its grad.
+        reached = [False] * len(trainable)
+        for j, p in enumerate(tmpl.layout):
             params[p.local].grad = grads[p.local]
+            params[p.local].register_hook(lambda g, j=j: reached.__setitem__(j, True))
         k, off = self.grads.buffer(n)
-        args, kwargs = call
+        flat, spec = pytree.tree_flatten(call)
         batch = hidden.shape[0]
         chunks = self._chunks(batch)
-        grad_in = torch.empty_like(hidden) if want_input_grad and len(chunks) > 1 else None
+        split = len(chunks) > 1
+        # Inputs that are not batch-major (broadcast over the batch) are one leaf for all chunks (autograd sums their
+        # gradient); batch-major ones get a leaf per chunk, whose gradient fills the chunk's rows.
+        whole = [None if not need else (x.detach().requires_grad_() if not (split and batch_major(x, batch)) else None)
+                 for x, need in zip(sources, needs)]
         for c, (a, b) in enumerate(chunks):
             gp[:n].zero_()
-            h = hidden[a:b].detach().requires_grad_(want_input_grad)
-            sub_args = _batch_slice(args, a, b, batch) if len(chunks) > 1 else args
-            sub_kwargs = _batch_slice(kwargs, a, b, batch) if len(chunks) > 1 else kwargs
-            tap = self.tap if any(g is not None for g in side_grads) else None
+            leaves = [w if w is not None or not need else x[a:b].detach().requires_grad_()
+                      for x, w, need in zip(sources, whole, needs)]
+            h = leaves[0] if leaves[0] is not None else (hidden[a:b] if split else hidden).detach()
             with self._replay(rng[c] if rng else None), torch.enable_grad():
+                replace = {pos: leaf for pos, leaf in zip(grad_pos, leaves[1:]) if leaf is not None}
+                args, kwargs = slice_call(flat, spec, a, b, batch, replace)
+                tap = self.tap if any(g is not None for g in side_grads) else None
                 if tap is not None:
                     tap.start()
-                out = _first(tmpl(params, self.buffers[index], self.training, (h, *sub_args), sub_kwargs))
+                out = tmpl(params, self.buffers[index], self.training, (h, *args), kwargs)
                 side = tap.stop() if tap is not None else []
-            inputs = ([h] if want_input_grad else []) + trainable
-            outs, gouts = [out], [grad_out[a:b]]
+            outs, gouts = [], []
+            for t, g, shared in zip(layout.tensors_of(out), out_grads, layout.shared):
+                if g is None or not t.requires_grad or (shared and c > 0):
+                    continue  # (a shared output is the first chunk's: only that chunk's recompute made it)
+                outs.append(t)
+                gouts.append(g if shared or not split else g[a:b])
             for t, g in zip(side, side_grads):  # side outputs are batch-major rows: slice this chunk's rows
                 if g is not None:
                     r = g.shape[0] // batch
                     outs.append(t)
                     gouts.append(g[a * r:b * r])
-            torch.autograd.backward(outs, gouts, inputs=inputs)
-            if want_input_grad:
-                if grad_in is None:
-                    grad_in = h.grad
-                else:
-                    grad_in[a:b] = h.grad
+            inputs = [x for x in dict.fromkeys(leaves) if x is not None] + trainable
+            if outs:
+                torch.autograd.backward(outs, gouts, inputs=inputs)
+            for i, (leaf, w) in enumerate(zip(leaves, whole)):
+                if leaf is None or w is not None or leaf.grad is None:
+                    continue  # (a whole leaf accumulates over chunks by itself)
+                if grads_in[i] is None:
+                    grads_in[i] = torch.zeros_like(sources[i])
+                grads_in[i][a:b] = leaf.grad
             if n == 0:
                 continue
             if c == 0:
@@ -202,7 +219,22 @@ class StreamingExecutor:
             else:
                 off.add_(gp[:n])
         self.weights.release(s)
-        if n == 0:  # frozen layer: only the input gradient leaves
-            return grad_in
-        self.grads.send(index, k)
-        return grad_in
+        for i, w in enumerate(whole):
+            if w is not None:
+                grads_in[i] = w.grad
+        if n > 0:  # (a frozen layer: only the input gradients leave)
+            self._record_reach(unit, tmpl, reached)
+            self.grads.send(index, k)
+        return grads_in
+
+    def _record_reach(self, unit: Unit, tmpl: LayerTemplate, reached: list[bool]) -> None:
+        if unit.plan.grad is Where.NONE:
+            if not all(reached):
+                missing = [p.local for p, r in zip(tmpl.layout, reached) if not r]
+                raise RuntimeError(
+                    f"hf_megatrain: lean_store: parameters {missing[:4]} of layer {unit.index} received no gradient "
+                    "in this backward (unused in the forward). torch.optim.AdamW skips such parameters, the lean "
+                    "store cannot (it updates each layer whole as its gradient lands). Freeze them "
+                    "(requires_grad_(False)) or use lean_store=False.")
+            return
+        self.reach.record(unit.index, reached, first=not self.state.has_grad(unit.index))

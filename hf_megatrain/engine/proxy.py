@@ -2,10 +2,15 @@
 
 The HF model's own forward loop still calls ``model.layers[i](hidden, **kwargs)``; each entry is a ``StreamedLayer``
 whose call is one autograd Function. Its forward runs the layer under ``no_grad`` (keeping only the boundary
-activation); its backward asks the executor to recompute the layer with grad and returns the input gradient.
+activation); its backward asks the executor to recompute the layer with grad and returns the input gradients.
 Autograd calls the backwards in reverse layer order, which is what lets the executor prefetch layer i-1 while
-layer i recomputes. Side outputs a tap collects (MoE router logits) become extra outputs of the Function, so a
-loss on them sends its gradient into that layer's recompute.
+layer i recomputes.
+
+The Function's inputs are the hidden state and every other floating tensor of the call that requires grad (a
+per-layer input, the embeddings passed to each layer: each gets its gradient); its outputs are every tensor of the
+layer's output (the proxy returns the layer's own structure around them: ``outputs[0]`` of a tuple-returning layer
+is the hidden state, not a batch row), then the side outputs a tap collects (MoE router logits), so a loss on any
+of them sends its gradient into that layer's recompute (engine/layer_io.py).
 """
 
 from __future__ import annotations
@@ -14,8 +19,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from ..model.layers import copy_plain_attributes
+from .layer_io import Call, grad_positions
 
 if TYPE_CHECKING:
     from .executor import StreamingExecutor
@@ -23,29 +30,32 @@ if TYPE_CHECKING:
 
 class _StreamedLayerFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, executor: StreamingExecutor, index: int, call: tuple, anchor: torch.Tensor,  # type: ignore[override]
-                hidden: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        ctx.executor, ctx.index, ctx.call = executor, index, call
-        ctx.save_for_backward(hidden)
+    def forward(ctx, executor: StreamingExecutor, index: int, call: Call, grad_pos: list[int],  # type: ignore[override]
+                anchor: torch.Tensor, hidden: torch.Tensor, *extras: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.executor, ctx.index, ctx.call, ctx.grad_pos = executor, index, call, grad_pos
+        ctx.save_for_backward(hidden, *extras)
+        ctx.set_materialize_grads(False)  # an unused output (attention weights, no aux loss) costs no gradient
         tap = executor.tap if executor.tap is not None and executor.tap.active else None
-        if tap is None:
-            out = executor.forward_layer(index, hidden, call, recompute=True)
-            ctx.rng = executor.last_rng
-            return out
-        tap.start()
-        out = executor.forward_layer(index, hidden, call, recompute=True)
+        if tap is not None:
+            tap.start()
+        tensors, layout = executor.forward_layer(index, hidden, call, recompute=True)
         ctx.rng = executor.last_rng
-        side = tap.stop()
-        ctx.set_materialize_grads(False)  # an unused side output (no aux loss) costs no gradient
-        return (out, *side)
+        side = tap.stop() if tap is not None else []
+        ctx.layout, ctx.num_out = layout, len(tensors)  # (the layout holds no tensor: nothing kept alive)
+        executor.last_layout = layout  # read by the proxy to rebuild the layer's output
+        # Fresh aliases: a tensor the layer passed through from its call (a mask, rotary tables) would otherwise get
+        # this Function as its grad_fn in place, and requires_grad with it, for every later user of it.
+        tensors = [t.detach() for t in tensors]
+        ctx.mark_non_differentiable(*[t for t in tensors if not t.is_floating_point()])
+        return (*tensors, *side)
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor | None, *side_grads: torch.Tensor | None):  # type: ignore[override]
-        (hidden,) = ctx.saved_tensors
-        if grad_out is None:
-            grad_out = torch.zeros_like(hidden)
-        grad_in = ctx.executor.backward_layer(ctx.index, hidden, ctx.call, grad_out, side_grads, ctx.rng)
-        return None, None, None, None, grad_in
+    def backward(ctx, *grads: torch.Tensor | None):  # type: ignore[override]
+        hidden, *extras = ctx.saved_tensors
+        n = ctx.num_out
+        grads_in = ctx.executor.backward_layer(ctx.index, hidden, ctx.call, ctx.grad_pos, extras,
+                                               ctx.needs_input_grad[5:], grads[:n], ctx.layout, grads[n:], ctx.rng)
+        return (None, None, None, None, None, *grads_in)
 
 
 class StreamedLayer(nn.Module):
@@ -57,19 +67,23 @@ class StreamedLayer(nn.Module):
         self.index = index
         self._executor = [executor]  # a list keeps it out of the module tree
 
-    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         ex = self._executor[0]
         call = (args, kwargs)
         tap = ex.tap if ex.tap is not None and ex.tap.active else None
         if torch.is_grad_enabled():
-            out = _StreamedLayerFunction.apply(ex, self.index, call, ex.grad_anchor, hidden_states)
-            if tap is None:
-                return out
-            tap.record(out[1:])
-            return out[0]
+            flat = pytree.tree_leaves(call)
+            pos = grad_positions(flat)
+            out = _StreamedLayerFunction.apply(ex, self.index, call, pos, ex.grad_anchor, hidden_states,
+                                               *[flat[i] for i in pos])
+            layout = ex.last_layout
+            n = len(layout.slots)
+            if tap is not None:
+                tap.record(out[n:])
+            return layout.rebuild(out[:n])
         if tap is not None:
             tap.start()
-        out = ex.forward_layer(self.index, hidden_states, call)
+        tensors, layout = ex.forward_layer(self.index, hidden_states, call)
         if tap is not None:
             tap.record(tap.stop())
-        return out
+        return layout.rebuild(tensors)

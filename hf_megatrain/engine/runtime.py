@@ -61,6 +61,7 @@ class MegaTrainEngine:
         self.resident_unit = self.store.units[-1]
         self.resident_params = conv.resident_params
         self.frozen_resident = conv.frozen_resident
+        self.layer_buffer_names = conv.persistent_buffers
         self.state = StepState(len(self.store.units))
         self.executor = StreamingExecutor(
             self.layer_units, self.state, conv.kinds, conv.templates, conv.buffers, device=self.device,
@@ -143,6 +144,15 @@ class MegaTrainEngine:
             yield name, self.store.frozen_tensor(name)
         yield from ((n, p.detach()) for n, p in self.frozen_resident.items())
 
+    def named_layer_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(full model name, device tensor) of every persistent buffer inside the streamed layers (router
+        score-correction biases, learned constants): conversion moved them out of the model, so exports and
+        checkpoint loads reach them here (hf/export.py, hf/pretrained.py)."""
+        for i, names in enumerate(self.layer_buffer_names):
+            bufs = self.executor.buffers[i]
+            for n in names:
+                yield f"{self.stack.path}.{i}.{n}", bufs[n]
+
     def num_parameters(self, include_frozen: bool = False) -> int:
         """Trainable parameters (tied once); with ``include_frozen`` all of them."""
         return self.store.numel + (sum(p.numel() for _, p in self.named_frozen_tensors()) if include_frozen else 0)
@@ -155,6 +165,7 @@ class MegaTrainEngine:
         if all(g is None for g in grads.values()):
             return
         first = self.state.accumulate(u.index)
+        self.executor.reach.record(u.index, [g is not None for g in grads.values()], first)
         for p in u.params:
             g, dst = grads[p.name], u.view(u.grad, p)
             if g is None:  # no gradient reached this parameter: it contributes zeros
@@ -182,6 +193,7 @@ class MegaTrainEngine:
                     u.grad.zero_()
                     self.state.accumulate(u.index)
                     self.state.landed(u.index)
+                    self.executor.reach.record(u.index, [False] * len(u.params), first=True)  # none reached
 
     # -- forward -----------------------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
@@ -277,6 +289,6 @@ class MegaTrainEngine:
         cls = LeanAdamW if self._lean else UnitAdamW
         self.optimizer = cls(self.store, self.state, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                              max_grad_norm=max_grad_norm, unit_order=order, skip_nonfinite=self.config.skip_nonfinite,
-                             overlap=self.config.overlap_optimizer,
+                             overlap=self.config.overlap_optimizer, grad_reach=self.executor.reach,
                              **({} if cls is LeanAdamW else {"speculate": self.config.speculative_step}))
         return self.optimizer

@@ -25,8 +25,9 @@ from ..config import parse_dtype
 
 def extra_tensors(engine: Any) -> list[tuple[str, torch.Tensor]]:
     """What a standard checkpoint holds besides the trainable FP32 masters: frozen parameters (compute dtype;
-    streamed layers' from the host store, resident ones from the device) and persistent buffers. Names in the
-    model's ``_keys_to_ignore_on_save`` are left out; a tied name appears once (as HF saves)."""
+    streamed layers' from the host store, resident ones from the device) and persistent buffers (the model's and
+    those inside the streamed layers). Names in the model's ``_keys_to_ignore_on_save`` are left out; a tied name
+    appears once (as HF saves)."""
     model = engine.model
     skip = set(getattr(model, "_keys_to_ignore_on_save", None) or [])
     taken = {n for n, _ in engine.named_master_tensors()} | skip
@@ -36,9 +37,11 @@ def extra_tensors(engine: Any) -> list[tuple[str, torch.Tensor]]:
             out.append((name, t))
             taken.add(name)
     buffers = {n for n, _ in model.named_buffers()}
-    # The class's state_dict (the converted model's own one comes back here: model_view.py); persistent buffers only.
-    for name, t in type(model).state_dict(model).items():
-        if name in buffers and name not in taken and not t.is_meta:
+    # The class's state_dict (the converted model's own one comes back here: model_view.py): persistent buffers only;
+    # the layers' persistent buffers live in the executor.
+    persistent = [(n, t) for n, t in type(model).state_dict(model).items() if n in buffers]
+    for name, t in persistent + list(engine.named_layer_buffers()):
+        if name not in taken and not t.is_meta:
             out.append((name, t))
             taken.add(name)
     return out

@@ -38,9 +38,11 @@ def _materialize_resident(model: nn.Module, layers_path: str | None) -> None:
 
 
 def extra_sink(engine: MegaTrainEngine):
-    """Load checkpoint tensors the store does not hold (frozen params, persistent buffers) into the model."""
+    """Load checkpoint tensors the store does not hold (frozen params, persistent buffers, the streamed layers'
+    included) into the model."""
     model = engine.model
     targets = dict(model.named_buffers())
+    targets.update(engine.named_layer_buffers())  # persistent buffers of the streamed layers (on the device)
     targets.update({n: p for n, p in model.named_parameters() if n not in engine.store.by_name})
     resident = {id(p) for p in engine.resident_params.values()}
 

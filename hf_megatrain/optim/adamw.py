@@ -26,7 +26,7 @@ import math
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -37,6 +37,9 @@ from ..core.store import Unit, UnitStore
 from .device_stepper import DeviceStepper
 from .speculation import Act, Key, LeanPolicy
 
+if TYPE_CHECKING:
+    from ..engine.reach import GradReach
+
 logger = logging.getLogger(__name__)
 
 
@@ -44,7 +47,7 @@ class UnitAdamW(torch.optim.Optimizer):
     def __init__(self, store: UnitStore, state: StepState, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, max_grad_norm: float | None = None,
                  unit_order: list[int] | None = None, skip_nonfinite: bool = True, overlap: bool = False,
-                 host_chunk: int = 0, speculate: bool = False) -> None:
+                 host_chunk: int = 0, speculate: bool = False, grad_reach: GradReach | None = None) -> None:
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"invalid AdamW hyper-parameters lr={lr} betas={betas} eps={eps} "
                              f"weight_decay={weight_decay}")
@@ -52,6 +55,7 @@ class UnitAdamW(torch.optim.Optimizer):
         decay, no_decay = [], []
         # unit index -> [(0 = decayed | 1 = not, spans)]: the kernel runs on whichever flat buffers hold the state.
         self._unit_groups: dict[int, list[tuple[int, list[tuple[int, int]]]]] = {}
+        self._param_spans: dict[int, list[tuple[int, int, int]]] = {}  # unit -> (group, start, end) per parameter
         for unit in store.units:
             per_group: dict[int, list[tuple[int, int]]] = {}
             for p in unit.params:
@@ -61,6 +65,7 @@ class UnitAdamW(torch.optim.Optimizer):
                     view.grad = unit.view(unit.grad, p)
                 (decay if g == 0 else no_decay).append(view)
                 per_group.setdefault(g, []).append((p.offset, p.offset + p.numel))
+                self._param_spans.setdefault(unit.index, []).append((g, p.offset, p.offset + p.numel))
             self._unit_groups[unit.index] = sorted(per_group.items())
         if not decay and not no_decay:
             raise ValueError("UnitAdamW: the store holds no trainable parameters")
@@ -83,6 +88,12 @@ class UnitAdamW(torch.optim.Optimizer):
         # slower from the overlap thread (OpenMP fork/join per chunk). 0 = whole unit, then one copy pass.
         self.host_chunk = host_chunk
         self._counts = [0] * len(store.units)  # AdamW step count per unit
+        # Parameters without a gradient are skipped, as torch.optim.AdamW skips a None .grad (engine/reach.py says
+        # which were reached: ``take(unit)`` -> a flag per parameter, or None to step them all). ``_missed`` counts
+        # each parameter's skipped steps (its own step count is the unit's minus that), only where it is not zero.
+        self.grad_reach = grad_reach
+        self._reached: dict[int, list[bool] | None] = {}
+        self._missed: dict[int, list[int]] = {}
         self.skipped_steps = 0
         # Wall time of the last *finished* step's unit updates; published by wait(), so reading it right after
         # step() returns gives the previous step, never a partial figure.
@@ -130,6 +141,11 @@ class UnitAdamW(torch.optim.Optimizer):
         """Main thread, the step's last backward: unit ``i``'s gradient is final. A HOST unit whose squared norm
         is known (its first visit) goes to the speculative worker."""
         if sq is None or self.store.units[i].plan.stepper is not Stepper.HOST:
+            return
+        # A unit some of whose parameters skip steps (no gradient now or before) keeps per-parameter step counts:
+        # it is stepped the normal way, where take-back never applies.
+        flags = self.grad_reach.peek(i) if self.grad_reach is not None else None
+        if (flags is not None and not all(flags)) or i in self._missed:
             return
         self.step_state.begin_update(i)
         job = lambda: self._speculate(i, sq)  # noqa: E731
@@ -189,12 +205,15 @@ class UnitAdamW(torch.optim.Optimizer):
         self.taken_back += 1
 
     def _zero_missing(self) -> None:
-        """Units no backward reached since the last step have a zero gradient (as in torch)."""
+        """Units no backward reached since the last step have a zero gradient, and no parameter of them is stepped
+        (torch skips parameters whose .grad is None)."""
         for u in self.store.units:
             if not self.step_state.has_grad(u.index) and u.plan.grad is not Where.NONE:
                 u.grad.zero_()
                 self.step_state.accumulate(u.index, None)
                 self.step_state.landed(u.index)
+                if self.grad_reach is not None:
+                    self.grad_reach.record(u.index, [False] * len(u.params), first=True)
 
     def grad_norm(self) -> float:
         """Global L2 norm of all gradients (per-unit norms, then the norm of norms, like clip_grad_norm_)."""
@@ -230,6 +249,7 @@ class UnitAdamW(torch.optim.Optimizer):
         here = [i for i, p in zip(order, plans) if p.stepper in (Stepper.HOST, Stepper.DEVICE)]
         for i in here + on_gpu:
             self.step_state.begin_update(i)
+            self._reached[i] = self.grad_reach.take(i) if self.grad_reach is not None else None
         jobs = [(self._run_here, here)] + ([(self._run_device_streamed, on_gpu)] if on_gpu else [])
         t0 = time.perf_counter()
         self._running_seconds = 0.0
@@ -272,12 +292,29 @@ class UnitAdamW(torch.optim.Optimizer):
                 chunk: int = 0, refresh: bool = True) -> None:
         """One AdamW update of ``unit`` on [master, grad, exp_avg, exp_avg_sq] (counted), then its compute copy."""
         self._counts[unit.index] += 1
-        groups = [(hyper[self._group_of[g]], spans) for g, spans in self._unit_groups[unit.index]]
         copy = refresh and unit.compute is not None
         after = (lambda a, b: unit.compute[a:b].copy_(unit.master[a:b])) if copy and chunk else None
-        kernels.adamw_(*flats, groups, self._counts[unit.index], grad_scale, chunk, after)
+        for step, groups in self._groups_by_step(unit, hyper, self._reached.pop(unit.index, None)):
+            kernels.adamw_(*flats, groups, step, grad_scale, chunk, after)
         if copy and not chunk:
             unit.refresh_compute_()
+
+    def _groups_by_step(self, unit: Unit, hyper: list[kernels.Hyper],
+                        reached: list[bool] | None) -> list[tuple[int, kernels.Groups]]:
+        """(step count, groups) of this update: every span at the unit's count, unless some parameter got no
+        gradient now (left out) or missed earlier steps (its own, lower count: torch counts steps per parameter)."""
+        i, count = unit.index, self._counts[unit.index]
+        if (reached is None or all(reached)) and i not in self._missed:
+            return [(count, self.groups_of(unit, hyper))]
+        missed = self._missed.setdefault(i, [0] * len(self._param_spans[i]))
+        by_step: dict[int, dict[int, list[tuple[int, int]]]] = {}
+        for k, (g, lo, hi) in enumerate(self._param_spans[i]):
+            if reached is not None and not reached[k]:
+                missed[k] += 1
+                continue
+            by_step.setdefault(count - missed[k], {}).setdefault(g, []).append((lo, hi))
+        return [(step, [(hyper[self._group_of[g]], spans) for g, spans in sorted(per.items())])
+                for step, per in sorted(by_step.items())]
 
     def groups_of(self, unit: Unit, hyper: list[kernels.Hyper]) -> kernels.Groups:
         return [(hyper[self._group_of[g]], spans) for g, spans in self._unit_groups[unit.index]]
@@ -304,6 +341,8 @@ class UnitAdamW(torch.optim.Optimizer):
                 self._take_back(i, key)
             self.policy.end(None)
         self.step_state.discard()
+        if self.grad_reach is not None:
+            self.grad_reach.clear()
 
     # -- state (per unit flat buffers, see checkpoint/) --------------------------------------------------------------
     @property
@@ -317,11 +356,15 @@ class UnitAdamW(torch.optim.Optimizer):
         for u in self.store.units:
             out[f"exp_avg.{u.index}"] = u.exp_avg
             out[f"exp_avg_sq.{u.index}"] = u.exp_avg_sq
+        for i, missed in self._missed.items():  # per-parameter skipped steps (only units that skipped some)
+            out[f"missed_steps.{i}"] = torch.tensor(missed, dtype=torch.float32)
         return out
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         self.wait()
         self._counts = [int(v) for v in tensors["unit_steps"].tolist()]
+        self._missed = {u.index: [int(v) for v in tensors[f"missed_steps.{u.index}"].tolist()]
+                        for u in self.store.units if f"missed_steps.{u.index}" in tensors}
         for u in self.store.units:
             for key, dst in ((f"exp_avg.{u.index}", u.exp_avg), (f"exp_avg_sq.{u.index}", u.exp_avg_sq)):
                 src = tensors[key]

@@ -17,7 +17,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from hf_megatrain import MegaTrainConfig, MegaTrainTrainer
+from hf_megatrain import MegaTrainConfig, MegaTrainEngine, MegaTrainTrainer
 from hf_megatrain import checkpoint as ckpt
 from hf_megatrain.hf.trainer import from_pretrained_streamed
 
@@ -258,3 +258,35 @@ def test_push_to_hub_uploads_standard_checkpoint(tmp_path, monkeypatch):
     tr.engine.optimizer.wait()
     for n, p in pulled.named_parameters():
         assert torch.equal(p.detach(), tr.engine.store.master_tensor(n)), n
+
+
+def test_export_killed_midway_keeps_the_previous_export(tmp_path, monkeypatch):
+    """A save that dies after writing some shards leaves the previous complete export loadable and unchanged (new
+    files are swapped in only once all are on disk); the next save cleans up what the dead one left."""
+    import hf_megatrain.checkpoint.safetensors_io as sio
+    import transformers
+
+    engine = MegaTrainEngine(tiny("llama"), MegaTrainConfig(compute_dtype="float32"), device="cpu")
+    out = tmp_path / "export"
+    ckpt.save_pretrained_streamed(engine, str(out), max_shard_size="20KB")
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+    assert len([f for f in before if f.endswith(".safetensors")]) > 2
+    with torch.no_grad():
+        for _, t in engine.named_master_tensors():
+            t.add_(1.0)  # a different model: a mix of old and new shards would be wrong silently
+    real, calls = sio.write_safetensors, []
+
+    def dies_on_third(*a, **k):
+        calls.append(a[0])
+        if len(calls) == 3:
+            raise KeyboardInterrupt("killed")
+        return real(*a, **k)
+
+    monkeypatch.setattr(sio, "write_safetensors", dies_on_third)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save_pretrained_streamed(engine, str(out), max_shard_size="20KB")
+    monkeypatch.setattr(sio, "write_safetensors", real)
+    assert {f.name: f.read_bytes() for f in out.iterdir() if not f.name.endswith(".partial")} == before
+    transformers.AutoModelForCausalLM.from_pretrained(str(out))  # the old export still loads
+    ckpt.save_pretrained_streamed(engine, str(out), max_shard_size="20KB")
+    assert not [f for f in out.iterdir() if f.name.endswith(".partial")]

@@ -21,6 +21,7 @@ import torch
 from safetensors import safe_open
 
 WEIGHTS_PREFIX = "model"  # HF: model.safetensors / model-0000x-of-0000y.safetensors
+_PARTIAL = ".partial"  # suffix of a file written but not yet swapped into place
 DEFAULT_MAX_SHARD_SIZE = "50GB"  # transformers 5 save_pretrained default
 _CHUNK_BYTES = 64 << 20  # casts/copies happen in pieces of this size, never a whole large tensor at once
 
@@ -90,8 +91,10 @@ def save_weights(save_dir: str, items: list[tuple[str, torch.Tensor]], *, dtype:
     """Write ``items`` in HF's sharded safetensors layout; returns the file names written.
 
     Shards are filled greedily in order (a tensor larger than the limit gets its own shard), like
-    ``huggingface_hub.split_torch_state_dict_into_shards``. Stale shards of an earlier save with this prefix
-    are removed so the folder never mixes two layouts.
+    ``huggingface_hub.split_torch_state_dict_into_shards``. Two phases, so a kill mid-save never destroys the
+    previous complete export in the same folder (which may hold other things: no whole-folder swap): every new file
+    is written and fsynced under a temporary name first, then the stale shards of an earlier save with this prefix
+    are removed and the new files renamed into place (the index last), so the folder never mixes two layouts.
     """
     limit = parse_size(max_shard_size)
     shards: list[list[tuple[str, torch.Tensor]]] = [[]]
@@ -106,20 +109,30 @@ def save_weights(save_dir: str, items: list[tuple[str, torch.Tensor]], *, dtype:
     names = _shard_files(prefix, len(shards))
     index_name = f"{prefix}.safetensors.index.json"
     stale = re.compile(rf"{re.escape(prefix)}(-\d{{5}}-of-\d{{5}})?\.safetensors(\.index\.json)?")
-    for f in os.listdir(save_dir):
-        if stale.fullmatch(f) and f not in names and f != index_name:
+    partial = lambda f: os.path.join(save_dir, f".{f}{_PARTIAL}")  # noqa: E731
+    for f in os.listdir(save_dir):  # what a killed save of this prefix left behind
+        if f.endswith(_PARTIAL) and stale.fullmatch(f[1:-len(_PARTIAL)]):
             os.remove(os.path.join(save_dir, f))
     for fname, shard in zip(names, shards):
-        write_safetensors(os.path.join(save_dir, fname), shard, dtype)
+        write_safetensors(partial(fname), shard, dtype)
     written = list(names)
     index_path = os.path.join(save_dir, index_name)
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(_nbytes(t, dtype) for _, t in items)},
                  "weight_map": {name: fname for fname, shard in zip(names, shards) for name, _ in shard}}
-        write_json(index_path, index)
+        write_json(partial(index_name), index)
         written.append(index_name)
-    elif os.path.exists(index_path):
-        os.remove(index_path)
+    # Everything new is on disk: swap it in (renames within one folder, the index last).
+    for f in os.listdir(save_dir):
+        if stale.fullmatch(f) and f not in written:
+            os.remove(os.path.join(save_dir, f))
+    for fname in written:
+        os.replace(partial(fname), os.path.join(save_dir, fname))
+    fd = os.open(save_dir, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     return written
 
 

@@ -25,7 +25,6 @@ import logging
 import math
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -35,7 +34,7 @@ from ..core.plan import Stepper, Where
 from ..core.step_state import StepState
 from ..core.store import Unit, UnitStore
 from .device_stepper import DeviceStepper
-from .speculation import Act, Key, LeanPolicy
+from .speculative_step import SpeculativeStep
 
 if TYPE_CHECKING:
     from ..engine.reach import GradReach
@@ -43,7 +42,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class UnitAdamW(torch.optim.Optimizer):
+class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
     def __init__(self, store: UnitStore, state: StepState, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, max_grad_norm: float | None = None,
                  unit_order: list[int] | None = None, skip_nonfinite: bool = True, overlap: bool = False,
@@ -103,16 +102,7 @@ class UnitAdamW(torch.optim.Optimizer):
         self.last_grad_norm: float | None = None
         self._workers: list[threading.Thread] = []
         state.add_joiner(self._join)
-        # Speculative updates of HOST units during the step's last backward (module docstring).
-        self.speculate = speculate
-        self.policy = LeanPolicy(norm_first=bool(max_grad_norm and max_grad_norm > 0))
-        self._spec_pool = ThreadPoolExecutor(1, thread_name_prefix="megatrain-spec") if speculate and overlap else None
-        self._spec_jobs: list[Future] = []
-        self.speculated = 0  # units updated during a backward
-        self.taken_back = 0  # speculative updates taken back and redone (steps that clipped after one that did not)
-        if speculate:
-            state.on_landed = self._on_landed
-            state.add_joiner(self._sync_spec)
+        self._init_speculation(speculate)  # (speculative_step.py)
 
     # -- phases ------------------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -135,74 +125,6 @@ class UnitAdamW(torch.optim.Optimizer):
             return loss
         self._launch(hyper, grad_scale, [i for i in self.unit_order if i not in done])
         return loss
-
-    # -- speculation ---------------------------------------------------------------------------------------------------
-    def _on_landed(self, i: int, sq: float | None) -> None:
-        """Main thread, the step's last backward: unit ``i``'s gradient is final. A HOST unit whose squared norm
-        is known (its first visit) goes to the speculative worker."""
-        if sq is None or self.store.units[i].plan.stepper is not Stepper.HOST:
-            return
-        # A unit some of whose parameters skip steps (no gradient now or before) keeps per-parameter step counts:
-        # it is stepped the normal way, where take-back never applies.
-        flags = self.grad_reach.peek(i) if self.grad_reach is not None else None
-        if (flags is not None and not all(flags)) or i in self._missed:
-            return
-        self.step_state.begin_update(i)
-        job = lambda: self._speculate(i, sq)  # noqa: E731
-        if self._spec_pool is None:
-            job()
-        else:
-            self._spec_jobs.append(self._spec_pool.submit(job))
-
-    def _speculate(self, i: int, sq: float) -> None:
-        changed = False
-        try:
-            hyper = self._hyper()
-            with torch.no_grad(), torch.profiler.record_function("megatrain.optimizer.speculative_unit"):
-                if self.policy.first_pass(i, sq, self._key(hyper, None)) is Act.UPDATE:
-                    u = self.store.units[i]
-                    self.update_(u, [u.master, u.grad, u.exp_avg, u.exp_avg_sq], hyper, None)
-                    changed = True
-                    self.speculated += 1
-        except BaseException as e:  # surfaced by the next wait
-            self.step_state.fail(e)
-        finally:
-            self.step_state.finish_update(i, changed, keep_grad=True)
-
-    def _sync_spec(self) -> None:
-        jobs, self._spec_jobs = self._spec_jobs, []
-        for f in jobs:
-            f.result()
-
-    @staticmethod
-    def _key(hyper: list[kernels.Hyper], grad_scale: float | None) -> Key:
-        return grad_scale, tuple(hyper)
-
-    def _judge_speculation(self, skip: bool, hyper: list[kernels.Hyper], grad_scale: float | None) -> set[int]:
-        """Take back the speculative updates the true norm proves wrong; returns the units already stepped right."""
-        if not self.speculate or not self.policy.seen:
-            self.policy.end(None if skip else grad_scale is not None)
-            return set()
-        d = self.policy.decide(skip, self._key(hyper, grad_scale), self.skip_nonfinite)
-        for i in d.take_back:
-            self._take_back(i, self.policy.applied.pop(i))
-        done = set(self.policy.applied)
-        for i in done:  # their update stands: the unit is ready for the next forward
-            self.step_state.finish_update(i, changed=False)
-        self.policy.end(None if skip else grad_scale is not None)
-        return done
-
-    def _take_back(self, i: int, key: Key) -> None:
-        """Undo unit ``i``'s speculative update (its gradient is still in its buffer: the kernel without a clip
-        factor leaves it untouched), so the normal launch redoes it with the true factor."""
-        u = self.store.units[i]
-        groups = self.groups_of(u, list(key[1]))
-        kernels.undo_master_(u.master, u.exp_avg, u.exp_avg_sq, groups, self._counts[i])
-        kernels.undo_moments_(u.grad, u.exp_avg, u.exp_avg_sq, groups, self._counts[i], key[0])
-        self._counts[i] -= 1
-        u.refresh_compute_()
-        self.step_state.touch(i)
-        self.taken_back += 1
 
     def _zero_missing(self) -> None:
         """Units no backward reached since the last step have a zero gradient, and no parameter of them is stepped

@@ -1,0 +1,107 @@
+"""SpeculativeStep: the part of ``UnitAdamW`` that updates HOST units during the step's last backward.
+
+In the step's last backward (the integration sets ``StepState.final_backward``) each HOST unit whose gradient lands
+with a known squared norm (its first visit) is updated on a worker right away, with no clip factor; ``step()`` then
+asks the policy (optim/speculation.py) which of those updates the true global norm proves wrong, takes them back
+exactly (core/kernels.py; the gradient is still in the unit's buffer) and launches them again with everything else.
+After a step that clipped, the next one does not speculate, so a run that clips throughout never takes anything
+back. Units some of whose parameters skip steps (no gradient now or earlier: per-parameter step counts) are left
+to the normal path.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from ..core import kernels
+from ..core.plan import Stepper
+from .speculation import Act, Key, LeanPolicy
+
+
+class SpeculativeStep:
+    """Mixed into ``UnitAdamW`` (it uses the optimizer's store, step state, kernels and step counts)."""
+
+    step_state: Any
+    store: Any
+
+    def _init_speculation(self: Any, speculate: bool) -> None:
+        self.speculate = speculate
+        self.policy = LeanPolicy(norm_first=bool(self.max_grad_norm and self.max_grad_norm > 0))
+        self._spec_pool = ThreadPoolExecutor(1, thread_name_prefix="megatrain-spec") \
+            if speculate and self.overlap else None
+        self._spec_jobs: list[Future] = []
+        self.speculated = 0  # units updated during a backward
+        self.taken_back = 0  # speculative updates taken back and redone (steps that clipped after one that did not)
+        if speculate:
+            self.step_state.on_landed = self._on_landed
+            self.step_state.add_joiner(self._sync_spec)
+
+    def _on_landed(self: Any, i: int, sq: float | None) -> None:
+        """Main thread, the step's last backward: unit ``i``'s gradient is final. A HOST unit whose squared norm
+        is known (its first visit) goes to the speculative worker."""
+        if sq is None or self.store.units[i].plan.stepper is not Stepper.HOST:
+            return
+        # A unit some of whose parameters skip steps (no gradient now or before) keeps per-parameter step counts:
+        # it is stepped the normal way, where take-back never applies.
+        flags = self.grad_reach.peek(i) if self.grad_reach is not None else None
+        if (flags is not None and not all(flags)) or i in self._missed:
+            return
+        self.step_state.begin_update(i)
+        job = lambda: self._speculate(i, sq)  # noqa: E731
+        if self._spec_pool is None:
+            job()
+        else:
+            self._spec_jobs.append(self._spec_pool.submit(job))
+
+    def _speculate(self: Any, i: int, sq: float) -> None:
+        changed = False
+        try:
+            hyper = self._hyper()
+            with torch.no_grad(), torch.profiler.record_function("megatrain.optimizer.speculative_unit"):
+                if self.policy.first_pass(i, sq, self._key(hyper, None)) is Act.UPDATE:
+                    u = self.store.units[i]
+                    self.update_(u, [u.master, u.grad, u.exp_avg, u.exp_avg_sq], hyper, None)
+                    changed = True
+                    self.speculated += 1
+        except BaseException as e:  # surfaced by the next wait
+            self.step_state.fail(e)
+        finally:
+            self.step_state.finish_update(i, changed, keep_grad=True)
+
+    def _sync_spec(self) -> None:
+        jobs, self._spec_jobs = self._spec_jobs, []
+        for f in jobs:
+            f.result()
+
+    @staticmethod
+    def _key(hyper: list[kernels.Hyper], grad_scale: float | None) -> Key:
+        return grad_scale, tuple(hyper)
+
+    def _judge_speculation(self: Any, skip: bool, hyper: list[kernels.Hyper], grad_scale: float | None) -> set[int]:
+        """Take back the speculative updates the true norm proves wrong; returns the units already stepped right."""
+        if not self.speculate or not self.policy.seen:
+            self.policy.end(None if skip else grad_scale is not None)
+            return set()
+        d = self.policy.decide(skip, self._key(hyper, grad_scale), self.skip_nonfinite)
+        for i in d.take_back:
+            self._take_back(i, self.policy.applied.pop(i))
+        done = set(self.policy.applied)
+        for i in done:  # their update stands: the unit is ready for the next forward
+            self.step_state.finish_update(i, changed=False)
+        self.policy.end(None if skip else grad_scale is not None)
+        return done
+
+    def _take_back(self: Any, i: int, key: Key) -> None:
+        """Undo unit ``i``'s speculative update (its gradient is still in its buffer: the kernel without a clip
+        factor leaves it untouched), so the normal launch redoes it with the true factor."""
+        u = self.store.units[i]
+        groups = self.groups_of(u, list(key[1]))
+        kernels.undo_master_(u.master, u.exp_avg, u.exp_avg_sq, groups, self._counts[i])
+        kernels.undo_moments_(u.grad, u.exp_avg, u.exp_avg_sq, groups, self._counts[i], key[0])
+        self._counts[i] -= 1
+        u.refresh_compute_()
+        self.step_state.touch(i)
+        self.taken_back += 1

@@ -48,6 +48,15 @@ _FAMILIES = {
     "bloom": ("BloomConfig", "BloomForCausalLM", dict(**_GPT_IDS)),
     "falcon": ("FalconConfig", "FalconForCausalLM", dict(**_GPT_IDS)),
     "mpt": ("MptConfig", "MptForCausalLM", dict(resid_pdrop=0.0, emb_pdrop=0.0, **_GPT_IDS)),
+    # A hybrid stack mixing layer classes (Mamba / attention, dense / MoE); mamba runs its PyTorch path on CPU.
+    "jamba": ("JambaConfig", "JambaForCausalLM",
+              dict(num_experts=2, expert_layer_period=2, expert_layer_offset=1, attn_layer_period=2,
+                   attn_layer_offset=1, num_hidden_layers=4, mamba_d_state=4, mamba_expand=2, mamba_dt_rank=4,
+                   pad_token_id=0, **_GPT_IDS)),
+    # The router aux-loss coefficient under another name (aux_loss_coef).
+    "jetmoe": ("JetMoeConfig", "JetMoeForCausalLM",
+               dict(num_local_experts=4, num_experts_per_tok=2, output_router_logits=True, aux_loss_coef=0.02,
+                    kv_channels=8, **_GPT_IDS)),
 }
 FAMILIES = tuple(_FAMILIES)
 

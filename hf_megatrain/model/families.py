@@ -9,6 +9,9 @@ between families must be applied here, exactly as HF applies them:
 - the mixture-of-experts router auxiliary loss: when ``output_router_logits`` is set and labels are given, HF
   adds ``router_aux_loss_coef * load_balancing_loss_func(router_logits, num_experts, top_k, attention_mask)``.
 
+Each extra is looked up under all the names families give it (``head_config.HEAD_ALIASES``); a config attribute
+that looks like a head extra but is in no table is refused by ``check_supported``.
+
 Router logits: HF records them with forward hooks on the router modules (``_can_record_outputs``). Our layers
 run as stateless templates inside one autograd Function per layer, so ``RouterTap`` hooks the *templates'*
 router modules instead. In the forward it collects each layer's logits, which the layer's Function returns as
@@ -29,6 +32,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
+from .head_config import check_head_extras, head_value
 from .layers import LayerStack
 from .loss import linear_cross_entropy
 
@@ -57,6 +61,7 @@ def check_supported(model: nn.Module, stack: LayerStack) -> None:
             f"{name} is not supported: hf_megatrain computes the loss as lm_head({decoder}(input_ids)), but "
             f"{len(outside)} trainable parameter(s) sit outside that path ({shown}); this is not a plain "
             f"decoder-only causal LM (encoder-only / masked-LM head?). {hint}")
+    check_head_extras(model)
 
 
 # -- router logits ----------------------------------------------------------------------------------------------------
@@ -150,9 +155,9 @@ def load_balancing_loss(gate_logits: tuple[torch.Tensor, ...], num_experts: int,
 class RouterAux:
     """The MoE aux-loss term of an HF ``*MoeForCausalLM``: coefficient, expert counts, loss function, tap."""
 
-    def __init__(self, model: nn.Module, tap: RouterTap) -> None:
+    def __init__(self, model: nn.Module, tap: RouterTap, coef: float) -> None:
         self.model, self.tap = model, tap
-        self.coef = float(model.router_aux_loss_coef)
+        self.coef = coef
         self.num_experts = int(model.num_experts)
         self.top_k = int(model.num_experts_per_tok)
         # The family's own function where it has one (exact semantics), else the shared formula.
@@ -161,7 +166,8 @@ class RouterAux:
     @staticmethod
     def detect(model: nn.Module, stack: LayerStack, executor: Any) -> RouterAux | None:
         """The aux term of ``model`` (None for dense models); installs its tap on the executor's templates."""
-        if not all(hasattr(model, a) for a in ("router_aux_loss_coef", "num_experts", "num_experts_per_tok")):
+        coef = head_value(model, "router_coef")  # router_aux_loss_coef or an alias (head_config.HEAD_ALIASES)
+        if coef is None or not all(hasattr(model, a) for a in ("num_experts", "num_experts_per_tok")):
             return None
         specs = _recorder_specs(stack.parent)
         tap = RouterTap(executor.templates, specs) if specs else None
@@ -174,7 +180,7 @@ class RouterAux:
                     "Set config.output_router_logits=False to train without the aux loss.")
             return None
         executor.tap = tap
-        return RouterAux(model, tap)
+        return RouterAux(model, tap, coef[1])
 
     def wanted(self, kwargs: dict[str, Any]) -> bool:
         flag = kwargs.get("output_router_logits")
@@ -185,21 +191,20 @@ class RouterAux:
 
 
 # -- the head ---------------------------------------------------------------------------------------------------------
-def _number(x: Any) -> float | None:
-    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
-
-
 class ModelHead:
     """Logits / loss of ``model`` from the decoder's last hidden state, with the family's extras."""
 
     def __init__(self, model: nn.Module, stack: LayerStack, executor: Any) -> None:
-        cfg = getattr(model, "config", None)
-        self.softcap = _number(getattr(cfg, "final_logit_softcapping", None)) or None
+        # Each extra under any of its config names (head_config.HEAD_ALIASES); check_supported has refused the
+        # head-extra-like attributes that are in no table.
+        softcap = head_value(model, "softcap")
+        self.softcap = softcap[1] if softcap else None
         scale = 1.0
-        if _number(getattr(cfg, "logit_scale", None)) is not None:  # Cohere: logits * logit_scale
-            scale *= float(cfg.logit_scale)
-        if _number(getattr(cfg, "logits_scaling", None)) is not None:  # Granite: logits / logits_scaling
-            scale /= float(cfg.logits_scaling)
+        mul, div = head_value(model, "scale_mul"), head_value(model, "scale_div")
+        if mul is not None:  # Cohere logit_scale, Falcon-H1 lm_head_multiplier: logits * s
+            scale *= mul[1]
+        if div is not None:  # Granite logits_scaling: logits / s
+            scale /= div[1]
         self.scale = scale
         self.router = RouterAux.detect(model, stack, executor)
 

@@ -39,7 +39,9 @@ def find_layer_stack(model: nn.Module, layers_path: str | None = None) -> LayerS
     """Return the decoder-layer stack of ``model``.
 
     With ``layers_path`` ("model.layers") that exact ModuleList is used. Otherwise the ModuleList holding the most
-    parameters whose children share a class name is chosen (the decoder stack dominates any HF decoder-only LM).
+    parameters is chosen among the lists of one layer class and the model's main layer list even where it mixes
+    classes (hybrid stacks; see ``_is_stack_candidate``): the decoder stack dominates any HF decoder-only LM.
+    Layers that share weights are refused (``check_no_shared_weights``).
     """
     if layers_path:
         parent_path, _, attr = layers_path.rpartition(".")
@@ -50,15 +52,14 @@ def find_layer_stack(model: nn.Module, layers_path: str | None = None) -> LayerS
             raise ValueError(f"layers_path={layers_path!r} does not exist in {type(model).__name__}") from e
         if not isinstance(target, nn.ModuleList):
             raise ValueError(f"layers_path={layers_path!r} is a {type(target).__name__}, not an nn.ModuleList")
-        return LayerStack(parent, attr, layers_path)
+        stack = LayerStack(parent, attr, layers_path)
+        check_no_shared_weights(model, stack)
+        return stack
 
     best: tuple[int, str] | None = None
     total = max(_numel(model), 1)
     for name, module in model.named_modules():
-        if not isinstance(module, nn.ModuleList) or len(module) == 0:
-            continue
-        classes = {type(m).__name__ for m in module}
-        if len(classes) != 1 or not any(True for _ in module[0].parameters()):
+        if not isinstance(module, nn.ModuleList) or len(module) == 0 or not _is_stack_candidate(model, name, module):
             continue
         size = _numel(module)
         if best is None or size > best[0]:
@@ -67,11 +68,48 @@ def find_layer_stack(model: nn.Module, layers_path: str | None = None) -> LayerS
     if best is None or best[0] < 0.05 * total:
         raise ValueError(
             f"hf_megatrain could not find the decoder-layer stack of {type(model).__name__}: no nn.ModuleList of "
-            "identical-class layers holds a large share of the parameters. Point hf_megatrain at it with "
+            "decoder layers holds a large share of the parameters. Point hf_megatrain at it with "
             "MegaTrainConfig(layers_path='model.layers') (the dotted path of the nn.ModuleList of decoder layers).")
     parent_path, _, attr = best[1].rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
-    return LayerStack(parent, attr, best[1])
+    stack = LayerStack(parent, attr, best[1])
+    check_no_shared_weights(model, stack)
+    return stack
+
+
+# Attribute names HF gives its decoder-layer lists (``model.layers``, ``transformer.h``, ``transformer.blocks``...).
+_STACK_NAMES = {"layers", "layer", "h", "blocks", "block", "decoder_layers"}
+
+
+def _is_stack_candidate(model: nn.Module, name: str, module: nn.ModuleList) -> bool:
+    """Whether ``model.<name>`` may be the decoder stack. A list of one layer class always may. A list mixing
+    classes (hybrid attention / SSM stacks: Jamba, Zamba2, Bamba...) only where it is the model's main layer list:
+    named like one, or a direct child of the base model. This keeps heterogeneous helper lists (a list of heads,
+    the parts of one shared block) from being taken for the stack."""
+    if not any(True for _ in module[0].parameters()):
+        return False
+    if len({type(m).__name__ for m in module}) == 1:
+        return True
+    parent_path, _, attr = name.rpartition(".")
+    base = getattr(model, "base_model", model)
+    parent = model.get_submodule(parent_path) if parent_path else model
+    return attr in _STACK_NAMES or parent is base
+
+
+def check_no_shared_weights(model: nn.Module, stack: LayerStack) -> None:
+    """Refuse a stack whose layers share parameters (one block reused at several depths, Zamba-style): each
+    streamed layer holds its own copy of its weights, so a shared weight would silently be trained as separate
+    copies."""
+    owner: dict[int, int] = {}
+    for i, layer in enumerate(stack.layers):
+        for n, p in layer.named_parameters():
+            j = owner.setdefault(id(p), i)
+            if j != i:
+                raise ValueError(
+                    f"{type(model).__name__} is not supported: layers {j} and {i} of its decoder stack "
+                    f"({stack.path}) share the parameter {n!r} (a block reused at several depths). hf_megatrain "
+                    "streams each layer with its own copy of its weights, so shared weights would be trained as "
+                    "separate copies. Train this model with plain transformers.")
 
 
 def _attr_signature(module: nn.Module) -> tuple:

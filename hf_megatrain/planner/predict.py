@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -105,15 +106,58 @@ class ModelShape:
         head = model.get_output_embeddings().weight
         vocab, hidden = head.shape
         tied = model.get_input_embeddings().weight is head
-        get = lambda k, d=None: getattr(cfg, k, None) or d  # noqa: E731
-        heads = get("num_attention_heads", max(1, hidden // 128))
-        head_dim = get("head_dim", hidden // heads)
-        inter = get("intermediate_size", 4 * hidden)
-        if get("num_experts_per_tok") and get("moe_intermediate_size"):
-            inter = (get("num_experts_per_tok") * get("moe_intermediate_size")
-                     + get("shared_expert_intermediate_size", 0))
-        return cls(layers, frozen, resident, resident_frozen, int(vocab), int(hidden), heads * head_dim,
-                   get("num_key_value_heads", heads) * head_dim, int(inter), max_weight, tied)
+        # Per-layer-type configs (a per-layer intermediate_size list, head_dim overridden for some layers through
+        # HF's per_layer_config): the planner plans for the largest layer, so each dimension is the largest value
+        # any layer has. Every layer's own sizes still come from the unit layouts; only activations use these.
+        layer_cfgs = _per_layer_configs(cfg) or [cfg]  # per-layer configs carry every value of their layer
+        q_dim = kv_dim = inter = 0
+        for c in layer_cfgs:
+            get = lambda k, d=None, c=c: _largest(_config_attr(c, k)) or d  # noqa: E731
+            heads = get("num_attention_heads", max(1, hidden // 128))
+            head_dim = get("head_dim", hidden // heads)
+            q_dim, kv_dim = max(q_dim, heads * head_dim), max(kv_dim, get("num_key_value_heads", heads) * head_dim)
+            width = get("intermediate_size", 4 * hidden)
+            if get("num_experts_per_tok") and get("moe_intermediate_size"):
+                width = (get("num_experts_per_tok") * get("moe_intermediate_size")
+                         + get("shared_expert_intermediate_size", 0))
+            inter = max(inter, width)
+        return cls(layers, frozen, resident, resident_frozen, int(vocab), int(hidden), int(q_dim), int(kv_dim),
+                   int(inter), max_weight, tied)
+
+
+def _largest(value: Any) -> int | None:
+    """A config dimension as one number: an int as is; a per-layer list / tuple or per-type dict: its largest
+    entry (the planner plans for the largest layer); anything else (unset, a non-number): None."""
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        nums = [v for v in (_largest(x) for x in value) if v is not None]
+        return max(nums, default=None)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return int(value)
+    return None
+
+
+def _config_attr(cfg: Any, key: str) -> Any:
+    """``cfg.<key>`` or None. A heterogeneous HF config raises (AmbiguousGlobalPerLayerAttributeError) on the
+    global read of an attribute that varies by layer: the per-layer configs, also read, carry it then."""
+    try:
+        return getattr(cfg, key, None)
+    except Exception:  # noqa: BLE001 -- transformers' ambiguity error has no stable import path across versions
+        return None
+
+
+def _per_layer_configs(cfg: Any) -> list[Any]:
+    """HF's heterogeneous configs hold one config per layer in ``per_layer_config`` (an iterable view of configs
+    once built; a sparse ``{layer: {attr: value}}`` mapping in a raw one): both as attribute namespaces."""
+    per = _config_attr(cfg, "per_layer_config")
+    if isinstance(per, dict):  # sparse: the layers not listed have the global values
+        per = [{}, *per.values()]
+    elif per is not None and hasattr(per, "__iter__") and not isinstance(per, str):
+        per = list(per)  # transformers' per-layer view: iterates one config per layer
+    else:
+        return []
+    return [SimpleNamespace(**{**vars(cfg), **c}) if isinstance(c, dict) else c for c in per]
 
 
 def layer_recompute_bytes(shape: ModelShape, tokens: int, compute_dtype: torch.dtype) -> int:

@@ -1,0 +1,100 @@
+"""Head extras as configs spell them: one table of aliases, and a refusal for the ones hf_megatrain does not apply.
+
+hf_megatrain replaces ``*ForCausalLM.forward`` (lm_head + loss), so whatever that forward applies after the decoder
+must be applied by ``families.ModelHead``. Families name the same extra differently (Gemma
+``final_logit_softcapping``, RecurrentGemma ``logits_soft_cap``, xLSTM ``output_logit_soft_cap``; Cohere
+``logit_scale``, Falcon-H1 ``lm_head_multiplier``; Granite ``logits_scaling``; Mixtral ``router_aux_loss_coef``,
+JetMoe ``aux_loss_coef``...). Each extra is resolved here through its aliases; a config attribute that looks like a
+head extra but is in no table (Bamba's ``z_loss_coefficient``, a new family's name) and is set to an active value
+is refused at conversion, naming it: silently training without it would give another loss than plain HF.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+# extra -> the config attribute names that mean it, with the same semantics in every family listed.
+HEAD_ALIASES: dict[str, tuple[str, ...]] = {
+    # logits = tanh(logits / cap) * cap
+    "softcap": ("final_logit_softcapping", "logits_soft_cap", "output_logit_soft_cap"),
+    # logits = lm_head(h) * s
+    "scale_mul": ("logit_scale", "lm_head_multiplier", "output_multiplier"),
+    # logits = lm_head(h) / s  (or lm_head(h / s))
+    "scale_div": ("logits_scaling", "logits_mup_width_multiplier"),
+    # loss += coef * load_balancing_loss(router_logits)
+    "router_coef": ("router_aux_loss_coef", "aux_loss_coef"),
+}
+
+# Names matching the pattern that HF applies *inside* the decoder (attention, MLP, embeddings, routers), which
+# hf_megatrain runs as HF's own modules: nothing to do at the head.
+IN_DECODER = frozenset({
+    "attn_logit_softcapping", "moe_router_logit_softcapping", "mlp_up_softcap", "mlp_gate_softcap",
+    "gate_soft_cap", "output_router_logits",
+})
+
+# What looks like a head extra by its name: soft-caps, logit scales / multipliers, auxiliary / z losses.
+_HEAD_LIKE = re.compile(r"soft_?cap|logits?_(scale|scaling|multiplier)|(output|lm_head|logits?)_multiplier|"
+                        r"aux_loss|z_loss")
+
+
+def _number(x: Any) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+def _text_config(cfg: Any) -> Any:
+    try:
+        return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    except ValueError:  # several text configs (encoder-decoder audio models): check_supported refuses those
+        return cfg
+
+
+def _config_items(cfg: Any) -> dict[str, Any]:
+    """Public instance attributes of ``cfg`` (an HF config or any namespace)."""
+    if cfg is None:
+        return {}
+    items = dict(vars(cfg))
+    return {k: v for k, v in items.items() if not k.startswith("_")}
+
+
+def head_value(model: Any, extra: str) -> tuple[str, float] | None:
+    """``(attribute, value)`` of ``extra`` for ``model``: the first alias set to a number on the model itself (HF
+    copies some onto it) or its text config; None when no alias is set. Two aliases set to different values are
+    refused (which one HF reads would depend on the family)."""
+    cfg = _text_config(getattr(model, "config", None))
+    found: dict[str, float] = {}
+    for name in HEAD_ALIASES[extra]:
+        for owner in (cfg, model):
+            v = _number(getattr(owner, name, None))
+            if v is not None:
+                found.setdefault(name, v)
+    if len(set(found.values())) > 1:
+        raise ValueError(
+            f"{type(model).__name__} sets {', '.join(f'{k}={v}' for k, v in found.items())}: these all mean the "
+            f"same head extra ({extra}) and hf_megatrain cannot tell which one this family applies. Keep one.")
+    return next(iter(found.items()), None)
+
+
+def _inert(name: str, value: Any) -> bool:
+    """Values that leave the head unchanged: unset, off, zero, or a multiplier / scale of one."""
+    if value is None or value is False or value == 0:
+        return True
+    if re.search(r"multiplier|scale|scaling", name) and _number(value) == 1.0:
+        return True
+    return False
+
+
+def check_head_extras(model: Any) -> None:
+    """Refuse ``model`` when its config sets a head-extra-like attribute that hf_megatrain does not apply."""
+    known = {n for names in HEAD_ALIASES.values() for n in names} | IN_DECODER
+    cfg = getattr(model, "config", None)
+    for owner in {id(c): c for c in (cfg, _text_config(cfg))}.values():
+        for name, value in _config_items(owner).items():
+            if name in known or not _HEAD_LIKE.search(name) or _inert(name, value):
+                continue
+            raise NotImplementedError(
+                f"{type(model).__name__}: config.{name}={value!r} looks like an extra applied at the model's head "
+                "(logit soft-capping / scaling, an auxiliary loss), which hf_megatrain does not apply: training "
+                f"would silently compute another loss than plain transformers. Set config.{name} to its neutral "
+                "value (None / 0) to train without it, or add its meaning to hf_megatrain/model/head_config.py "
+                "HEAD_ALIASES if it is one of the extras listed there under another name.")

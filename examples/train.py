@@ -120,14 +120,18 @@ def load_model_and_tokenizer(margs: ModelArguments, args: MegaTrainTrainingArgum
     kwargs = {"trust_remote_code": margs.trust_remote_code}
     if margs.attn_implementation:
         kwargs["attn_implementation"] = margs.attn_implementation
-    vocab = AutoConfig.from_pretrained(margs.model_name_or_path, trust_remote_code=margs.trust_remote_code).vocab_size
-    if args.megatrain and len(tokenizer) <= vocab:
+    hf_config = AutoConfig.from_pretrained(margs.model_name_or_path, trust_remote_code=margs.trust_remote_code)
+    if args.megatrain and len(tokenizer) <= hf_config.vocab_size:
         # Straight from the safetensors shards into the FP32 host store: the model never exists twice in RAM,
         # which is what lets a model far larger than the GPU (and close to host RAM / 18 bytes) load at all.
-        return from_pretrained_streamed(margs.model_name_or_path, config=args.megatrain_resolved_config(),
-                                        device=args.device, **kwargs), tokenizer
-    # Plain load (FP32: hf_megatrain keeps FP32 masters whatever dtype the checkpoint is stored in).
-    model = AutoModelForCausalLM.from_pretrained(margs.model_name_or_path, dtype=torch.float32, **kwargs)
+        # Compute dtype as in plain Trainer: explicit compute_dtype, else --bf16, else the checkpoint's dtype
+        # (what from_pretrained loads by default: a float32 checkpoint trains in float32, a bf16 one in bf16).
+        stored = hf_config.dtype if isinstance(hf_config.dtype, torch.dtype) else torch.float32
+        return from_pretrained_streamed(margs.model_name_or_path, device=args.device, **kwargs,
+                                        config=args.megatrain_resolved_config(model_dtype=stored)), tokenizer
+    # Plain load in the checkpoint's dtype, as from_pretrained does by default (the trainer decides the compute
+    # dtype from it and the flags; hf_megatrain keeps FP32 masters whatever dtype the checkpoint is stored in).
+    model = AutoModelForCausalLM.from_pretrained(margs.model_name_or_path, **kwargs)
     if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
         model.resize_token_embeddings(len(tokenizer))
     return model, tokenizer

@@ -9,6 +9,7 @@ order); the Trainer arguments, the Accelerate plugin, ``from_pretrained_streamed
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from dataclasses import dataclass, field, fields
@@ -252,6 +253,32 @@ class MegaTrainConfig:
         d.pop("extra")
         return d
 
+    @property
+    def explicit_keys(self) -> frozenset[str]:
+        """The keys given when this config was built (keyword or positional arguments, ``from_dict`` keys,
+        ``resolve_config``'s source and env keys); the others hold their defaults. Entry points that choose a
+        value from context when the user left a key unset (the compute dtype from Trainer's ``bf16`` flag and
+        the model's dtype, see ``MegaTrainTrainingArguments.megatrain_resolved_config``) read this.
+        ``dataclasses.replace`` counts every key as given."""
+        return self.__dict__.get("_explicit", frozenset(self.valid_keys()))
+
+    def explicit_dict(self) -> dict[str, Any]:
+        """``to_dict()`` restricted to ``explicit_keys``: rebuilding from it gives an equal config with the same
+        explicit keys (how ``MegaTrainTrainingArguments`` stores a config object given to it)."""
+        return {k: v for k, v in self.to_dict().items() if k in self.explicit_keys}
+
+
+def _record_explicit(init):
+    @functools.wraps(init)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        names = MegaTrainConfig.valid_keys()
+        self.__dict__["_explicit"] = frozenset(names[:len(args)]) | frozenset(k for k in kwargs if k in names)
+    return __init__
+
+
+MegaTrainConfig.__init__ = _record_explicit(MegaTrainConfig.__init__)
+
 
 # -- the one config resolution -----------------------------------------------------------------------------------------
 CONFIG_ENV = "MEGATRAIN_CONFIG"  # yaml path; ``megatrain launch`` sets it to the section of its combined yaml
@@ -294,7 +321,7 @@ def _source_values(source: Any) -> dict[str, Any]:
     if source is None:
         return {}
     if isinstance(source, MegaTrainConfig):
-        return source.to_dict()
+        return source.explicit_dict()  # (its other keys are defaults: rebuilding gives the same values)
     if isinstance(source, Mapping):
         return dict(source)
     if isinstance(source, (str, os.PathLike)):
@@ -322,7 +349,8 @@ def resolve_config(source: Any = None, environ: Mapping[str, str] | None = None)
        ``MegaTrainConfig.from_env``).
 
     ``environ`` defaults to ``os.environ``; pass ``{}`` for the explicit source alone. Unknown keys (in the
-    source or the environment) raise, listing the valid ones."""
+    source or the environment) raise, listing the valid ones. The result's ``explicit_keys`` are the keys the
+    source and the env variables set (all others hold their defaults)."""
     environ = os.environ if environ is None else environ
     from_env = source is None
     if from_env:

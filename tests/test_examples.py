@@ -48,6 +48,7 @@ def default_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
 @pytest.mark.slow  # subprocess: examples/train.py as a script
 def test_default_job_trains_and_exports(default_run):
     r, out = default_run
+    assert "compute_dtype='float32'" in r.stdout  # fp32 model, no --bf16: fp32 compute, as plain Trainer
     first, last = first_last(r.stdout)
     assert last < first - 1.0, (first, last)  # 40 steps at the default LR: from ~6.3 to well under 5
     ckpt = checkpoint(r.stdout)

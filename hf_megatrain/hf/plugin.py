@@ -36,6 +36,7 @@ from .export import export_model, model_tensors
 from ..config import MegaTrainConfig, parse_dtype, resolve_config
 from ..engine.runtime import MegaTrainEngine, MegaTrainOutput
 from ..optim.adamw import UnitAdamW
+from .training_args import model_param_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,10 @@ class MegaTrainPlugin:
             (``config.resolve_config``, as for ``MegaTrainTrainingArguments``).
         device (`str` or `torch.device`, *optional*):
             Device the layers stream to. Defaults to the current CUDA device, else CPU.
+
+    Precision: a custom loop has no Trainer flags, so the compute dtype is the config's ``compute_dtype``:
+    bfloat16 unless set (also for a float32 model, which ``prepare`` then warns about; Accelerate's
+    ``mixed_precision`` is not read: keep it 'no'). Set ``compute_dtype='float32'`` for fp32 compute.
     """
 
     megatrain_config: Any = field(
@@ -76,6 +81,12 @@ class MegaTrainPlugin:
         """
         if self.engine is not None:
             raise RuntimeError("MegaTrainPlugin.prepare was already called; create one plugin per model")
+        if "compute_dtype" not in self.config.explicit_keys and model_param_dtype(model) == torch.float32 \
+                and self.config.torch_compute_dtype != torch.float32:
+            logger.warning("hf_megatrain: the model is float32 and no compute_dtype was given: layers compute in %s "
+                           "(MegaTrainPlugin's default; masters, gradients and AdamW stay FP32). Set "
+                           "compute_dtype='float32' for fp32 compute, or compute_dtype='%s' to silence this.",
+                           self.config.compute_dtype, self.config.compute_dtype)
         engine = MegaTrainEngine(model, self.config, device=self.device, decay_names=decay_names)
         optimizer = engine.create_optimizer(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                             max_grad_norm=max_grad_norm)

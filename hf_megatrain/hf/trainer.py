@@ -4,7 +4,9 @@ Trainer keeps its loop (gradient accumulation, loss normalisation, LR schedulers
 checkpoint rotation, best-model tracking, Hub pushes); this subclass swaps the few places where a model larger
 than GPU memory cannot be treated like a module:
 
-- the model is converted by ``MegaTrainEngine`` before Trainer sees it, and never moved by Trainer;
+- the model is converted by ``MegaTrainEngine`` before Trainer sees it, and never moved by Trainer; its compute
+  dtype follows Trainer's precision flags (``MegaTrainTrainingArguments.megatrain_compute_dtype``: an explicit
+  ``compute_dtype`` wins, else ``bf16=True`` -> bfloat16, else the model's dtype: float32 stays float32);
 - the loss comes from the engine (same ``num_items_in_batch`` semantics as the HF model, so Trainer's scaling
   applies untouched); evaluation asks the engine for logits only when metrics need them;
 - the optimizer is the engine's ``UnitAdamW``; gradient clipping happens inside its step (Trainer's own clip would
@@ -39,7 +41,8 @@ from . import peft_support
 from ..engine.runtime import ENGINE_ATTR, MegaTrainEngine
 from .export import export_model
 from .pretrained import extra_sink, from_pretrained_streamed
-from .training_args import MegaTrainTrainingArguments, check_lean_accumulation
+from ..config import parse_dtype, resolve_config
+from .training_args import MegaTrainTrainingArguments, check_lean_accumulation, model_param_dtype
 
 __all__ = ["MegaTrainTrainer", "MegaTrainTrainingArguments", "from_pretrained_streamed"]
 
@@ -84,8 +87,17 @@ class MegaTrainTrainer(Trainer):
         elif getattr(getattr(model, ENGINE_ATTR, None), "model", None) is model:
             engine = getattr(model, ENGINE_ATTR)  # (a PeftModel around a converted model is refused by the engine)
         else:
+            # Precision as in Trainer: explicit compute_dtype, else bf16=True, else the model's own dtype.
+            self._mt_config = args.megatrain_resolved_config(model_dtype=model_param_dtype(model))
             decay = set(self.get_decay_parameter_names(model))  # Trainer's rule, on the unconverted model
             engine = MegaTrainEngine(model, self._mt_config, device=args.device, decay_names=decay)
+        given = resolve_config(args.megatrain_config)  # what the user set (explicit_keys), before the flags
+        want = args.megatrain_compute_dtype(given)  # (None: left to the model, i.e. to the engine's builder)
+        if want is not None and parse_dtype(want, "compute_dtype") != engine.compute_dtype:
+            why = "an explicit compute_dtype" if "compute_dtype" in given.explicit_keys else "bf16=True"
+            raise ValueError(f"the model was converted with compute_dtype={engine.config.compute_dtype!r}, but these "
+                             f"arguments ask for {want!r} ({why}). Build the engine with the same compute_dtype, "
+                             "or pass the unconverted model.")
         if engine.device != args.device:
             raise ValueError(f"the engine runs on {engine.device} but TrainingArguments.device is {args.device}")
         self.engine = engine

@@ -7,14 +7,28 @@ message that says what to change -- not minutes later inside the training loop.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
+import torch
 from transformers import TrainingArguments
 
 from ..checkpoint.folders import DEFAULT_MAX_SHARD_SIZE
 from ..config import MegaTrainConfig, resolve_config
 
+logger = logging.getLogger(__name__)
+
 SUPPORTED_OPTIM = ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw")
+
+
+def model_param_dtype(model: torch.nn.Module) -> torch.dtype | None:
+    """The dtype most of ``model``'s floating-point parameters have (by element count; ``None`` without any):
+    what plain Trainer computes in when no precision flag is set."""
+    counts: dict[torch.dtype, int] = {}
+    for p in model.parameters():
+        if p.is_floating_point():
+            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+    return max(counts, key=counts.get) if counts else None
 
 
 def check_lean_accumulation(config: MegaTrainConfig, gradient_accumulation_steps: int) -> None:
@@ -29,7 +43,13 @@ def check_lean_accumulation(config: MegaTrainConfig, gradient_accumulation_steps
 
 @dataclass
 class MegaTrainTrainingArguments(TrainingArguments):
-    """``TrainingArguments`` plus the MegaTrain switches (see ``MegaTrainConfig`` for the policy keys)."""
+    """``TrainingArguments`` plus the MegaTrain switches (see ``MegaTrainConfig`` for the policy keys).
+
+    Precision flags mean what they mean in Trainer (``megatrain_compute_dtype``): an explicit ``compute_dtype``
+    in the megatrain config wins; else ``bf16=True`` computes in bfloat16; else the model's dtype decides (a
+    float32 model trains in float32, as plain Trainer without autocast; a bfloat16 model in bfloat16).
+    ``fp16`` / ``fp16_full_eval`` / ``bf16_full_eval`` are refused. Masters, gradients and AdamW state are FP32
+    whatever the compute dtype."""
 
     megatrain: bool = field(default=True, metadata={"help": "Train with hf_megatrain's streamed engine."})
     megatrain_config: dict | str | None = field(
@@ -41,7 +61,8 @@ class MegaTrainTrainingArguments(TrainingArguments):
 
     def __post_init__(self) -> None:
         if isinstance(self.megatrain_config, MegaTrainConfig):  # keep the arguments JSON-serialisable
-            self.megatrain_config = self.megatrain_config.to_dict()
+            # (only the keys it was given: an unset compute_dtype stays for the flags and the model to decide)
+            self.megatrain_config = self.megatrain_config.explicit_dict()
         if self.megatrain:
             # Checked before TrainingArguments builds a DeepSpeed/FSDP setup from these arguments.
             if self.deepspeed:
@@ -55,11 +76,16 @@ class MegaTrainTrainingArguments(TrainingArguments):
             if optim not in SUPPORTED_OPTIM:
                 raise ValueError(f"optim={optim!r} is not supported with megatrain=True; hf_megatrain runs AdamW "
                                  f"on the FP32 host master. Use one of {list(SUPPORTED_OPTIM[:3])}.")
-            for flag in ("fp16", "fp16_full_eval", "bf16_full_eval"):
+            for flag in ("fp16", "fp16_full_eval"):
                 if getattr(self, flag):
-                    raise ValueError(f"{flag}=True is not used with megatrain=True: masters stay FP32 and layers "
-                                     "compute in megatrain_config['compute_dtype'] ('bfloat16' or 'float32'). "
-                                     f"Remove {flag}.")
+                    raise ValueError(f"{flag}=True is not supported with megatrain=True: hf_megatrain computes in "
+                                     "bfloat16 or float32 (FP32 masters, no loss scaling). Use bf16=True for "
+                                     "bfloat16 compute, or set megatrain_config['compute_dtype'] ('bfloat16' or "
+                                     f"'float32'), and remove {flag}.")
+            if self.bf16_full_eval:
+                raise ValueError("bf16_full_eval=True is not used with megatrain=True: evaluation computes in the "
+                                 "training compute dtype (bf16=True, or megatrain_config['compute_dtype']) from the "
+                                 "FP32 masters. Remove bf16_full_eval.")
             if self.label_smoothing_factor:
                 raise ValueError("label_smoothing_factor is not supported with megatrain=True (the loss is a fused "
                                  "chunked cross-entropy); set it to 0.")
@@ -75,12 +101,52 @@ class MegaTrainTrainingArguments(TrainingArguments):
         super().__post_init__()
         if self.megatrain:
             # validate now: unknown keys / bad dtypes fail at argument time
-            check_lean_accumulation(self.megatrain_resolved_config(), self.gradient_accumulation_steps)
+            config = self.megatrain_resolved_config()
+            check_lean_accumulation(config, self.gradient_accumulation_steps)
+            if self.bf16 and "compute_dtype" in config.explicit_keys and config.torch_compute_dtype != torch.bfloat16:
+                logger.warning("hf_megatrain: bf16=True but the megatrain config sets compute_dtype=%r explicitly: "
+                               "layers compute in %s (the explicit key wins). Remove one of the two.",
+                               config.compute_dtype, config.compute_dtype)
 
-    def megatrain_resolved_config(self) -> MegaTrainConfig:
-        """``config.resolve_config(megatrain_config)``: that source (else env MEGATRAIN_CONFIG), then the
-        MEGATRAIN_<KEY> env variables."""
-        return resolve_config(self.megatrain_config)
+    def megatrain_compute_dtype(self, config: MegaTrainConfig | None = None,
+                                model_dtype: torch.dtype | None = None) -> str | None:
+        """The compute dtype this run trains in, decided the way plain Trainer decides its precision:
+
+        1. ``compute_dtype`` set explicitly in the megatrain config (``megatrain_config``, the
+           ``MEGATRAIN_CONFIG`` yaml or env ``MEGATRAIN_COMPUTE_DTYPE``) wins (a warning when it contradicts
+           ``bf16=True``);
+        2. else ``bf16=True`` -> ``"bfloat16"`` (``fp16=True`` is refused when the arguments are built:
+           hf_megatrain computes in bfloat16 or float32);
+        3. else, with neither flag, the model's own dtype, as plain Trainer runs it without autocast: a float32
+           model -> ``"float32"``, a bfloat16 (or float16) model -> ``"bfloat16"``.
+
+        ``model_dtype`` is the dtype of the model's parameters (``model_param_dtype``); ``None`` when not known
+        yet, and then rule 3 cannot apply: the result is ``None`` (undecided)."""
+        config = resolve_config(self.megatrain_config) if config is None else config
+        if "compute_dtype" in config.explicit_keys:  # (a contradicting bf16=True is warned about at __post_init__)
+            return str(config.torch_compute_dtype).replace("torch.", "")
+        if self.bf16:
+            return "bfloat16"
+        if model_dtype is None:
+            return None
+        if model_dtype == torch.float32:
+            return "float32"
+        if model_dtype == torch.float16:
+            logger.warning("hf_megatrain: the model is float16 and neither bf16=True nor compute_dtype is set: "
+                           "layers compute in bfloat16 (hf_megatrain computes in bfloat16 or float32; masters "
+                           "are FP32). Set megatrain_config['compute_dtype'] to choose.")
+        return "bfloat16"
+
+    def megatrain_resolved_config(self, model_dtype: torch.dtype | None = None) -> MegaTrainConfig:
+        """``config.resolve_config(megatrain_config)`` (that source, else env MEGATRAIN_CONFIG, then the
+        MEGATRAIN_<KEY> env variables), with ``compute_dtype`` decided by ``megatrain_compute_dtype``: an explicit
+        key, else ``bf16=True``, else the model's dtype (``model_dtype``; ``MegaTrainTrainer`` passes it). Without
+        an explicit key, a flag or a model dtype the config's default (``bfloat16``) is left in place."""
+        config = resolve_config(self.megatrain_config)
+        dtype = self.megatrain_compute_dtype(config, model_dtype)
+        if dtype is None or "compute_dtype" in config.explicit_keys:
+            return config
+        return MegaTrainConfig.from_dict({**config.explicit_dict(), "compute_dtype": dtype})
 
     @property
     def place_model_on_device(self) -> bool | None:  # the engine placed what lives on the device already

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> dict:
     accelerator.print(f"MegaTrainConfig: {plugin.config}")
     model, optimizer = plugin.prepare(model, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0, max_grad_norm=1.0)
     scheduler = get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=10, num_training_steps=args.steps)
-    adamw = optimizer  # the CPUAdamW itself (last_grad_norm...); Accelerate wraps it in an AcceleratedOptimizer
+    adamw = optimizer  # the UnitAdamW itself (last_grad_norm...); Accelerate wraps it in an AcceleratedOptimizer
     optimizer, loader, scheduler = accelerator.prepare(optimizer, loader, scheduler)
 
     model.train()

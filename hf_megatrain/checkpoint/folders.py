@@ -210,12 +210,22 @@ def verify_checkpoint(path: str, *, training_state: bool = True) -> None:
 
 
 def load_pretrained_into_engine(engine: Any, path: str, *, prefix: str | None = None, strict: bool = True,
-                                extra_sink: Callable[[str, torch.Tensor], bool] | None = None) -> list[str]:
+                                extra_sink: Callable[[str, torch.Tensor], bool] | None = None,
+                                weight_mapping: list | None = None, extra_names: Iterable[str] = (),
+                                base_model_prefix: str | None = None) -> list[str]:
     """Fill the engine's FP32 masters from the safetensors weights in ``path``, one shard at a time.
 
     ``prefix`` defaults to the FP32 master files when present, else the model weights. Tensors the store does not
     hold are offered to ``extra_sink(name, tensor)`` (frozen parameters, persistent buffers); it returns False for
-    names it does not know either. Missing master names raise when ``strict``. Returns the names not used."""
+    names it does not know either. Missing master names raise when ``strict``. Returns the names not used.
+
+    ``weight_mapping``: transformers' conversion list for the model (``get_model_conversion_mapping``), applied to
+    checkpoint keys not already named as in the model (``convert_keys``): renamed keys are copied like the others,
+    converted ones (per-expert tensors -> fused experts) are built one target tensor at a time from their sources.
+    ``extra_names``: the names ``extra_sink`` accepts, so that renamed / converted keys can reach it too. The whole
+    plan (names, shapes, converted shapes on meta tensors) is checked before any master is written."""
+    from .convert_keys import plan_keys, run_group
+
     if prefix is None:
         prefix = MASTER_PREFIX if weight_files(path, MASTER_PREFIX) is not None else WEIGHTS_PREFIX
     shards = weight_files(path, prefix)
@@ -223,27 +233,57 @@ def load_pretrained_into_engine(engine: Any, path: str, *, prefix: str | None = 
         raise CheckpointError(f"no {prefix}.safetensors[.index.json] in {path}")
     engine.state.wait_all()  # no update may write a master while we do
     store = engine.store
+    model = getattr(engine, "model", None)
+    config = getattr(model, "config", None)
+    plan = plan_keys(shards, [*store.names(), *extra_names], weight_mapping, base_model_prefix)
     missing = set(store.names())
+
+    def read_group(g: Any, read: Callable[[Any, str], torch.Tensor]) -> dict[str, torch.Tensor]:
+        with contextlib.ExitStack() as stack:  # only this group's shards are open (mapped pages leave with them)
+            files = {fname: stack.enter_context(open_safetensors(os.path.join(path, fname)))
+                     for fname in dict.fromkeys(fname for _, _, fname in g.sources)}
+            return run_group(g, lambda fname, key: read(files[fname], key), model=model, config=config)
+
     for fname, names in shards.items():  # headers only: refuse a mismatched checkpoint before copying anything
         with open_safetensors(os.path.join(path, fname)) as f:
             for key in names:
-                if key in store.by_name:
-                    shape, want = tuple(f.get_slice(key).get_shape()), store.by_name[key][1].shape
+                name = plan.direct.get(key)
+                if name is not None and name in store.by_name:
+                    shape, want = tuple(f.get_slice(key).get_shape()), store.by_name[name][1].shape
                     if shape != tuple(want):
                         raise CheckpointError(f"{os.path.join(path, fname)}: tensor {key} has shape {shape}, the "
-                                              f"model expects {tuple(want)}")
-                    missing.discard(key)
+                                              f"model expects {tuple(want)} for {name}")
+                    missing.discard(name)
+    for g in plan.groups:  # converted targets: the converter's own ops on meta tensors of the sources' shapes
+        out = read_group(g, lambda f, key: torch.empty(tuple(f.get_slice(key).get_shape()), device="meta"))
+        for name, t in out.items():
+            if name in store.by_name:
+                want = tuple(store.by_name[name][1].shape)
+                if tuple(t.shape) != want:
+                    raise CheckpointError(f"{path}: {name} converted from {[k for _, k, _ in g.sources][:4]}... "
+                                          f"has shape {tuple(t.shape)}, the model expects {want}")
+                missing.discard(name)
     if missing and strict:
         raise CheckpointError(f"{path} lacks {len(missing)} parameters of the model, e.g. {sorted(missing)[:5]}")
     unused: list[str] = []
+    converted = plan.converted_keys
     for fname, names in shards.items():
         fpath = os.path.join(path, fname)
         with open_safetensors(fpath) as f:
             for key in names:
-                if key in store.by_name:
-                    copy_tensor_into(store.master_tensor(key), f, key, fpath)
-                elif extra_sink is None or not extra_sink(key, f.get_tensor(key)):
-                    unused.append(key)
+                name = plan.direct.get(key)
+                if name is not None and name in store.by_name:
+                    copy_tensor_into(store.master_tensor(name), f, key, fpath)
+                elif key not in converted:
+                    if extra_sink is None or not extra_sink(name or key, f.get_tensor(key)):
+                        unused.append(key)
+    for g in plan.groups:  # one target's sources in memory at a time
+        for name, t in read_group(g, lambda f, key: f.get_tensor(key)).items():
+            if name in store.by_name:
+                with torch.no_grad():
+                    store.master_tensor(name).copy_(t)
+            elif extra_sink is None or not extra_sink(name, t):
+                unused.append(name)
     engine.sync_device_()
     return unused
 

@@ -4,6 +4,9 @@
 store, i.e. a second full copy. Here the HF skeleton is built with parameters on the meta device (buffers such as
 rotary tables are computed for real), the engine allocates its store from the skeleton's shapes, and
 ``checkpoint.load_pretrained_into_engine`` fills the masters shard by shard from the memory-mapped safetensors.
+Checkpoints in transformers' legacy layouts (per-expert MoE tensors, renamed modules: what ``save_pretrained`` of
+transformers 5 writes for MoE models, and every Hub MoE checkpoint) go through transformers' own conversion
+mapping, one target tensor at a time (``checkpoint.convert_keys``).
 """
 
 from __future__ import annotations
@@ -55,7 +58,18 @@ def extra_sink(engine: MegaTrainEngine):
                 t.copy_(tensor)
         return True
 
+    sink.names = frozenset(targets)  # type: ignore[attr-defined]  # so renamed / converted keys can reach it
     return sink
+
+
+def conversion_mapping(model: nn.Module) -> list:
+    """transformers' own checkpoint-key conversions for ``model`` (renamed modules, per-expert -> fused experts),
+    the list ``from_pretrained`` applies; empty where this transformers has none."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+    except ImportError:  # transformers < 5: checkpoints are in the in-memory layout
+        return []
+    return list(get_model_conversion_mapping(model))
 
 
 def from_pretrained_streamed(model_id_or_path: str, config: MegaTrainConfig | dict | str | None = None,
@@ -86,8 +100,12 @@ def from_pretrained_streamed(model_id_or_path: str, config: MegaTrainConfig | di
     if os.path.isfile(os.path.join(path, "generation_config.json")):
         model.generation_config = transformers.GenerationConfig.from_pretrained(path)
     _materialize_resident(model, config.layers_path)
+    mapping = conversion_mapping(model)  # from the HF skeleton, before its layers become proxies
     engine = MegaTrainEngine(model, config, device=device, decay_names=decay_names)
-    unused = ckpt.load_pretrained_into_engine(engine, path, prefix=ckpt.WEIGHTS_PREFIX, extra_sink=extra_sink(engine))
+    sink = extra_sink(engine)
+    unused = ckpt.load_pretrained_into_engine(engine, path, prefix=ckpt.WEIGHTS_PREFIX, extra_sink=sink,
+                                              weight_mapping=mapping, extra_names=sink.names,
+                                              base_model_prefix=getattr(model, "base_model_prefix", None))
     if unused:
         logger.warning("hf_megatrain: %d checkpoint tensors not used by the model, e.g. %s", len(unused), unused[:5])
     return engine

@@ -1,0 +1,120 @@
+"""MoE checkpoints as transformers' own ``save_pretrained`` writes them (legacy per-expert keys, renamed modules)
+loaded by ``from_pretrained_streamed`` through transformers' conversion mapping, one target tensor at a time."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import transformers
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from hf_megatrain import MegaTrainConfig, MegaTrainEngine
+from hf_megatrain import checkpoint as ckpt
+from hf_megatrain.hf.pretrained import from_pretrained_streamed
+
+from .models import tiny
+from .parity import random_batches, reference_optimizer, rel
+
+FP32 = MegaTrainConfig(compute_dtype="float32")
+MOE = ["mixtral", "qwen3_moe", "gpt_oss"]
+
+
+def _save(model, path, **kw) -> str:
+    model.save_pretrained(path, **kw)
+    return str(path)
+
+
+def _assert_masters_equal(engine, model):
+    for n, p in model.named_parameters():
+        assert torch.equal(engine.store.master_tensor(n), p.detach()), n
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_save_pretrained_moe_loads_streamed(tmp_path, family):
+    model = tiny(family)
+    path = _save(model, tmp_path / "hf", max_shard_size="20KB")  # experts of one layer spread over shards
+    engine = from_pretrained_streamed(path, FP32, device="cpu")
+    _assert_masters_equal(engine, model)
+    plain = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    _assert_masters_equal(engine, plain)
+
+
+def test_legacy_expert_keys_are_what_transformers_writes(tmp_path):
+    """Guard for the test above: the checkpoint really is in the per-expert layout (else it tests nothing)."""
+    path = _save(tiny("mixtral"), tmp_path / "hf")
+    with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "model.layers.0.block_sparse_moe.experts.0.w1.weight" in keys
+    assert not any("gate_up_proj" in k for k in keys)
+
+
+def test_expert_order_is_numeric(tmp_path):
+    """12 experts: expert 10 must be stacked after expert 9, not after expert 1."""
+    model = tiny("mixtral", num_local_experts=12)
+    engine = from_pretrained_streamed(_save(model, tmp_path / "hf"), FP32, device="cpu")
+    _assert_masters_equal(engine, model)
+
+
+def test_own_export_with_in_memory_names_still_loads(tmp_path):
+    model = tiny("qwen3_moe")
+    engine = MegaTrainEngine(tiny("qwen3_moe"), FP32, device="cpu")
+    ckpt.save_pretrained_streamed(engine, str(tmp_path / "mt"))
+    model.config.save_pretrained(tmp_path / "mt")
+    with safe_open(str(tmp_path / "mt" / "model.safetensors"), "pt") as f:
+        assert any(k.endswith("mlp.experts.gate_up_proj") for k in f.keys())  # fused, in-memory names
+    loaded = from_pretrained_streamed(str(tmp_path / "mt"), FP32, device="cpu")
+    _assert_masters_equal(loaded, model)
+
+
+def test_missing_expert_refuses_before_loading(tmp_path):
+    path = _save(tiny("mixtral"), tmp_path / "hf")
+    file = os.path.join(path, "model.safetensors")
+    with safe_open(file, "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys() if k != "model.layers.1.block_sparse_moe.experts.3.w2.weight"}
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(ckpt.CheckpointError, match="down_proj"):
+        from_pretrained_streamed(path, FP32, device="cpu")
+
+
+def test_missing_fused_source_lacks_parameter(tmp_path):
+    """All of one converter's sources gone: the target is reported missing, as for any parameter."""
+    path = _save(tiny("qwen3_moe"), tmp_path / "hf")
+    file = os.path.join(path, "model.safetensors")
+    with safe_open(file, "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys() if "layers.0.mlp.experts" not in k}
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(ckpt.CheckpointError, match="lacks 2 parameters"):
+        from_pretrained_streamed(path, FP32, device="cpu")
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_training_from_converted_checkpoint_matches_plain(tmp_path, family):
+    """Two AdamW steps from the same save_pretrained checkpoint: streamed engine vs plain transformers."""
+    path = _save(tiny(family), tmp_path / "hf")
+    engine = from_pretrained_streamed(path, FP32, device="cpu")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ref.train()
+    engine.model.train()
+    lr, wd = 1e-3, 0.1
+    opt = engine.create_optimizer(lr=lr, weight_decay=wd, max_grad_norm=1.0)
+    ropt = reference_optimizer(ref, lr, wd)
+    for micro in random_batches(2, 1, 2, 12, ref.config.vocab_size, seed=0):
+        (ids, lab), = micro
+        ref_loss = ref(input_ids=ids, labels=lab).loss
+        ref_loss.backward()
+        loss = engine(input_ids=ids, labels=lab).loss
+        loss.backward()
+        engine.finish_backward()
+        assert rel(loss.detach(), ref_loss.detach()) <= 1e-5
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        ropt.step()
+        ropt.zero_grad()
+        opt.step()
+        opt.wait()
+        opt.zero_grad()
+        for n, p in ref.named_parameters():
+            ours = engine.store.master_tensor(n)
+            assert float((ours - p.detach()).abs().max()) <= 1e-3 * lr or rel(ours, p.detach()) <= 1e-5, n

@@ -3,7 +3,11 @@ loaded by ``from_pretrained_streamed`` through transformers' conversion mapping,
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -17,6 +21,7 @@ from hf_megatrain.hf.pretrained import from_pretrained_streamed
 
 from .models import tiny
 from .parity import random_batches, reference_optimizer, rel
+from .test_checkpoint import REPO, clean_env
 
 FP32 = MegaTrainConfig(compute_dtype="float32")
 MOE = ["mixtral", "qwen3_moe", "gpt_oss"]
@@ -118,3 +123,56 @@ def test_training_from_converted_checkpoint_matches_plain(tmp_path, family):
         for n, p in ref.named_parameters():
             ours = engine.store.master_tensor(n)
             assert float((ours - p.detach()).abs().max()) <= 1e-3 * lr or rel(ours, p.detach()) <= 1e-5, n
+
+
+RSS_CHILD = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, {repo!r})
+    import torch
+    from hf_megatrain import MegaTrainConfig
+    from hf_megatrain.hf.pretrained import from_pretrained_streamed
+
+    def hwm():
+        with open("/proc/self/status") as f:
+            return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:"))
+
+    base = hwm()
+    engine = from_pretrained_streamed(sys.argv[1], MegaTrainConfig(compute_dtype="float32"), device="cpu")
+    peak = hwm()
+    inter = engine.model.config.intermediate_size
+    w = engine.store.master_tensor("model.layers.3.mlp.experts.gate_up_proj")[5, :inter]
+    print(json.dumps({{"base": base, "peak": peak, "store": engine.store.nbytes, "probe": float(w.double().sum())}}))
+""")
+
+
+@pytest.mark.slow  # subprocess: peak RSS measured in a child process
+def test_legacy_moe_load_peak_rss(tmp_path):
+    """Per-expert checkpoint converted on load: peak RSS stays <= 1.15 x the host store (no second copy)."""
+    cfg = transformers.MixtralConfig(vocab_size=1024, hidden_size=1024, intermediate_size=1024, num_hidden_layers=8,
+                                     num_attention_heads=8, num_key_value_heads=8, num_local_experts=8,
+                                     max_position_embeddings=64)
+    cfg.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        skeleton = transformers.MixtralForCausalLM(cfg)
+    g = torch.Generator().manual_seed(0)
+    items, probe = [], None
+    for n, p in skeleton.named_parameters():
+        if ".mlp.experts." in n:
+            continue
+        items.append((n.replace(".mlp.gate.", ".block_sparse_moe.gate."), torch.randn(p.shape, generator=g) * 0.02))
+    for i in range(cfg.num_hidden_layers):
+        for e in range(cfg.num_local_experts):
+            for w, shape in (("w1", (1024, 1024)), ("w2", (1024, 1024)), ("w3", (1024, 1024))):
+                t = torch.randn(shape, generator=g) * 0.02
+                items.append((f"model.layers.{i}.block_sparse_moe.experts.{e}.{w}.weight", t))
+                if (i, e, w) == (3, 5, "w1"):
+                    probe = float(t.double().sum())
+    ckpt.save_weights(str(tmp_path), items, dtype=torch.float32, max_shard_size="200MB")
+    del items
+    r = subprocess.run([sys.executable, "-c", RSS_CHILD.format(repo=REPO), str(tmp_path)], env=clean_env(),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["probe"] == probe
+    print(f"peak RSS {res['peak'] / 2**30:.2f} GiB, store {res['store'] / 2**30:.2f} GiB")
+    assert res["peak"] <= 1.15 * res["store"], res

@@ -27,9 +27,9 @@ def test_sweep_two_families_pass_with_schema(tmp_path):
         assert r["status"] == "pass", r
         assert r["model_class"] in ("LlamaForCausalLM", "GPTNeoForCausalLM")
         for key in ("error", "noise"):
-            assert set(r[key]) == {"loss", "grad", "weight"}
+            assert {"loss", "grad", "weight"} <= set(r[key])
             assert all(isinstance(v, float) and v >= 0 for v in r[key].values())
-        assert r["tol"] >= 1e-5 and max(r["error"].values()) <= r["tol"]
+        assert r["tol"] >= 1e-5 and max(r["error"][k] for k in ("loss", "grad", "weight")) <= r["tol"]
         assert r["noise_method"] and r["params"] > 0 and r["wall_s"] > 0
     md = out.with_suffix(".md").read_text()
     assert "| llama | `LlamaForCausalLM` | pass |" in md and "| gpt_neo | `GPTNeoForCausalLM` | pass |" in md

@@ -1,0 +1,412 @@
+"""Parity sweep over every decoder-only causal-LM class the installed transformers can build tiny (issue 16).
+
+For each ``model_type`` of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` (encoder-decoder configs skipped), one subprocess:
+
+1. builds a tiny config generically (hidden 32, 2 layers, 4 heads / 2 kv heads, head_dim 8, vocab 96, 4 experts
+   top-2, windows 4, dropout 0, ... wherever the config has such an attribute) and the model in fp32, eager
+   attention, and runs one plain forward + backward (a failure here is ``cannot-build``: transformers itself);
+2. converts a copy with ``MegaTrainEngine`` (``compute_dtype=float32``); an error raised from hf_megatrain code at
+   conversion is ``refused`` (its message recorded);
+3. trains plain HF + ``torch.optim.AdamW`` and the engine side by side (tests/parity.py's protocol: 3 steps,
+   gradient accumulation 2, clipping, weight decay) and records the worst relative error of the loss, every
+   gradient and every updated weight;
+4. noise floor: the plain model trained again in float64 (or, where float64 does not run, with the accumulated
+   micro-batches in reverse order) against the fp32 plain run: what fp32 rounding alone gives.
+
+Status: ``pass`` (every error <= max(1e-5, 10 x noise floor)), ``fail`` (numbers or the error), ``refused``,
+``cannot-build``, ``timeout``, ``skipped`` (encoder-decoder). One JSON line per family to
+``integration/results/family_sweep_cpu.jsonl`` and a Markdown table to ``family_sweep_cpu.md``.
+
+    PYTHONPATH=. python integration/family_sweep.py [--families llama,gpt_neo] [--jobs 2] [--timeout 120]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "integration" / "results"
+
+# Families people use most first, so a time-limited run covers them.
+PRIORITY = ["llama", "gpt_neo", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "phi", "phi3",
+            "olmo", "olmo2", "stablelm", "starcoder2", "granite", "cohere", "mixtral", "qwen2_moe", "qwen3_moe",
+            "gpt_neox", "gpt2", "gptj", "falcon", "bloom", "mpt", "opt", "deepseek_v3", "gpt_oss", "codegen",
+            "jamba", "jetmoe", "deepseek_v2", "cohere2", "olmo3", "olmoe", "glm", "glm4", "helium", "smollm3",
+            "ministral", "granitemoe", "phimoe", "dbrx", "nemotron", "persimmon", "gpt_bigcode", "xglm", "biogpt"]
+
+# Attribute -> tiny value, applied where the config has the attribute.
+TINY = {
+    "vocab_size": 96, "hidden_size": 32, "n_embd": 32, "d_model": 32, "n_embed": 32, "dim": 32, "embed_dim": 32,
+    "intermediate_size": 64, "ffn_dim": 64, "n_inner": 64, "ffn_hidden_size": 64, "d_ff": 64,
+    "moe_intermediate_size": 16, "shared_expert_intermediate_size": 32, "expert_intermediate_size": 16,
+    "num_attention_heads": 4, "n_head": 4, "num_heads": 4, "n_heads": 4, "num_key_value_heads": 2,
+    "n_kv_heads": 2, "num_kv_heads": 2, "head_dim": 8, "kv_channels": 8, "attention_head_dim": 8,
+    "max_position_embeddings": 64, "n_positions": 64, "n_ctx": 64, "max_seq_len": 64,
+    "sliding_window": 4, "window_size": 4, "attention_window_size": 4, "rotary_dim": 4,
+    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4, "num_experts_per_tok": 2,
+    "moe_top_k": 2, "top_k": 2, "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+    "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 8, "v_head_dim": 8,
+    "qk_head_dim": 12, "mamba_d_state": 4, "mamba_dt_rank": 4, "mamba_n_heads": 4, "mamba_d_head": 16,
+    "mamba_expand": 2, "mamba_n_groups": 1, "state_size": 4, "ssm_state_size": 4, "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+    "expert_layer_period": 2, "expert_layer_offset": 1, "attn_layer_period": 2, "attn_layer_offset": 1,
+    "output_router_logits": True, "use_cache": False,
+}
+LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+N_LAYERS = 2
+
+
+def tiny_config(model_type: str):
+    import torch  # noqa: F401
+    from transformers import AutoConfig
+
+    base = AutoConfig.for_model(model_type)
+    d = base.to_dict()
+    old_layers = next((d[k] for k in LAYER_KEYS if isinstance(d.get(k), int)), None)
+    over: dict = {}
+    for k, v in TINY.items():
+        if k in d and (d[k] is None or isinstance(d[k], type(v)) or isinstance(v, int) and isinstance(d[k], float)):
+            if d[k] is None and k not in ("sliding_window", "head_dim", "q_lora_rank", "window_size",
+                                          "num_key_value_heads"):
+                continue
+            over[k] = v
+    for k in LAYER_KEYS:
+        if isinstance(d.get(k), int):
+            over[k] = N_LAYERS
+    for k, v in d.items():  # dropout off (the two runs would draw masks differently), ids inside the vocabulary
+        if ("dropout" in k or "pdrop" in k or k.endswith("_drop")) and isinstance(v, float):
+            over[k] = 0.0
+        if k in ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id", "sep_token_id"):
+            if isinstance(v, int) and v >= 96:
+                over[k] = {"bos_token_id": 1, "eos_token_id": 2}.get(k, 0)
+            elif isinstance(v, list):
+                over[k] = [x if x < 96 else 2 for x in v]
+        # per-layer lists: keep the pattern's first N_LAYERS entries
+        if isinstance(v, list) and old_layers and len(v) == old_layers and old_layers != N_LAYERS:
+            over[k] = v[:N_LAYERS]
+        if k in ("mlp_only_layers",) and isinstance(v, list):
+            over[k] = [x for x in v if x < N_LAYERS]
+    if "kv_lora_rank" in d:  # MLA: as many kv heads as heads, qk head = nope + rope
+        over.update(num_key_value_heads=4, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=8, head_dim=4)
+        if "qk_head_dim" in d:
+            over["qk_head_dim"] = 8
+        if "n_group" in d:
+            over["n_group"] = 2
+    if "layer_types" in d and isinstance(d["layer_types"], list) and d["layer_types"]:
+        kinds = list(dict.fromkeys(d["layer_types"]))  # both kinds in the tiny stack where there are several
+        over["layer_types"] = (kinds * N_LAYERS)[:N_LAYERS] if len(kinds) > 1 else [kinds[0]] * N_LAYERS
+    try:
+        cfg = type(base)(**{**d, **over})
+    except Exception:  # some derived keys do not round-trip through to_dict: set attributes instead
+        cfg = type(base)()
+        for k, v in over.items():
+            setattr(cfg, k, v)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def _batches(steps, ga, batch, seq, vocab, seed=0):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        micro = []
+        for _ in range(ga):
+            ids = torch.randint(3, vocab, (batch, seq), generator=g)
+            labels = ids.clone()
+            labels[0, : seq // 3] = -100
+            micro.append((ids, labels))
+        out.append(micro)
+    return out
+
+
+def _rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _plain_train(model, batches, lr, wd, mgn, dtype, reverse=False):
+    """Plain HF + torch.optim.AdamW (Trainer semantics); returns per-step losses, grads and weights."""
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from tests.parity import reference_optimizer
+
+    m = copy.deepcopy(model).to(dtype)
+    opt = reference_optimizer(m, lr, wd)
+    losses, grads, weights = [], [], []
+    for micro in batches:
+        n_items = sum(int((lab[:, 1:] != -100).sum()) for _, lab in micro)
+        step_losses = [None] * len(micro)
+        order = list(range(len(micro)))[::-1] if reverse else range(len(micro))
+        for j in order:
+            ids, lab = micro[j]
+            out = m(input_ids=ids, labels=lab, num_items_in_batch=torch.tensor(n_items))
+            out.loss.backward()
+            step_losses[j] = out.loss.detach().double()
+        losses.append(step_losses)
+        grads.append({n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None})
+        if mgn:
+            torch.nn.utils.clip_grad_norm_(m.parameters(), mgn)
+        opt.step()
+        opt.zero_grad()
+        weights.append({n: p.detach().clone() for n, p in m.named_parameters() if p.requires_grad})
+    return losses, grads, weights
+
+
+def _compare(a, b, lr):
+    """Worst relative error of run ``a`` against run ``b`` (null-gradient parameters in absolute terms)."""
+    worst = {"loss": 0.0, "grad": 0.0, "weight": 0.0}
+    la, ga, wa = a
+    lb, gb, wb = b
+    null = set()
+    for s in range(len(lb)):
+        for x, y in zip(la[s], lb[s]):
+            worst["loss"] = max(worst["loss"], _rel(x, y))
+        total = sum(float(g.double().pow(2).sum()) for g in gb[s].values()) ** 0.5
+        for n, g in gb[s].items():
+            if float(g.norm()) < 1e-6 * total:
+                null.add(n)
+                continue
+            if n not in ga[s]:
+                worst["grad"] = float("inf")
+                continue
+            worst["grad"] = max(worst["grad"], _rel(ga[s][n], g))
+        for n, w in wb[s].items():
+            if n in null:
+                # in units of one Adam step (kept out of the relative errors so it never inflates a noise floor)
+                worst["null_grad_step"] = max(worst.get("null_grad_step", 0.0),
+                                              float((wa[s][n].double() - w.double()).abs().max()) / lr)
+                continue
+            worst["weight"] = max(worst["weight"], _rel(wa[s][n], w))
+    return worst
+
+
+def _engine_train(model, batches, lr, wd, mgn, engine_box):
+    import torch
+
+    from hf_megatrain import MegaTrainConfig, MegaTrainEngine
+
+    engine = engine_box["engine"]
+    opt = engine.create_optimizer(lr=lr, weight_decay=wd, max_grad_norm=mgn)
+    captured = {}
+    if hasattr(opt, "gradient_hooks"):
+        opt.gradient_hooks.append(lambda i, first, g, sq: captured.__setitem__(i, g.clone()) if first else None)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    losses, grads, weights = [], [], []
+    for micro in batches:
+        n_items = sum(int((lab[:, 1:] != -100).sum()) for _, lab in micro)
+        step_losses = []
+        for ids, lab in micro:
+            loss = engine(input_ids=ids, labels=lab, num_items_in_batch=n_items).loss
+            loss.backward()
+            step_losses.append(loss.detach().double().cpu())
+        engine.finish_backward()
+        losses.append(step_losses)
+        g = {}
+        for n in names:
+            unit, ps = engine.store.by_name[n]
+            grad = captured.get(unit.index) if unit.grad is None else unit.grad
+            if grad is not None:
+                g[n] = unit.view(grad, ps).detach().clone().cpu()
+        grads.append(g)
+        opt.step()
+        opt.wait()
+        opt.zero_grad()
+        weights.append({n: engine.store.master_tensor(n).detach().clone().cpu() for n in names})
+    return losses, grads, weights
+
+
+def _from_hf_megatrain(exc: BaseException) -> bool:
+    tb = traceback.extract_tb(exc.__traceback__)
+    return bool(tb) and "hf_megatrain" in tb[-1].filename and "site-packages" not in tb[-1].filename
+
+
+def worker(model_type: str) -> dict:
+    import torch
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    torch.set_num_threads(1)
+    cls_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
+    rec = {"family": model_type, "model_class": cls_name, "status": None, "transformers": transformers.__version__}
+    lr, wd, mgn, steps, ga, batch, seq = 1e-3, 0.1, 1.0, 3, 2, 2, 12
+    # 1. build tiny + plain forward/backward
+    try:
+        cfg = tiny_config(model_type)
+        if getattr(cfg, "is_encoder_decoder", False):
+            return {**rec, "status": "skipped", "reason": "encoder-decoder"}
+        cls = getattr(transformers, cls_name)
+        torch.manual_seed(1234)
+        model = cls(cfg).float()
+        with torch.no_grad():  # trained-like biases (tests/models.py)
+            for n, p in model.named_parameters():
+                if n.endswith("bias") or n.endswith("sinks"):
+                    p.normal_(0.0, 0.02)
+        model.train()
+        rec["params"] = sum(p.numel() for p in model.parameters())
+        batches = _batches(steps, ga, batch, seq, int(getattr(cfg, "vocab_size", 96) or 96))
+        probe = copy.deepcopy(model)
+        out = probe(input_ids=batches[0][0][0], labels=batches[0][0][1])
+        out.loss.backward()
+        if not torch.isfinite(out.loss):
+            raise RuntimeError(f"non-finite plain loss {float(out.loss)}")
+        del probe
+    except Exception as e:  # noqa: BLE001
+        return {**rec, "status": "cannot-build", "reason": f"{type(e).__name__}: {str(e)[:400]}"}
+    # 2. convert
+    from hf_megatrain import MegaTrainConfig, MegaTrainEngine
+
+    try:
+        engine = MegaTrainEngine(copy.deepcopy(model), MegaTrainConfig(compute_dtype="float32"), device="cpu")
+    except Exception as e:  # noqa: BLE001
+        msg = f"{type(e).__name__}: {str(e)[:600]}"
+        if _from_hf_megatrain(e) and isinstance(e, (ValueError, TypeError, NotImplementedError)):
+            return {**rec, "status": "refused", "reason": msg}
+        tb = traceback.extract_tb(e.__traceback__)[-1]
+        return {**rec, "status": "fail", "stage": "convert", "reason": msg, "where": f"{tb.filename}:{tb.lineno}"}
+    # 3. reference vs ours
+    t0 = time.time()
+    try:
+        ref = _plain_train(model, batches, lr, wd, mgn, torch.float32)
+    except Exception as e:  # noqa: BLE001
+        return {**rec, "status": "cannot-build", "reason": f"plain training: {type(e).__name__}: {str(e)[:400]}"}
+    try:
+        ours = _engine_train(model, batches, lr, wd, mgn, {"engine": engine})
+    except Exception as e:  # noqa: BLE001
+        tb = traceback.extract_tb(e.__traceback__)[-1]
+        return {**rec, "status": "fail", "stage": "train", "reason": f"{type(e).__name__}: {str(e)[:600]}",
+                "where": f"{tb.filename}:{tb.lineno}"}
+    err = _compare(ours, ref, lr)
+    # 4. noise floor
+    try:
+        noise_run = _plain_train(model, batches, lr, wd, mgn, torch.float64)
+        noise = _compare(ref, noise_run, lr)
+        rec["noise_method"] = "fp32 vs fp64 plain"
+    except Exception:  # noqa: BLE001
+        noise = _compare(_plain_train(model, batches, lr, wd, mgn, torch.float32, reverse=True), ref, lr)
+        rec["noise_method"] = "fp32 plain, micro-batches reversed"
+    floor = max(noise[k] for k in ("loss", "grad", "weight"))
+    tol = max(1e-5, 10 * floor)
+    worst = max(err[k] for k in ("loss", "grad", "weight"))
+    ok = worst <= tol and err.get("null_grad_step", 0.0) <= max(1e-3, 10 * noise.get("null_grad_step", 0.0))
+    rec.update(status="pass" if ok else "fail", error=err, noise=noise, tol=tol,
+               seconds=round(time.time() - t0, 2))
+    if rec["status"] == "fail":
+        rec["stage"] = "numbers"
+        rec["reason"] = f"max error {worst:.3e} (tol {tol:.1e}), null-gradient parameter moved up to " \
+                        f"{err.get('null_grad_step', 0.0):.1e} Adam steps (limit 1e-3) ({', '.join(f'{k} {v:.2e}' for k, v in err.items())})"
+    return rec
+
+
+def run_one(model_type: str, timeout: float) -> dict:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
+    t0 = time.time()
+    try:
+        p = subprocess.run([sys.executable, __file__, "--worker", model_type], capture_output=True, text=True,
+                           timeout=timeout, env=env, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return {"family": model_type, "status": "timeout", "reason": f"over {timeout:.0f} s",
+                "wall_s": round(time.time() - t0, 1)}
+    for line in reversed(p.stdout.strip().splitlines()):
+        if line.startswith("{"):
+            rec = json.loads(line)
+            rec["wall_s"] = round(time.time() - t0, 1)
+            return rec
+    return {"family": model_type, "status": "fail", "stage": "crash",
+            "reason": f"worker exit code {p.returncode} (negative: killed by that signal): {(p.stderr or p.stdout)[-500:]}",
+            "wall_s": round(time.time() - t0, 1)}
+
+
+def _fmt(v) -> str:
+    return "" if v is None else f"{v:.1e}"
+
+
+def write_markdown(records: list[dict], path: Path) -> None:
+    counts: dict[str, int] = {}
+    for r in records:
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    lines = ["# Family parity sweep (CPU, fp32)", "",
+             "Generated by `integration/family_sweep.py` (plain HF + torch.optim.AdamW vs MegaTrainEngine, 3 steps, "
+             "GA 2, clipping, decay; tolerance max(1e-5, 10 x fp32 noise floor)).", "",
+             "Counts: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())), "",
+             "| family | class | status | max rel. error (loss / grad / weight) | noise floor | note |",
+             "|---|---|---|---|---|---|"]
+    for r in sorted(records, key=lambda r: r["family"]):
+        e, n = r.get("error") or {}, r.get("noise") or {}
+        errs = " / ".join(_fmt(e.get(k)) for k in ("loss", "grad", "weight")) if e else ""
+        floor = _fmt(max(n.get(k, 0.0) for k in ("loss", "grad", "weight"))) if n else ""
+        note = (r.get("reason") or "").replace("|", "\\|").replace("\n", " ")[:200]
+        lines.append(f"| {r['family']} | `{r.get('model_class', '')}` | {r['status']} | {errs} | {floor} | {note} |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--families", default="", help="comma-separated model types (default: all)")
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=120.0)
+    ap.add_argument("--out", default=str(RESULTS / "family_sweep_cpu.jsonl"))
+    ap.add_argument("--append", action="store_true", help="keep the output file's other families' lines")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.worker:
+        import warnings
+
+        warnings.filterwarnings("ignore")
+        try:
+            rec = worker(a.worker)
+        except Exception as e:  # noqa: BLE001
+            rec = {"family": a.worker, "status": "fail", "stage": "worker", "reason": f"{type(e).__name__}: {e}"}
+        print(json.dumps(rec), flush=True)
+        return 0
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    everything = list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    if a.families:
+        fams = [f.strip() for f in a.families.split(",") if f.strip()]
+        unknown = [f for f in fams if f not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES]
+        if unknown:
+            ap.error(f"unknown model types: {unknown}")
+    else:
+        fams = [f for f in PRIORITY if f in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES]
+        fams += [f for f in everything if f not in fams]
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    records: dict[str, dict] = {}
+    if a.append and out.exists():
+        for line in out.read_text().splitlines():
+            if line.strip():
+                r = json.loads(line)
+                records[r["family"]] = r
+    for f in fams:
+        records.pop(f, None)
+
+    def flush():
+        out.write_text("".join(json.dumps(r) + "\n" for r in records.values()))
+        write_markdown(list(records.values()), out.with_suffix(".md"))
+
+    with cf.ThreadPoolExecutor(max_workers=a.jobs) as ex:
+        futs = {ex.submit(run_one, f, a.timeout): f for f in fams}
+        for fut in cf.as_completed(futs):
+            r = fut.result()
+            records[r["family"]] = r
+            print(f"{r['family']:28s} {r['status']:13s} {str(r.get('reason', ''))[:110]}", flush=True)
+            flush()
+    flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -25,6 +25,7 @@ encoder-decoders) before the engine converts anything.
 
 from __future__ import annotations
 
+import inspect
 import sys
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
@@ -38,6 +39,25 @@ from .loss import linear_cross_entropy
 
 
 # -- supported models -----------------------------------------------------------------------------------------------
+def _check_standard_loss(model: nn.Module, hint: str) -> None:
+    """hf_megatrain computes transformers' shifted causal-LM loss (``ForCausalLMLoss``). A transformers class whose
+    forward computes its loss some other way (no ``self.loss_function``: unshifted targets, its own prediction
+    layer or adaptive softmax -- XLM, XLNet, TrOCR) would train on a different objective without any error: refuse.
+    Classes from outside transformers (remote code, user models) cannot be read this way and are taken as they are."""
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model  # (PEFT)
+    cls = type(base)
+    if not cls.__module__.startswith("transformers."):
+        return
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return
+    if "self.loss_function(" not in source:
+        raise ValueError(f"{cls.__name__} computes its training loss in its own forward, not with transformers' "
+                         "causal-LM loss that hf_megatrain reproduces (shifted labels, lm_head over the final hidden "
+                         f"state), so training it here would optimise a different objective. {hint}")
+
+
 def check_supported(model: nn.Module, stack: LayerStack) -> None:
     """Raise a clear error unless ``model`` is a decoder-only LM whose forward is ``stack.parent`` -> lm_head."""
     name = type(model).__name__
@@ -62,6 +82,7 @@ def check_supported(model: nn.Module, stack: LayerStack) -> None:
             f"{len(outside)} trainable parameter(s) sit outside that path ({shown}); this is not a plain "
             f"decoder-only causal LM (encoder-only / masked-LM head?). {hint}")
     check_head_extras(model)
+    _check_standard_loss(model, hint)  # last: the structural refusals above say more when they apply
 
 
 # -- router logits ----------------------------------------------------------------------------------------------------

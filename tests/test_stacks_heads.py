@@ -130,3 +130,25 @@ def test_model_with_its_own_loss_is_refused(config_name, model_name):
         model = model_cls(cfg_cls())
     with pytest.raises(ValueError, match="computes its training loss in its own forward"):
         MegaTrainEngine(model, MegaTrainConfig(compute_dtype="float32"), device="cpu")
+
+
+def test_proxy_carries_class_level_layer_attributes():
+    """A decoder loop may read a value the layer's class declares (``attention_type = "sliding_attention"`` on
+    Inkling2's layer classes): the streamed proxy carries it, and the instance's own values still win."""
+    from torch import nn
+
+    from hf_megatrain.model.layers import copy_plain_attributes
+
+    class SlidingLayer(nn.Module):
+        attention_type = "sliding_attention"
+        window = 4
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.window = 8
+            self.proj = nn.Linear(2, 2)
+
+    proxy = nn.Module()
+    copy_plain_attributes(SlidingLayer(), proxy)
+    assert proxy.attention_type == "sliding_attention" and proxy.window == 8
+    assert not hasattr(proxy, "proj")

@@ -141,7 +141,15 @@ def group_layers(layers: nn.ModuleList) -> list[int]:
 
 
 def copy_plain_attributes(src: nn.Module, dst: nn.Module) -> None:
-    """Copy public scalar attributes (``attention_type``, ``layer_idx``...) the HF loop may read off a layer."""
+    """Copy public scalar attributes (``attention_type``, ``layer_idx``...) the HF loop may read off a layer: the
+    instance's, and plain values its class declares (``attention_type = "sliding_attention"`` as a class
+    attribute), which the proxy's own class does not have."""
+    for klass in reversed(type(src).__mro__):
+        if klass in nn.Module.__mro__ or isinstance(dst, klass):
+            continue
+        for k, v in vars(klass).items():
+            if not k.startswith("_") and isinstance(v, _SCALARS) and not hasattr(dst, k):
+                setattr(dst, k, v)
     for k, v in vars(src).items():
         if not k.startswith("_") and k != "training" and not isinstance(v, (nn.Module, torch.Tensor)):
             setattr(dst, k, v)

@@ -372,7 +372,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--fsdp-sync-every-micro", action="store_true",
                    help="reduce/offload grads every micro-batch (default: set_requires_gradient_sync(False) "
                         "until the last micro-batch)")
-    return ap.parse_args(argv)
+    a = ap.parse_args(argv)
+    if a.max_grad_norm < 0:
+        ap.error(f"--max-grad-norm {a.max_grad_norm}: use 0 (no clipping) or a positive threshold")
+    return a
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -68,6 +68,8 @@ def main() -> int:
                          "MAX_GRAD_NORM constant is rewritten in that scratch copy)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    if a.max_grad_norm is not None and a.max_grad_norm < 0:
+        ap.error(f"--max-grad-norm {a.max_grad_norm}: use 0 (no clipping) or a positive threshold")
     os.makedirs(a.out, exist_ok=True)
     res = {"regime": a.regime, "megatrain_config": {"torch_compile": True, **REGIMES[a.regime]},
            "max_grad_norm": a.max_grad_norm if a.max_grad_norm is not None else 1.0}

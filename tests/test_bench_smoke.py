@@ -157,3 +157,11 @@ def test_tiny_trainer_end_to_end(tmp_path):
     r = _load(out)["records"]["megatrain@4"]
     assert r["status"] == "ok", r.get("error")
     assert r["mode"] == "trainer" and len(r["step_times_s"]) == 2 and r["tokens_per_s"] > 0
+
+
+def test_negative_clip_threshold_is_refused(capsys):
+
+
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--max-grad-norm", "-1"])
+    assert "use 0 (no clipping) or a positive threshold" in capsys.readouterr().err

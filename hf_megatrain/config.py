@@ -134,6 +134,10 @@ class MegaTrainConfig:
             taken back and redone exactly (optim/speculation.py). After a clipping step the next one does not
             speculate. Needs ``overlap_optimizer`` to overlap anything; custom loops set
             ``engine.state.final_backward = True`` before their last backward of a step to use it.
+        host_kernel: how the CPU runs AdamW over host units (core/kernels.py): "fused" (torch's fused AdamW kernel,
+            then the compute copy as a second pass), "compiled" (one inductor-generated pass that also writes the
+            compute copy: fewer bytes over host memory, which bounds this step; needs a C++ compiler, compiled once
+            at start, seconds) or "auto" (compiled when training on a GPU, fused on CPU-only machines).
     """
 
     compute_dtype: str = "bfloat16"
@@ -156,6 +160,7 @@ class MegaTrainConfig:
     lean_store: bool = False
     torch_compile: bool = False
     speculative_step: bool = True
+    host_kernel: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -165,6 +170,8 @@ class MegaTrainConfig:
         parse_dtype(self.compute_dtype, "compute_dtype")
         parse_dtype(self.grad_offload_dtype, "grad_offload_dtype")
         parse_dtype(self.save_dtype, "save_dtype")
+        if self.host_kernel not in ("auto", "fused", "compiled"):
+            raise ValueError(f"host_kernel={self.host_kernel!r}: use 'auto', 'fused' or 'compiled'")
         if self.num_slots < 2:
             raise ValueError(f"num_slots={self.num_slots}: need at least 2 GPU slots for double buffering")
         if self.micro_batch_size < 0:

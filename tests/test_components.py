@@ -24,8 +24,12 @@ def _flat_state(n: int, seed: int = 0) -> list[torch.Tensor]:
     return [torch.randn(n, generator=g), torch.randn(n, generator=g), torch.zeros(n), torch.zeros(n)]
 
 
+IMPLS = [kernels.HostKernel.FUSED, pytest.param(kernels.HostKernel.COMPILED, marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("grad_scale", [None, 4.0])
-def test_adamw_matches_torch_adamw_per_group(grad_scale):
+def test_adamw_matches_torch_adamw_per_group(grad_scale, impl):
     """Two spans with different hyper-parameters (decayed / not) over one flat buffer, three steps, against
     torch.optim.AdamW on separate parameters with the gradient divided by grad_scale."""
     n, cut = 64, 40
@@ -39,19 +43,41 @@ def test_adamw_matches_torch_adamw_per_group(grad_scale):
         g = grad * step
         ref[0].grad, ref[1].grad = (g[:cut] / (grad_scale or 1)).clone(), (g[cut:] / (grad_scale or 1)).clone()
         ropt.step()
-        kernels.adamw_(master, g.clone(), m, v, groups, step, grad_scale)
+        kernels.adamw_(master, g.clone(), m, v, groups, step, grad_scale, impl=impl)
     assert rel(master, torch.cat([p.detach() for p in ref])) <= 1e-6
 
 
-def test_undo_takes_back_an_update():
+@pytest.mark.slow
+@pytest.mark.parametrize("beta1", [0.9, 0.3])  # (ATen's lerp switches form at weight 0.5)
+def test_compiled_host_kernel_is_the_fused_kernel_with_its_copy(beta1):
+    """One pass: master, moments and the bf16 compute copy as the fused kernel + a copy pass give them, over spans
+    of two groups with a gap between them (a span not stepped keeps its copy), clipped and not."""
+    n = 4099  # (not a multiple of the vector width: the scalar tail too)
+    h = [kernels.Hyper(3e-3, (beta1, 0.98), 1e-8, 0.1), kernels.Hyper(3e-3, (beta1, 0.98), 1e-8, 0.0)]
+    groups = [(h[0], [(0, 1000), (1500, 3000)]), (h[1], [(3000, n)])]
+    fused, comp = _flat_state(n, seed=3), _flat_state(n, seed=3)
+    copies = [torch.full((n,), 7.0, dtype=torch.bfloat16) for _ in range(2)]
+    for step in range(1, 5):
+        g = torch.randn(n, generator=torch.Generator().manual_seed(10 + step))
+        scale = None if step % 2 else 3.0
+        kernels.adamw_(*fused[:1], g.clone(), *fused[2:], groups, step, scale, copies[0], kernels.HostKernel.FUSED)
+        kernels.adamw_(*comp[:1], g.clone(), *comp[2:], groups, step, scale, copies[1], kernels.HostKernel.COMPILED)
+    for a, b in zip(comp[:1] + comp[2:], fused[:1] + fused[2:]):
+        assert rel(a, b) <= 1e-6
+    assert torch.equal(copies[1][1000:1500], torch.full((500,), 7.0, dtype=torch.bfloat16))
+    assert (copies[0] != copies[1]).sum() <= 4  # (only where a 1-ulp fp32 difference crosses a bf16 rounding edge)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_undo_takes_back_an_update(impl):
     n = 128
     master, grad, m, v = _flat_state(n, seed=1)
     h = kernels.Hyper(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
     groups = [(h, [(0, n)])]
-    kernels.adamw_(master, grad.clone(), m, v, groups, 1)
+    kernels.adamw_(master, grad.clone(), m, v, groups, 1, impl=impl)
     before = [t.clone() for t in (master, m, v)]
     g2 = torch.randn(n, generator=torch.Generator().manual_seed(2))
-    kernels.adamw_(master, g2.clone(), m, v, groups, 2, grad_scale=2.0)
+    kernels.adamw_(master, g2.clone(), m, v, groups, 2, grad_scale=2.0, impl=impl)
     kernels.undo_master_(master, m, v, groups, 2)
     kernels.undo_moments_(g2, m, v, groups, 2, grad_scale=2.0)
     for a, b in zip((master, m, v), before):

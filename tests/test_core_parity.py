@@ -113,10 +113,11 @@ def test_speculative_step_without_clipping_matches(overlap):
     assert opt.speculated == 3 * 3 and opt.taken_back == 0  # steps 2-4 (the first takes its norm first), 3 layers
 
 
-def test_speculative_step_that_clips_is_taken_back_and_redone():
+@pytest.mark.parametrize("host_kernel", ["fused", pytest.param("compiled", marks=pytest.mark.slow)])
+def test_speculative_step_that_clips_is_taken_back_and_redone(host_kernel):
     """Steps 1-2 do not clip (step 2 speculates), step 3 clips after speculating: its updates are taken back and
     redone with the true factor; step 4 takes its norm first. Every step matches within 1e-5."""
-    cfg = MegaTrainConfig(compute_dtype="float32")
+    cfg = MegaTrainConfig(compute_dtype="float32", host_kernel=host_kernel)
     worst, engine, _ = run_parity(tiny("qwen2", tie=True), ga=1, batch=4, steps=4, config=cfg, final_backward=True,
                                   clip_schedule=[1e6, 1e6, 0.3, 0.3])
     opt = engine.optimizer

@@ -1,18 +1,32 @@
 """AdamW on flat tensors: the update and its exact undo, shared by every stepper.
 
 A unit's state is four flat FP32 buffers (master, grad, exp_avg, exp_avg_sq) wherever they live; its parameters
-are spans of them, each in one hyper-parameter group (decayed or not, as Trainer splits them). The update is torch's
-fused AdamW kernel (``aten::_fused_adamw_``, CPU or CUDA by where the buffers are), with global-norm clipping
-folded in as ``grad_scale`` (the kernel divides each gradient by it). The undo functions invert it for the lean
-store (optim/lean.py): the master from the new moments, the moments from the gradient they took.
+are spans of them, each in one hyper-parameter group (decayed or not, as Trainer splits them). Global-norm clipping
+is folded in as ``grad_scale`` (each gradient is divided by it). Two implementations of the update (``HostKernel``):
+
+- ``FUSED``: torch's fused AdamW kernel (``aten::_fused_adamw_``, CPU or CUDA by where the buffers are), then the
+  compute copy as a second pass. On the host that is 34 bytes of DRAM traffic per parameter (38 when clipping: the
+  kernel writes the unscaled gradient back).
+- ``COMPILED``: the same formula (ATen's CPU expressions: lerp for the first moment, ``sqrt(v)/bc2_sqrt + eps``)
+  as one inductor-generated vectorised OpenMP loop that also writes the compute copy: 30 bytes per parameter
+  whatever the clipping, and one pass (the host AdamW is memory-bound: integration/host_adamw_rate.py). Compiled
+  once for every size (dynamic shapes); hyper-parameters enter as 0-d tensors so an LR schedule never recompiles.
+
+The undo functions invert the update for the lean store and speculative steps (optim/lean.py,
+optim/speculative_step.py): the master from the new moments, the moments from the gradient they took.
 """
 
 from __future__ import annotations
 
+import enum
+import logging
+import threading
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 # Elements per piece of the undo passes: bounds their temporaries to a few MiB per thread.
 UNDO_CHUNK = 1 << 22
@@ -36,36 +50,49 @@ Spans = Sequence[tuple[int, int]]  # (start, end) element ranges of a flat buffe
 Groups = Sequence[tuple[Hyper, Spans]]  # per param group of one unit: its hyper-parameters and spans
 
 
+class HostKernel(enum.Enum):
+    FUSED = "fused"
+    COMPILED = "compiled"
+
+
+def host_bytes_per_param(impl: HostKernel, clip: bool, copy_bytes: int) -> int:
+    """Host DRAM bytes one update moves per parameter (``copy_bytes``: the compute copy's element size, 0 if none):
+    read master, grad, exp_avg, exp_avg_sq, write master and moments; the fused kernel writes the unscaled gradient
+    back when clipping and its copy pass reads the master again."""
+    if impl is HostKernel.COMPILED:
+        return 28 + copy_bytes
+    return 28 + (4 if clip else 0) + (4 + copy_bytes if copy_bytes else 0)
+
+
 def adamw_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-           groups: Groups, step: int, grad_scale: float | None = None, chunk: int = 0,
-           after_chunk: Callable[[int, int], None] | None = None) -> None:
-    """One fused AdamW update of every span (step count ``step``, already incremented). ``grad_scale``: the
-    gradients are divided by it (clipping; the kernel unscales ``grad`` in place). ``chunk`` > 0 updates in
-    ranges of that many elements and calls ``after_chunk(a, b)`` after each (a copy written while the new master
-    is still in cache)."""
-    numel = master.numel()
+           groups: Groups, step: int, grad_scale: float | None = None, compute: torch.Tensor | None = None,
+           impl: HostKernel = HostKernel.FUSED) -> None:
+    """One AdamW update of every span (step count ``step``, already incremented), then ``compute`` (the unit's
+    compute copy, if any) refreshed over the same spans. ``grad_scale``: the gradients are divided by it
+    (clipping). ``COMPILED`` applies to host buffers; on a GPU the fused kernel runs."""
+    if impl is HostKernel.COMPILED and master.device.type == "cpu":
+        _compiled_adamw_(master, grad, exp_avg, exp_avg_sq, groups, step, grad_scale, compute)
+        return
     device = master.device
     step_t = torch.full((1,), float(step), dtype=torch.float32, device=device)
     scale_t = None if grad_scale is None else torch.full((), grad_scale, dtype=torch.float32, device=device)
-    chunk = chunk if chunk > 0 else max(numel, 1)
-    for a in range(0, numel, chunk):
-        b = min(a + chunk, numel)
-        for h, spans in groups:
-            parts = [(max(lo, a), min(hi, b)) for lo, hi in spans]
-            parts = [(lo, hi) for lo, hi in parts if hi > lo]
-            if not parts:
-                continue
-            p, g, m, v = ([f[lo:hi] for lo, hi in parts] for f in (master, grad, exp_avg, exp_avg_sq))
-            torch._fused_adamw_(p, g, m, v, [], [step_t] * len(parts), lr=h.lr, beta1=h.betas[0], beta2=h.betas[1],
-                                weight_decay=h.weight_decay, eps=h.eps, amsgrad=False, maximize=False,
-                                grad_scale=scale_t, found_inf=None)
-        if after_chunk is not None:
-            after_chunk(a, b)
+    for h, spans in groups:
+        parts = [(lo, hi) for lo, hi in spans if hi > lo]
+        if not parts:
+            continue
+        p, g, m, v = ([f[lo:hi] for lo, hi in parts] for f in (master, grad, exp_avg, exp_avg_sq))
+        torch._fused_adamw_(p, g, m, v, [], [step_t] * len(parts), lr=h.lr, beta1=h.betas[0], beta2=h.betas[1],
+                            weight_decay=h.weight_decay, eps=h.eps, amsgrad=False, maximize=False,
+                            grad_scale=scale_t, found_inf=None)
+    if compute is not None:
+        for lo, hi, _ in _merged(groups):
+            compute[lo:hi].copy_(master[lo:hi])
 
 
-def _pieces(groups: Groups) -> Iterator[tuple[int, int, Hyper]]:
-    """(start, end, hyper) over the spans, adjacent spans of equal hyper-parameters merged, in UNDO_CHUNK pieces."""
-    spans = sorted((lo, hi, i) for i, (_, sp) in enumerate(groups) for lo, hi in sp)
+def _merged(groups: Groups, chunk: int = 0) -> Iterator[tuple[int, int, Hyper]]:
+    """(start, end, hyper) over the spans, adjacent spans of equal hyper-parameters merged; ``chunk`` > 0 cuts
+    them into pieces of at most that many elements."""
+    spans = sorted((lo, hi, i) for i, (_, sp) in enumerate(groups) for lo, hi in sp if hi > lo)
     merged: list[list[int]] = []
     for lo, hi, i in spans:
         if merged and merged[-1][1] == lo and groups[merged[-1][2]][0] == groups[i][0]:
@@ -73,8 +100,65 @@ def _pieces(groups: Groups) -> Iterator[tuple[int, int, Hyper]]:
         else:
             merged.append([lo, hi, i])
     for lo, hi, i in merged:
-        for c in range(lo, hi, UNDO_CHUNK):
-            yield c, min(c + UNDO_CHUNK, hi), groups[i][0]
+        for c in range(lo, hi, chunk or (hi - lo)):
+            yield c, min(c + (chunk or hi - lo), hi), groups[i][0]
+
+
+# -- the compiled single-pass host kernel ------------------------------------------------------------------------------
+def _adamw_math(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None,
+                c: torch.Tensor, lerp_small: bool) -> None:
+    """ATen's CPU AdamW expressions on one span; ``c`` = [wd_mul, 1-b1, b2, 1-b2, bc2_sqrt, eps, -step_size,
+    grad_scale] (float32, narrowed from double as ATen does)."""
+    g = g / c[7]
+    if lerp_small:  # exp_avg.lerp_(grad, 1 - b1) from the nearer endpoint, as ATen switches at weight 0.5
+        m_new = m + c[1] * (g - m)
+    else:
+        m_new = g + (c[1] - 1) * (g - m)
+    v_new = v * c[2] + c[3] * g * g
+    p_new = p * c[0] + c[6] * m_new / (v_new.sqrt() / c[4] + c[5])
+    m.copy_(m_new)
+    v.copy_(v_new)
+    p.copy_(p_new)
+    if out is not None:
+        out.copy_(p_new)
+
+
+_compiled: Any = None
+_compile_lock = threading.Lock()
+
+
+def _kernel() -> Any:
+    global _compiled
+    with _compile_lock:  # (first use may come from an optimizer worker thread)
+        if _compiled is None:
+            _compiled = torch.compile(_adamw_math, dynamic=True, fullgraph=True)
+        return _compiled
+
+
+def warm_up(compute_dtype: torch.dtype | None) -> None:
+    """Compile the host kernel now (main thread, seconds), for a unit with a compute copy of ``compute_dtype``."""
+    n = 64
+    p, g, m, v = (torch.ones(n) for _ in range(4))
+    out = None if compute_dtype is None else torch.empty(n, dtype=compute_dtype)
+    _compiled_adamw_(p, g, m, v, [(Hyper(1e-3, (0.9, 0.999), 1e-8, 0.0), [(0, n)])], 1, None, out)
+
+
+def _constants(h: Hyper, step: int, grad_scale: float | None) -> tuple[torch.Tensor, bool]:
+    b1, b2 = h.betas
+    bc1, bc2 = 1 - b1 ** step, 1 - b2 ** step  # (double, as ATen's prologue)
+    c = torch.tensor([1 - h.lr * h.weight_decay, 1 - b1, b2, 1 - b2, bc2 ** 0.5, h.eps, -(h.lr / bc1),
+                      1.0 if grad_scale is None else grad_scale], dtype=torch.float32)
+    return c, abs(float(c[1])) < 0.5
+
+
+def _compiled_adamw_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                     groups: Groups, step: int, grad_scale: float | None, compute: torch.Tensor | None) -> None:
+    kernel = _kernel()
+    consts: dict[Hyper, tuple[torch.Tensor, bool]] = {}
+    for lo, hi, h in _merged(groups):
+        c, small = consts.get(h) or consts.setdefault(h, _constants(h, step, grad_scale))
+        out = None if compute is None else compute[lo:hi]
+        kernel(master[lo:hi], grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], out, c, small)
 
 
 def undo_master_(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, groups: Groups,
@@ -83,7 +167,7 @@ def undo_master_(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.
     are undone): p = (p' + lr/bc1 m / (sqrt(v)/sqrt(bc2) + eps)) / (1 - lr wd), the inverse of torch AdamW's
     formula, within an ulp."""
     t = float(step)
-    for a, b, h in _pieces(groups):
+    for a, b, h in _merged(groups, UNDO_CHUNK):
         b1, b2 = h.betas
         step_size, bc2_sqrt = h.lr / (1 - b1 ** t), (1 - b2 ** t) ** 0.5
         p, m, v = master[a:b], exp_avg[a:b], exp_avg_sq[a:b]
@@ -102,7 +186,7 @@ def undo_moments_(grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.T
         exp_avg.zero_()
         exp_avg_sq.zero_()
         return
-    for a, b, h in _pieces(groups):
+    for a, b, h in _merged(groups, UNDO_CHUNK):
         b1, b2 = h.betas
         g = grad[a:b] if grad_scale is None else grad[a:b] / grad_scale
         m, v = exp_avg[a:b], exp_avg_sq[a:b]

@@ -26,6 +26,7 @@ from torch import nn
 
 from .. import planner
 from ..config import MegaTrainConfig
+from ..core import kernels
 from ..core.plan import Stepper, Where
 from ..core.step_state import StepState
 from ..model.families import ModelHead
@@ -280,6 +281,12 @@ class MegaTrainEngine:
                 p.grad = None
 
     # -- optimizer ---------------------------------------------------------------------------------------------------
+    def _host_kernel(self) -> kernels.HostKernel:
+        choice = self.config.host_kernel
+        if choice == "auto":
+            return kernels.HostKernel.COMPILED if self.device.type == "cuda" else kernels.HostKernel.FUSED
+        return kernels.HostKernel(choice)
+
     def create_optimizer(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                          weight_decay: float = 0.0, max_grad_norm: float | None = None) -> UnitAdamW:
         if self.optimizer is not None:  # replaced (a second Trainer on the same engine): its work ends first
@@ -290,5 +297,6 @@ class MegaTrainEngine:
         self.optimizer = cls(self.store, self.state, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                              max_grad_norm=max_grad_norm, unit_order=order, skip_nonfinite=self.config.skip_nonfinite,
                              overlap=self.config.overlap_optimizer, grad_reach=self.executor.reach,
+                             host_kernel=self._host_kernel(),
                              **({} if cls is LeanAdamW else {"speculate": self.config.speculative_step}))
         return self.optimizer

@@ -46,7 +46,8 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
     def __init__(self, store: UnitStore, state: StepState, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, max_grad_norm: float | None = None,
                  unit_order: list[int] | None = None, skip_nonfinite: bool = True, overlap: bool = False,
-                 host_chunk: int = 0, speculate: bool = False, grad_reach: GradReach | None = None) -> None:
+                 host_kernel: kernels.HostKernel = kernels.HostKernel.FUSED, speculate: bool = False,
+                 grad_reach: GradReach | None = None) -> None:
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"invalid AdamW hyper-parameters lr={lr} betas={betas} eps={eps} "
                              f"weight_decay={weight_decay}")
@@ -82,10 +83,13 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
         streamed = [u for u in store.units if u.plan.stepper is Stepper.DEVICE_STREAMED]
         self.device_stepper = DeviceStepper(streamed, streamed[0].grad.device, store.compute_dtype) \
             if streamed else None
-        # Host units may be stepped in chunks of this many elements, each chunk's compute copy written right after
-        # its update while the new master is still in cache. Measured on the H100 box (integration/PERF.md) it is
-        # slower from the overlap thread (OpenMP fork/join per chunk). 0 = whole unit, then one copy pass.
-        self.host_chunk = host_chunk
+        # How host units are updated (core/kernels.py): the compiled kernel writes the compute copy in the same
+        # pass; compiled here, on the main thread, rather than in the middle of the first step on a worker.
+        self.host_kernel = host_kernel
+        if host_kernel is kernels.HostKernel.COMPILED:
+            copies = {u.compute.dtype for u in store.units if u.plan.stepper is Stepper.HOST and u.compute is not None}
+            for dtype in copies or {None}:
+                kernels.warm_up(dtype)
         self._counts = [0] * len(store.units)  # AdamW step count per unit
         # Parameters without a gradient are skipped, as torch.optim.AdamW skips a None .grad (engine/reach.py says
         # which were reached: ``take(unit)`` -> a flag per parameter, or None to step them all). ``_missed`` counts
@@ -99,6 +103,10 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
         self.last_step_seconds = 0.0
         self._running_seconds = 0.0
         self.last_norm_seconds = 0.0
+        # Host AdamW work since construction (speculative updates and take-back re-runs included): the rate the
+        # benchmark reports is host_update_params / host_update_seconds.
+        self.host_update_seconds = 0.0
+        self.host_update_params = 0
         self.last_grad_norm: float | None = None
         self._workers: list[threading.Thread] = []
         state.add_joiner(self._join)
@@ -200,8 +208,7 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
         for i in ids:
             u = self.store.units[i]
             with torch.profiler.record_function("megatrain.optimizer.host_unit"):
-                self.update_(u, [u.master, u.grad, u.exp_avg, u.exp_avg_sq], hyper, grad_scale,
-                             chunk=self.host_chunk if u.plan.compute is Where.HOST else 0)
+                self.update_(u, [u.master, u.grad, u.exp_avg, u.exp_avg_sq], hyper, grad_scale)
             self.step_state.finish_update(i)
 
     def _run_device_streamed(self, ids: list[int], hyper: list[kernels.Hyper], grad_scale: float | None) -> None:
@@ -211,15 +218,16 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
                                 lambda u: self.step_state.finish_update(u.index))
 
     def update_(self, unit: Unit, flats: list[torch.Tensor], hyper: list[kernels.Hyper], grad_scale: float | None,
-                chunk: int = 0, refresh: bool = True) -> None:
-        """One AdamW update of ``unit`` on [master, grad, exp_avg, exp_avg_sq] (counted), then its compute copy."""
+                refresh: bool = True) -> None:
+        """One AdamW update of ``unit`` on [master, grad, exp_avg, exp_avg_sq] (counted), with its compute copy."""
         self._counts[unit.index] += 1
-        copy = refresh and unit.compute is not None
-        after = (lambda a, b: unit.compute[a:b].copy_(unit.master[a:b])) if copy and chunk else None
+        compute = unit.compute if refresh else None
+        t0 = time.perf_counter()
         for step, groups in self._groups_by_step(unit, hyper, self._reached.pop(unit.index, None)):
-            kernels.adamw_(*flats, groups, step, grad_scale, chunk, after)
-        if copy and not chunk:
-            unit.refresh_compute_()
+            kernels.adamw_(*flats, groups, step, grad_scale, compute, self.host_kernel)
+        if flats[0].device.type == "cpu":  # (GPU updates are asynchronous launches: not timed here)
+            self.host_update_seconds += time.perf_counter() - t0
+            self.host_update_params += unit.numel
 
     def _groups_by_step(self, unit: Unit, hyper: list[kernels.Hyper],
                         reached: list[bool] | None) -> list[tuple[int, kernels.Groups]]:

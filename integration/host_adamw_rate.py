@@ -1,0 +1,122 @@
+"""Host AdamW rate on this machine: G param/s and GB/s of the update variants, one 14B-width layer's worth.
+
+Measures what bounds the CPU optimizer of the streamed regime (issue 15): torch's fused AdamW kernel alone, with the
+compute-copy pass after it, with global-norm clipping (the kernel unscales the gradient in place: one more write),
+the single-pass compiled kernel (core/kernels.py ``HostKernel.COMPILED``: update + compute copy in one loop), from
+the main thread and from a worker thread (where the optimizer runs), and alongside PCIe DMA into pinned memory (the
+gradient offload runs while the optimizer does). Bytes per parameter are counted from what each variant reads and
+writes; the host's copy bandwidth is measured the same way for the ceiling.
+
+    python integration/host_adamw_rate.py --out integration/results   # JSON: host_adamw_rate_<host>.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from hf_megatrain.core import kernels  # noqa: E402
+
+BYTES = {"fused": 28, "fused+copy": 34, "fused+clip": 32, "fused+clip+copy": 38, "compiled+copy": 30,
+         "compiled+clip+copy": 30, "copy": 12}
+
+
+def timed(fn, reps: int) -> float:
+    fn()
+    best = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best.append(time.perf_counter() - t)
+    return sorted(best)[len(best) // 2]
+
+
+def in_thread(fn):
+    def run():
+        out = {}
+        t = threading.Thread(target=lambda: out.setdefault("v", fn()))
+        t.start()
+        t.join()
+        return out["v"]
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--numel", type=int, default=275_268_608)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    n = args.numel
+    pin = torch.cuda.is_available()
+    mk = lambda dt=torch.float32: torch.empty(n, dtype=dt, pin_memory=pin)  # noqa: E731
+    p, g, m, v = mk(), mk(), mk(), mk()
+    for t in (p, g, m, v):
+        t.uniform_(0.1, 1.0)
+    out = mk(torch.bfloat16)
+    h = kernels.Hyper(1e-4, (0.9, 0.999), 1e-8, 0.01)
+    groups = [(h, [(0, n)])]
+    step = [10]
+
+    def fused(copy: bool, clip: bool, impl: kernels.HostKernel):
+        def run():
+            step[0] += 1
+            kernels.adamw_(p, g, m, v, groups, step[0], 1.0 if clip else None,
+                           compute=out if copy else None, impl=impl)
+        return run
+
+    variants = {
+        "fused": fused(False, False, kernels.HostKernel.FUSED),
+        "fused+copy": fused(True, False, kernels.HostKernel.FUSED),
+        "fused+clip+copy": fused(True, True, kernels.HostKernel.FUSED),
+        "compiled+copy": fused(True, False, kernels.HostKernel.COMPILED),
+        "compiled+clip+copy": fused(True, True, kernels.HostKernel.COMPILED),
+        "copy": lambda: m.copy_(v),
+    }
+    res = {"host": platform.node(), "threads": torch.get_num_threads(), "numel": n, "pinned": pin,
+           "torch": torch.__version__, "cpu_count": os.cpu_count(), "variants": {}}
+    for name, fn in variants.items():
+        for where, f in (("main", fn), ("thread", in_thread(fn))):
+            s = timed(f, args.reps)
+            b = BYTES[name]
+            res["variants"][f"{name}/{where}"] = {"s": s, "Gparam_s": n / s / 1e9, "bytes_per_param": b,
+                                                  "GB_s": n * b / s / 1e9}
+            print(f"{name:>20s} {where:>6s}: {s * 1e3:7.1f} ms  {n / s / 1e9:5.2f} G param/s  "
+                  f"{b} B/param  {n * b / s / 1e9:6.1f} GB/s", flush=True)
+    if torch.cuda.is_available():  # the same update while gradients stream D2H into pinned memory
+        dev = torch.empty(n // 2, dtype=torch.float32, device="cuda")
+        dst = torch.empty(n // 2, dtype=torch.float32, pin_memory=True)
+        stop = threading.Event()
+        s2 = torch.cuda.Stream()
+
+        def dma():
+            with torch.cuda.stream(s2):
+                while not stop.is_set():
+                    dst.copy_(dev, non_blocking=True)
+                    s2.synchronize()
+        t = threading.Thread(target=dma)
+        t.start()
+        for name in ("fused+copy", "compiled+copy"):
+            s = timed(in_thread(variants[name]), args.reps)
+            res["variants"][f"{name}/thread+d2h"] = {"s": s, "Gparam_s": n / s / 1e9}
+            print(f"{name:>20s} +d2h  : {s * 1e3:7.1f} ms  {n / s / 1e9:5.2f} G param/s", flush=True)
+        stop.set()
+        t.join()
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        path = Path(args.out) / f"host_adamw_rate_{platform.node()}.json"
+        path.write_text(json.dumps(res, indent=1))
+        print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()

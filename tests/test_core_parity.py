@@ -129,3 +129,27 @@ def test_speculation_needs_a_whole_step_gradient():
     cfg = MegaTrainConfig(compute_dtype="float32")
     worst, engine, _ = run_parity(tiny("llama"), ga=2, steps=3, max_grad_norm=1e6, config=cfg, final_backward=True)
     assert engine.optimizer.speculated == 0
+
+
+def test_speculative_worker_takes_the_unit_the_next_forward_needs_first():
+    """Landings queued behind a busy worker are taken in the next forward's order, not in landing order."""
+    import heapq
+    import threading
+
+    from hf_megatrain import MegaTrainEngine
+
+    engine = MegaTrainEngine(tiny("llama", num_hidden_layers=4), MegaTrainConfig(compute_dtype="float32"))
+    opt = engine.create_optimizer()
+    if opt._spec_pool is None:
+        pytest.skip("speculation needs overlap_optimizer")
+    seen, gate = [], threading.Event()
+    opt._speculate = lambda i, sq: seen.append(i)
+    opt._spec_pool.submit(gate.wait)  # the worker is busy while four gradients land, last layer first
+    landings = [u.index for u in reversed(engine.layer_units)]
+    for i in landings:
+        with opt._spec_lock:
+            heapq.heappush(opt._spec_queue, (opt._forward_pos[i], i, 1.0))
+        opt._spec_jobs.append(opt._spec_pool.submit(opt._speculate_next))
+    gate.set()
+    opt._sync_spec()
+    assert seen == [u.index for u in engine.layer_units]

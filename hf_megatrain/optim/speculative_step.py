@@ -11,6 +11,8 @@ to the normal path.
 
 from __future__ import annotations
 
+import heapq
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -33,6 +35,13 @@ class SpeculativeStep:
         self._spec_pool = ThreadPoolExecutor(1, thread_name_prefix="megatrain-spec") \
             if speculate and self.overlap else None
         self._spec_jobs: list[Future] = []
+        # Landed units waiting for the worker, (position in the next forward, unit, squared norm): the worker takes
+        # the one the next forward needs first. Gradients land in backward order (last layer first), so in the
+        # backward it takes the newest landing, and once the backward is over the rest go in forward order: the
+        # next forward starts after one update instead of all of them, and the CPU works through the forward too.
+        self._spec_queue: list[tuple[int, int, float]] = []
+        self._spec_lock = threading.Lock()
+        self._forward_pos = {u: k for k, u in enumerate(self.unit_order)}
         self.speculated = 0  # units updated during a backward
         self.taken_back = 0  # speculative updates taken back and redone (steps that clipped after one that did not)
         if speculate:
@@ -50,11 +59,18 @@ class SpeculativeStep:
         if (flags is not None and not all(flags)) or i in self._missed:
             return
         self.step_state.begin_update(i)
-        job = lambda: self._speculate(i, sq)  # noqa: E731
+        with self._spec_lock:
+            heapq.heappush(self._spec_queue, (self._forward_pos[i], i, sq))
         if self._spec_pool is None:
-            job()
+            self._speculate_next()
         else:
-            self._spec_jobs.append(self._spec_pool.submit(job))
+            self._spec_jobs.append(self._spec_pool.submit(self._speculate_next))
+
+    def _speculate_next(self: Any) -> None:
+        """One job per landing; each takes whichever queued unit the next forward needs first."""
+        with self._spec_lock:
+            _, i, sq = heapq.heappop(self._spec_queue)
+        self._speculate(i, sq)
 
     def _speculate(self: Any, i: int, sq: float) -> None:
         changed = False

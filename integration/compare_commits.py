@@ -21,7 +21,9 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-REGIMES = {"auto": {}, "streamed": {"device_layers": 0, "device_step_layers": 0}}
+sys.path.insert(0, HERE)
+from bench.common import REGIMES  # noqa: E402  (one definition, shared with bench_vs_deepspeed.py)
+
 KEEP = ("tokens_per_step", "step_time_s", "tokens_per_s", "model_tflops", "mfu", "peak_gpu_alloc_gib",
         "peak_host_rss_gib", "status", "error")
 
@@ -32,8 +34,11 @@ def run_tree(tree: str, regime: str, a: argparse.Namespace, scratch: str) -> dic
            "--megatrain-mode", "trainer", "--megatrain-config", cfg, "--no-profile", "--steps", str(a.steps),
            "--warmup", str(a.warmup), "--budget", str(a.budget), "--timeout", str(a.timeout), "--out", scratch,
            "--fresh"]
+    bench_src = open(os.path.join(tree, "integration/bench_vs_deepspeed.py")).read()
+    if "--regime" in bench_src:  # (it defaults to streamed: name the regime; older trees take the overlay alone)
+        cmd += ["--regime", regime]
     if a.max_grad_norm is not None:
-        if "--max-grad-norm" in open(os.path.join(tree, "integration/bench_vs_deepspeed.py")).read():
+        if "--max-grad-norm" in bench_src:
             cmd += ["--max-grad-norm", str(a.max_grad_norm)]
         else:
             runner = os.path.join(tree, "integration/bench/run_megatrain.py")

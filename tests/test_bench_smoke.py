@@ -1,7 +1,7 @@
 """CPU smoke test of the side-by-side benchmark harness (integration/bench_vs_deepspeed.py): the plumbing only.
 
-The peers (DeepSpeed, FSDP2 with CPU offload) need CUDA and are not run here; hf_megatrain runs on a tiny Qwen2
-in a subprocess exactly as on the GPU, and the trace parser, retry plan, merge and table are checked directly.
+DeepSpeed needs CUDA and is not run here; hf_megatrain (both regimes), plain HF training and FSDP2 run on a tiny
+Qwen2 in subprocesses exactly as on the GPU, and the trace parser, retry plan, merge and table are checked directly.
 """
 
 from __future__ import annotations
@@ -57,16 +57,41 @@ def test_retry_plan():
     assert [t["micro_batch"] for t in bench.attempts("deepspeed", 16, a)] == [16, 8, 4]
     assert [t["grad_accum"] for t in bench.attempts("fsdp2", 16, a)] == [1, 2, 4]
     assert [t["micro_batch"] for t in bench.attempts("fsdp2", 4, a)] == [4, 2, 1]
+    assert [t["micro_batch"] for t in bench.attempts("plain", 16, a)] == [16, 8, 4]
     mt = bench.attempts("megatrain", 16, a)
     assert [t["megatrain_config"]["micro_batch_size"] for t in mt] == [0, 4] and mt[0]["mode"] == "engine"
+    assert a.regimes == ["streamed"] and mt[0]["regime"] == "streamed"  # the default: every layer streamed
+    assert mt[0]["megatrain_config"]["device_layers"] == 0 and mt[0]["megatrain_config"]["device_step_layers"] == 0
+    auto = bench.attempts("megatrain", 16, a, "auto")[0]
+    assert auto["regime"] == "auto" and "device_layers" not in auto["megatrain_config"]
     a = bench.parse_args(["--ds-micro", "8", "--ds-prefetch-bucket", "1e8", "--ds-offload-ratio", "0.5",
                           "--megatrain-split", "4", "--megatrain-config", '{"num_slots": 3}'])
     ds = bench.attempts("deepspeed", 16, a)
     assert len(ds) == 1 and ds[0]["grad_accum"] == 2
     assert ds[0]["ds"]["zero_optimization"]["stage3_prefetch_bucket_size"] == 100_000_000
     assert ds[0]["ds"]["zero_optimization"]["offload_optimizer"]["ratio"] == 0.5
-    assert bench.attempts("megatrain", 16, a)[0]["megatrain_config"] == {"torch_compile": True, "num_slots": 3,
-                                                                     "micro_batch_size": 4}
+    assert bench.attempts("megatrain", 16, a)[0]["megatrain_config"] == {
+        "torch_compile": True, "num_slots": 3, "device_layers": 0, "device_step_layers": 0, "micro_batch_size": 4}
+    a = bench.parse_args(["--plain-micro", "4", "--regime", "auto,streamed"])
+    assert [(t["micro_batch"], t["grad_accum"]) for t in bench.attempts("plain", 16, a)] == [(4, 4)]
+    assert a.regimes == ["auto", "streamed"]
+
+
+def test_regime_flag_refuses_contradictions(capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--regime", "streamed", "--megatrain-config", '{"device_layers": 2}'])
+    assert "device_layers" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--regime", "planner"])
+    a = bench.parse_args(["--regime", "auto", "--megatrain-config", '{"device_layers": 2}'])
+    assert bench.attempts("megatrain", 4, a, "auto")[0]["megatrain_config"]["device_layers"] == 2
+
+
+def test_compare_commits_shares_the_regimes():
+    import compare_commits
+    from bench.common import REGIMES
+
+    assert compare_commits.REGIMES is REGIMES
 
 
 def test_deepspeed_config_merge():
@@ -89,24 +114,45 @@ def test_merge_ratios_and_table(tmp_path):
     spec = {"tiny": False, "layers": 8, "seq": 2048, "peak_tflops": 800.0}
     run = {"command": "one", "started": "t0"}
     doc = bench.merge_and_write(path, {"gpu": "X", "date": "d", "versions": {}, "spec": spec, "run": run,
-                                       "records": {"megatrain@4": _rec("megatrain", 4, 6000.0)}}, fresh=True)
-    assert doc["ratios"]["4"] == {"ours_tokens_per_s": 6000.0, "ours_over_best_published_peer": 6000 / 4261}
+                                       "records": {"new": _rec("megatrain", 4, 6000.0, regime="streamed")}},
+                                fresh=True)
+    assert doc["ratios"]["4"] == {"streamed": {"ours_tokens_per_s": 6000.0,
+                                               "ours_over_best_published_peer": 6000 / 4261}}
     run2 = {"command": "two", "started": "t1"}
     doc = bench.merge_and_write(path, {"gpu": "X", "date": "d", "versions": {}, "spec": spec, "run": run2,
                                        "records": {"deepspeed@4": _rec("deepspeed", 4, 3000.0),
                                                    "fsdp2@4": _rec("fsdp2", 4, 4000.0),
                                                    "fsdp2@16": {"system": "fsdp2", "batch": 16, "status": "error",
                                                                 "error": "OutOfMemoryError: boom"}}}, fresh=False)
-    assert set(doc["records"]) == {"megatrain@4", "deepspeed@4", "fsdp2@4", "fsdp2@16"}
+    assert set(doc["records"]) == {"megatrain:streamed@4", "deepspeed@4", "fsdp2@4", "fsdp2@16"}
     assert doc["ratios"]["4"]["best_peer"] == "fsdp2"
-    assert doc["ratios"]["4"]["ours_over_best_peer"] == pytest.approx(1.5)
+    assert doc["ratios"]["4"]["streamed"]["ours_over_best_peer"] == pytest.approx(1.5)
+    # The auto regime beside it (kept apart), against plain; the host AdamW rate and the wait share in the table.
+    doc = bench.merge_and_write(path, {"gpu": "X", "date": "d", "versions": {}, "spec": spec, "run": run2, "records": {
+        "a": _rec("megatrain", 4, 9000.0, regime="auto", cpu_optimizer={"forward_wait_for_optimizer_s": 0.03},
+                  host_adamw={"gparam_per_s": 5.25, "bytes_per_param": 30.0, "gb_per_s": 157.5}),
+        "b": _rec("plain", 4, 10000.0)}}, fresh=False)
+    assert doc["records"]["megatrain:streamed@4"]["tokens_per_s"] == 6000.0
+    assert doc["ratios"]["4"]["auto"]["ours_over_plain"] == pytest.approx(0.9)
+    assert doc["ratios"]["4"]["streamed"]["ours_over_plain"] == pytest.approx(0.6)
     assert [r["command"] for r in doc["runs"]] == ["one", "two"]
     doc = bench.merge_and_write(path, {"gpu": "X", "date": "d", "versions": {}, "spec": spec, "run": run2,
                                        "records": {"deepspeed@4": {"system": "deepspeed", "batch": 4,
                                                                    "status": "skipped"}}}, fresh=False)
     assert doc["records"]["deepspeed@4"]["status"] == "ok"  # a run skipped for time keeps the earlier result
     md = open(path[:-5] + ".md").read()
-    assert "1.50x" in md and "OutOfMemoryError" in md and "3,798" in md
+    assert "1.50x FSDP2 CPU offload" in md and "0.90x plain" in md and "OutOfMemoryError" in md and "3,798" in md
+    assert "hf_megatrain (streamed)" in md and "hf_megatrain (auto)" in md and "plain HF on the GPU" in md
+    assert "| 5.25 | 30.0 | 157.5 |" in md and "0.030 (3.0%)" in md
+    # A file from before --regime: its megatrain@4 ran the planner's placement, so it merges as the auto regime.
+    doc["records"] = {"megatrain@4": _rec("megatrain", 4, 7000.0, spec={"megatrain_config": {"micro_batch_size": 0}}),
+                      "megatrain@16": _rec("megatrain", 16, 8000.0, spec={"megatrain_config": {
+                          "device_layers": 0, "device_step_layers": 0}})}
+    with open(path, "w") as f:
+        json.dump(doc, f)
+    doc = bench.merge_and_write(path, {"gpu": "X", "date": "d", "versions": {}, "spec": spec, "run": run2,
+                                       "records": {}}, fresh=False)
+    assert set(doc["records"]) == {"megatrain:auto@4", "megatrain:streamed@16"}
     with pytest.raises(SystemExit):  # a different model must not be merged into these results
         bench.merge_and_write(path, {"gpu": "X", "date": "d", "versions": {}, "spec": {**spec, "layers": 4},
                                      "run": run, "records": {}}, fresh=False)
@@ -125,14 +171,14 @@ def test_tiny_engine_end_to_end(tmp_path):
                        "--steps", "2", "--warmup", "1", "--out", out, "--megatrain-split", "4", *FAST]) == 0
     doc = _load(out)
     for b in (4, 8):
-        r = doc["records"][f"megatrain@{b}"]
+        r = doc["records"][f"megatrain:streamed@{b}"]
         assert r["status"] == "ok", r.get("error")
         assert r["mode"] == "engine" and r["tokens_per_step"] == b * 64 and len(r["step_times_s"]) == 2
         assert r["tokens_per_s"] > 0 and r["n_params"] > 0 and r["peak_host_rss_gib"] > 0
         assert r["megatrain_config"]["micro_batch_size"] == 4
         assert all(x == x for x in r["losses"])  # finite, not NaN
-    assert doc["records"]["megatrain@8"]["in_layer_split"] == 4
-    assert os.path.exists(os.path.join(out, "logs", "megatrain_b4.log"))
+    assert doc["records"]["megatrain:streamed@8"]["in_layer_split"] == 4
+    assert os.path.exists(os.path.join(out, "logs", "megatrain_streamed_b4.log"))
 
 
 @pytest.mark.slow  # subprocess: one benchmark run per system
@@ -141,7 +187,7 @@ def test_failed_run_is_recorded_and_the_next_one_goes_on(tmp_path):
     bench.main(["--tiny", "--systems", "megatrain,fsdp2", "--sizes", "4", "--steps", "1", "--warmup", "1",
                 "--megatrain-mode", "engine", "--megatrain-config", '{"no_such_key": 1}', "--out", out, *FAST])
     doc = _load(out)
-    bad = doc["records"]["megatrain@4"]
+    bad = doc["records"]["megatrain:streamed@4"]
     assert bad["status"] == "error" and "no_such_key" in bad["error"] and bad["attempts_before"] == []
     assert doc["records"]["fsdp2@4"]["status"] == "ok"
     assert "**error**" in open(os.path.join(out, [f for f in os.listdir(out) if f.endswith(".md")][0])).read()
@@ -154,9 +200,38 @@ def test_tiny_trainer_end_to_end(tmp_path):
     out = str(tmp_path)
     bench.main(["--tiny", "--systems", "megatrain", "--megatrain-mode", "trainer", "--sizes", "4", "--steps", "2",
                 "--warmup", "1", "--out", out, *FAST])
-    r = _load(out)["records"]["megatrain@4"]
+    r = _load(out)["records"]["megatrain:streamed@4"]
     assert r["status"] == "ok", r.get("error")
     assert r["mode"] == "trainer" and len(r["step_times_s"]) == 2 and r["tokens_per_s"] > 0
+    assert r["host_adamw"]["gparam_per_s"] > 0 and r["forward_wait_share"] is not None
+
+
+@pytest.mark.slow  # subprocess: one benchmark run per system / regime
+def test_tiny_streamed_auto_and_plain_end_to_end(tmp_path):
+    out = str(tmp_path)
+    assert bench.main(["--tiny", "--systems", "megatrain,plain", "--regime", "streamed,auto", "--sizes", "4",
+                       "--megatrain-mode", "engine", "--plain-micro", "2", "--steps", "2", "--warmup", "1",
+                       "--out", out, *FAST]) == 0
+    doc = _load(out)
+    assert set(doc["records"]) == {"megatrain:streamed@4", "megatrain:auto@4", "plain@4"}
+    for key, r in doc["records"].items():
+        assert r["status"] == "ok", (key, r.get("error"))
+        assert r["tokens_per_step"] == 4 * 64 and len(r["step_times_s"]) == 2 and r["tokens_per_s"] > 0
+    s, a = doc["records"]["megatrain:streamed@4"], doc["records"]["megatrain:auto@4"]
+    assert s["megatrain_config"]["device_layers"] == 0 and s["megatrain_config"]["device_step_layers"] == 0
+    assert a["megatrain_config"]["device_layers"] == -1  # the planner decides
+    h = s["host_adamw"]
+    # bf16 compute copy on the host units: fused kernel 28 B + copy pass (4 + 2), + 4 on the steps that clipped;
+    # the compiled kernel 28 + 2 whether or not.
+    assert h["gparam_per_s"] > 0
+    assert (34.0 <= h["bytes_per_param"] <= 38.0) if h["host_kernel"] == "fused" else h["bytes_per_param"] == 30.0
+    assert h["gb_per_s"] == pytest.approx(h["gparam_per_s"] * h["bytes_per_param"])
+    assert 0 <= s["forward_wait_share"] < 1
+    p = doc["records"]["plain@4"]
+    assert (p["micro_batch"], p["grad_accum"]) == (2, 2) and "fused=True" in p["optimizer"]
+    assert doc["ratios"]["4"]["auto"]["ours_over_plain"] > 0
+    md = open(os.path.join(out, [f for f in os.listdir(out) if f.endswith(".md")][0])).read()
+    assert "x plain" in md and "host AdamW G param/s" in md
 
 
 def test_negative_clip_threshold_is_refused(capsys):

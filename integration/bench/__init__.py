@@ -1,4 +1,5 @@
-"""Side-by-side benchmark of hf_megatrain vs DeepSpeed ZeRO-3 offload vs FSDP2 CPU offload (one system per process).
+"""Side-by-side benchmark of hf_megatrain vs DeepSpeed ZeRO-3 offload vs FSDP2 CPU offload vs plain GPU training
+(one system per process).
 
 Entry point: ``integration/bench_vs_deepspeed.py``. Each ``run_<system>.py`` here runs ONE system at ONE batch
 size from a JSON spec and writes one JSON record; ``common.py`` holds what all of them must share (model, data,

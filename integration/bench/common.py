@@ -1,6 +1,6 @@
 """What every benchmarked system shares: the model, the data, the clock, the metrics and the record format.
 
-The comparison is only fair if all three systems train the very same model on the very same tokens and are
+The comparison is only fair if all the systems train the very same model on the very same tokens and are
 timed the same way, so none of that lives in the per-system runners:
 
 * model: Qwen2-shaped at 14B width (hidden 5120, MLP 13824, 40 heads / 8 KV heads, vocab 152064, untied), N
@@ -39,6 +39,17 @@ TINY_WIDTH = dict(hidden_size=64, intermediate_size=160, num_attention_heads=4, 
 FULL_SEQ, TINY_SEQ = 2048, 64
 PEAK_TFLOPS = 800.0  # dense bf16 H100 SXM as measured here (8192^3 matmul ~798 TFLOP/s)
 GIB = 2 ** 30
+# hf_megatrain's placement per regime, merged into its MegaTrainConfig (bench_vs_deepspeed.py, compare_commits.py).
+# auto: the planner's choice (a model that fits keeps most layers on the GPU). streamed: the users' case, a model many
+# times the GPU's memory: every decoder layer streamed and no streamed layer keeps per-parameter state (weights,
+# gradients, moments) on the GPU between steps; the resident parts (embeddings, final norm, lm_head) may stay.
+REGIMES: dict[str, dict[str, int]] = {"auto": {}, "streamed": {"device_layers": 0, "device_step_layers": 0}}
+
+
+def regime_of(megatrain_config: dict) -> str:
+    """The regime a MegaTrainConfig override dict runs in (streamed iff it holds the whole streamed overlay)."""
+    streamed = REGIMES["streamed"]
+    return "streamed" if all(megatrain_config.get(k) == v for k, v in streamed.items()) else "auto"
 
 
 # -- model ------------------------------------------------------------------------------------------------------------
@@ -51,18 +62,20 @@ def model_config(spec: dict) -> Any:
 
 
 def _init_value(name: str, shape: torch.Size, dtype: torch.dtype, gen_device: torch.device,
-                gen: torch.Generator) -> torch.Tensor:
+                gen: torch.Generator, device: torch.device) -> torch.Tensor:
     if name.endswith("norm.weight"):
-        return torch.ones(shape, dtype=dtype)
+        return torch.ones(shape, dtype=dtype, device=device)
     if name.endswith("bias"):
-        return torch.zeros(shape, dtype=dtype)
+        return torch.zeros(shape, dtype=dtype, device=device)
     t = torch.empty(shape, dtype=dtype, device=gen_device)
     t.normal_(0.0, 0.02, generator=gen)
-    return t.to("cpu")
+    return t.to(device)
 
 
-def build_model(spec: dict, dtype: torch.dtype) -> torch.nn.Module:
-    """The benchmark model on the host in ``dtype`` (buffers such as rotary tables stay fp32), random init."""
+def build_model(spec: dict, dtype: torch.dtype, device: str | torch.device = "cpu") -> torch.nn.Module:
+    """The benchmark model in ``dtype`` (buffers such as rotary tables stay fp32), random init; parameters are
+    materialised on ``device`` (the host by default; the plain-GPU peer builds straight on the GPU), the same values
+    wherever they land (drawn on the GPU when there is one)."""
     from accelerate import init_empty_weights
     from transformers import Qwen2ForCausalLM
 
@@ -71,6 +84,7 @@ def build_model(spec: dict, dtype: torch.dtype) -> torch.nn.Module:
         model = Qwen2ForCausalLM(cfg)
     gen_device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     gen = torch.Generator(device=gen_device).manual_seed(int(spec.get("seed", 0)))
+    device = torch.device(device)
     done: dict[int, torch.nn.Parameter] = {}
     with torch.no_grad():
         for mname, module in model.named_modules():
@@ -79,7 +93,7 @@ def build_model(spec: dict, dtype: torch.dtype) -> torch.nn.Module:
                     continue
                 if id(p) not in done:
                     full = f"{mname}.{pname}" if mname else pname
-                    done[id(p)] = torch.nn.Parameter(_init_value(full, p.shape, dtype, gen_device, gen),
+                    done[id(p)] = torch.nn.Parameter(_init_value(full, p.shape, dtype, gen_device, gen, device),
                                                      requires_grad=p.requires_grad)
                 module._parameters[pname] = done[id(p)]
     model.config.use_cache = False

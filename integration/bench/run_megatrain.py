@@ -4,7 +4,9 @@ Two modes. ``trainer``: the path users run, ``MegaTrainTrainer`` + ``MegaTrainTr
 callback. ``engine``: ``MegaTrainEngine`` + ``engine.create_optimizer`` in a plain loop, i.e. the core without
 any Trainer overhead. Both: the batch is one optimizer step (``batch`` sequences; ``micro_batch_size`` in the
 MegaTrain config splits it inside each layer visit), bf16 compute, FP32 master, CPU AdamW with grad clipping
-1.0, then one extra profiled step (not timed) for the per-phase breakdown.
+``max_grad_norm``, then one extra profiled step (not timed) for the per-phase breakdown. Also recorded: the host
+AdamW rate (G param/s, bytes moved per parameter, GB/s) from the optimizer's counters over the timed steps, and the
+forward's wait on the previous step's optimizer as a share of the step.
 """
 
 from __future__ import annotations
@@ -49,6 +51,48 @@ def _host_phases(per_step: list[dict], warm: int) -> dict[str, Any]:
     return {k: _median([s.get(k) for s in timed]) for k in keys}
 
 
+def _host_adamw_snapshot(opt: Any) -> dict[str, Any] | None:
+    """The optimizer's cumulative host AdamW work (optim/adamw.py counters) after a step, and whether that step
+    clipped (the optimizer's own rule on the norm it just computed); None for an optimizer without the counters."""
+    if opt is None or not hasattr(opt, "host_update_params"):
+        return None
+    norm = getattr(opt, "last_grad_norm", None)
+    clip = norm is not None and opt._grad_scale(norm) is not None
+    return {"s": opt.host_update_seconds, "params": opt.host_update_params, "clip": clip}
+
+
+def _host_adamw(opt: Any, snaps: list[dict | None], warm: int, steps: int) -> dict[str, Any]:
+    """Host AdamW rate over the timed steps: params and seconds are counter deltas from the end of the last warm-up
+    step to the end of the last timed one (updates still running at a boundary count on neither side; an update
+    adds its params and seconds together, so the rate is exact); bytes/param from core/kernels.py per timed step
+    (clipped or not) averaged over the host-updated units' parameters (compute copy: its element size)."""
+    if opt is None or any(x is None for x in snaps[:warm + steps]) or len(snaps) < warm + steps:
+        return {}
+    from hf_megatrain.core import kernels
+    from hf_megatrain.core.plan import Stepper
+
+    a = snaps[warm - 1] if warm else {"s": 0.0, "params": 0}
+    b = snaps[warm + steps - 1]
+    d_params, d_s = b["params"] - a["params"], b["s"] - a["s"]
+    # The units whose updates the counters count: masters on the host, updated there (not streamed to the GPU).
+    units = [u for u in opt.store.units if u.master.device.type == "cpu" and u.plan.stepper is not
+             Stepper.DEVICE_STREAMED]
+    numel = sum(u.numel for u in units)
+
+    def bytes_per_param(clip: bool) -> float:
+        return sum(u.numel * kernels.host_bytes_per_param(opt.host_kernel, clip, u.compute.element_size()
+                                                          if u.compute is not None else 0)
+                   for u in units) / max(numel, 1)
+
+    clips = [s["clip"] for s in snaps[warm:warm + steps]]
+    bpp = sum(bytes_per_param(c) for c in clips) / len(clips)
+    rate = d_params / d_s if d_s > 0 else None
+    return {"host_kernel": opt.host_kernel.value, "host_params": numel, "params_per_step": d_params / steps,
+            "seconds_per_step": d_s / steps, "gparam_per_s": rate / 1e9 if rate else None,
+            "bytes_per_param": bpp, "gb_per_s": rate * bpp / 1e9 if rate else None,
+            "clipped_steps": sum(clips), "timed_steps": steps}
+
+
 def run_engine(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str, Any]:
     from hf_megatrain import MegaTrainEngine
     from hf_megatrain.config import resolve_config
@@ -64,6 +108,7 @@ def run_engine(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str,
     rows = token_rows(spec, total)
     items = batch * (int(spec["seq"]) - 1)  # what Trainer passes: label tokens after the shift (no padding)
     clock, losses, per_step, phases, prof = StepClock(spec.get("clock_sync") == "stream"), [], [], {}, None
+    snaps: list[dict | None] = []
     clock.mark()
     for i in range(total):
         if n_prof and i == warm + steps:
@@ -77,6 +122,7 @@ def run_engine(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str,
         opt.step()
         opt.zero_grad()
         call_s = time.perf_counter() - t0
+        snaps.append(_host_adamw_snapshot(opt))
         if n_prof and i == total - 1:
             prof.stop()
             phases = prof.phases
@@ -92,6 +138,7 @@ def run_engine(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str,
            "grad_norm_last": getattr(opt, "last_grad_norm", None),
            "skipped_steps": getattr(opt, "skipped_steps", None), "periods": clock.periods,
            "cpu_optimizer": _host_phases(per_step[:warm + steps], warm), "phases": phases,
+           "host_adamw": _host_adamw(opt, snaps, warm, steps),
            "h2d_gb": getattr(ex, "h2d_bytes", 0) / 1e9, "d2h_gb": getattr(ex, "d2h_bytes", 0) / 1e9,
            "megatrain_config": resolve_config(mt_config, environ={}).to_dict()}
     return out
@@ -140,6 +187,7 @@ def run_trainer(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str
     n_prof = _profile_steps(spec)
     total = warm + steps + n_prof
     clock, per_step, state = StepClock(spec.get("clock_sync") == "stream"), [], {"phases": {}}
+    snaps: list[dict | None] = []
     cuda = torch.cuda.is_available()
     timeline = _timeline(model) if spec.get("timeline") else None
 
@@ -168,6 +216,7 @@ def run_trainer(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str
             if timeline is not None:
                 timeline.cut()
             opt, ex = state.get("opt"), state.get("ex")
+            snaps.append(_host_adamw_snapshot(opt))
             w1 = getattr(ex, "wait_optimizer_s", None)
             per_step.append({"optimizer_norm_s": getattr(opt, "last_norm_seconds", None),
                              "optimizer_worker_s": getattr(opt, "last_step_seconds", None),
@@ -198,6 +247,7 @@ def run_trainer(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str
     return {**extra, "mode": "trainer", "setup_s": setup_s, "train_loss": result.training_loss,
             "grad_norm_last": getattr(opt, "last_grad_norm", None), "periods": clock.periods,
             "cpu_optimizer": _host_phases(per_step[:warm + steps], warm), "phases": state["phases"],
+            "host_adamw": _host_adamw(opt, snaps, warm, steps),
             "megatrain_config": args.megatrain_resolved_config().to_dict(), "trainer_bf16_flag": False}
 
 
@@ -218,6 +268,7 @@ def run(spec: dict) -> dict[str, Any]:
         raise ValueError(f"megatrain mode {mode!r}: use 'engine' or 'trainer'")
     res.update(throughput(spec, n_params, res.pop("periods")))
     res.update(n_params=n_params, model_build_s=build_s, micro_batch=int(spec["batch"]), grad_accum=1,
+               regime=spec.get("regime", "auto"),
                in_layer_split=int(mt_config.get("micro_batch_size", 0) or 0),
                model_init="bf16 on host (meta + N(0,0.02)); FP32 master made by the host store")
     return res

@@ -70,6 +70,8 @@ class StreamedLayer(nn.Module):
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         ex = self._executor[0]
         call = (args, kwargs)
+        if ex.rows.probing:  # the decoder re-run that finds which inputs hold batch rows (engine/batch_rows.py)
+            return ex.rows.visit(self.index, hidden_states, call)
         tap = ex.tap if ex.tap is not None and ex.tap.active else None
         if torch.is_grad_enabled():
             flat = pytree.tree_leaves(call)

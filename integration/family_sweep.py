@@ -164,19 +164,29 @@ def _plain_train(model, batches, lr, wd, mgn, dtype, reverse=False):
     return losses, grads, weights
 
 
-def _compare(a, b, lr):
-    """Worst relative error of run ``a`` against run ``b`` (null-gradient parameters in absolute terms)."""
+def _compare(a, b, lr, eps=1e-8):
+    """Worst relative error of run ``a`` against run ``b`` (null-gradient parameters in absolute terms).
+
+    A null-gradient parameter (true gradient zero: only fp32 rounding reaches it) moves by what Adam makes of that
+    noise: with ``|g| << eps`` each step is about ``|g| / eps`` of a full step, so two runs whose rounding noise
+    differs legitimately differ by up to ``2 |g|max / eps`` steps per step (HunYuan-MoE's router gate: gradients
+    ~1e-10, 4e-3 steps apart after 3 steps). ``null_grad_excess``: the worst such difference over that allowance
+    (at least 1e-3 steps); above 1 a null-gradient parameter moved more than its own noise can move it."""
     worst = {"loss": 0.0, "grad": 0.0, "weight": 0.0}
     la, ga, wa = a
     lb, gb, wb = b
     null = set()
+    allow: dict[str, float] = {}  # per null-gradient parameter: Adam steps its noise gradients allow so far
     for s in range(len(lb)):
         for x, y in zip(la[s], lb[s]):
             worst["loss"] = max(worst["loss"], _rel(x, y))
         total = sum(float(g.double().pow(2).sum()) for g in gb[s].values()) ** 0.5
         for n, g in gb[s].items():
-            if float(g.norm()) < 1e-6 * total:
+            ours_null = n not in ga[s] or float(ga[s][n].norm()) < 1e-6 * total  # (else: a gradient error below)
+            if float(g.norm()) < 1e-6 * total and ours_null:
                 null.add(n)
+                gmax = max(float(g.abs().max()), float(ga[s][n].abs().max()) if n in ga[s] else 0.0)
+                allow[n] = allow.get(n, 0.0) + 2 * min(1.0, gmax / eps)
                 continue
             if n not in ga[s]:
                 worst["grad"] = float("inf")
@@ -185,8 +195,10 @@ def _compare(a, b, lr):
         for n, w in wb[s].items():
             if n in null:
                 # in units of one Adam step (kept out of the relative errors so it never inflates a noise floor)
-                worst["null_grad_step"] = max(worst.get("null_grad_step", 0.0),
-                                              float((wa[s][n].double() - w.double()).abs().max()) / lr)
+                moved = float((wa[s][n].double() - w.double()).abs().max()) / lr
+                worst["null_grad_step"] = max(worst.get("null_grad_step", 0.0), moved)
+                worst["null_grad_excess"] = max(worst.get("null_grad_excess", 0.0),
+                                                moved / max(1e-3, allow.get(n, 0.0)))
                 continue
             worst["weight"] = max(worst["weight"], _rel(wa[s][n], w))
     return worst
@@ -299,13 +311,14 @@ def worker(model_type: str) -> dict:
     floor = max(noise[k] for k in ("loss", "grad", "weight"))
     tol = max(1e-5, 10 * floor)
     worst = max(err[k] for k in ("loss", "grad", "weight"))
-    ok = worst <= tol and err.get("null_grad_step", 0.0) <= max(1e-3, 10 * noise.get("null_grad_step", 0.0))
+    ok = worst <= tol and (err.get("null_grad_excess", 0.0) <= 1.0
+                           or err.get("null_grad_step", 0.0) <= 10 * noise.get("null_grad_step", 0.0))
     rec.update(status="pass" if ok else "fail", error=err, noise=noise, tol=tol,
                seconds=round(time.time() - t0, 2))
     if rec["status"] == "fail":
         rec["stage"] = "numbers"
         rec["reason"] = f"max error {worst:.3e} (tol {tol:.1e}), null-gradient parameter moved up to " \
-                        f"{err.get('null_grad_step', 0.0):.1e} Adam steps (limit 1e-3) ({', '.join(f'{k} {v:.2e}' for k, v in err.items())})"
+                        f"{err.get('null_grad_step', 0.0):.1e} Adam steps ({err.get('null_grad_excess', 0.0):.1f} x what its noise gradients allow) ({', '.join(f'{k} {v:.2e}' for k, v in err.items())})"
     return rec
 
 

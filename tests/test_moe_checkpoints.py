@@ -176,3 +176,56 @@ def test_legacy_moe_load_peak_rss(tmp_path):
     assert res["probe"] == probe
     print(f"peak RSS {res['peak'] / 2**30:.2f} GiB, store {res['store'] / 2**30:.2f} GiB")
     assert res["peak"] <= 1.15 * res["store"], res
+
+
+# -- every load path: the Trainer's resume / best-model loads too -------------------------------------------------------
+def _qwen2_moe() -> transformers.PreTrainedModel:
+    from .models import COMMON
+
+    cfg = transformers.Qwen2MoeConfig(**{**COMMON, "num_experts": 4, "num_experts_per_tok": 2,
+                                         "moe_intermediate_size": 16, "shared_expert_intermediate_size": 32,
+                                         "decoder_sparse_step": 1, "output_router_logits": True,
+                                         "router_aux_loss_coef": 0.02})
+    torch.manual_seed(0)
+    return transformers.Qwen2MoeForCausalLM(cfg).float()
+
+
+MOE_BUILDERS = {"mixtral": lambda: tiny("mixtral"), "qwen2_moe": _qwen2_moe}
+
+
+@pytest.mark.parametrize("family", list(MOE_BUILDERS))
+def test_trainer_resumes_from_plain_trainer_moe_checkpoint(tmp_path, family):
+    """A checkpoint of plain transformers' Trainer (save_pretrained: per-expert keys on disk) resumed by
+    MegaTrainTrainer: the weights are the checkpoint's, converted as from_pretrained converts them."""
+    from .test_trainer import common_args, dataset, mt_args
+    from hf_megatrain import MegaTrainTrainer
+
+    kw = dict(max_steps=1, save_strategy="steps", save_steps=1)
+    plain = transformers.Trainer(model=MOE_BUILDERS[family](), args=transformers.TrainingArguments(
+        **common_args(tmp_path / "plain", **kw)), train_dataset=dataset())
+    plain.train()
+    ck = tmp_path / "plain" / "checkpoint-1"
+    with safe_open(str(ck / "model.safetensors"), "pt") as f:
+        assert any(".experts.0." in k for k in f.keys())  # the per-expert layout (else this tests nothing)
+    ours = MegaTrainTrainer(model=MOE_BUILDERS[family](), args=mt_args(tmp_path / "mt", **kw),
+                            train_dataset=dataset())
+    ours.train(resume_from_checkpoint=str(ck))  # (at max_steps already: loads, trains no further step)
+    _assert_masters_equal(ours.engine, transformers.AutoModelForCausalLM.from_pretrained(str(ck),
+                                                                                       dtype=torch.float32))
+
+
+def test_trainer_exact_resume_moe(tmp_path):
+    """MegaTrainTrainer's own MoE checkpoint (fused in-memory names) resumed: bit for bit as uninterrupted."""
+    from .test_trainer import dataset, losses, mt_args
+    from hf_megatrain import MegaTrainTrainer
+
+    kw = dict(max_steps=4, save_strategy="steps", save_steps=2)
+    full = MegaTrainTrainer(model=_qwen2_moe(), args=mt_args(tmp_path / "a", **kw), train_dataset=dataset())
+    full.train()
+    resumed = MegaTrainTrainer(model=_qwen2_moe(), args=mt_args(tmp_path / "b", **kw), train_dataset=dataset())
+    resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
+    assert losses(full) == losses(resumed)
+    full.engine.optimizer.wait()
+    resumed.engine.optimizer.wait()
+    for n in full.engine.store.names():
+        assert torch.equal(full.engine.store.master_tensor(n), resumed.engine.store.master_tensor(n)), n

@@ -29,7 +29,8 @@ from ..core.step_state import StepState
 from ..core.store import Unit
 from ..core.streams import StreamSet
 from ..model.template import LayerTemplate
-from .layer_io import Call, OutLayout, batch_major, merge_chunks, slice_call
+from .batch_rows import BatchRows
+from .layer_io import Call, OutLayout, merge_chunks, slice_call
 from .offload import GradientOffload
 from .reach import GradReach
 from .slots import WeightSlots
@@ -45,6 +46,7 @@ class StreamingExecutor:
         # Which parameters each backward reached (the optimizer skips the others, as torch.optim.AdamW does).
         self.reach = GradReach()
         self.micro_batch_size = micro_batch_size
+        self.rows = BatchRows()  # which call inputs hold rows of the batch (sliced per micro-batch)
         self.streams = StreamSet(device)
         self.weights = WeightSlots(units, state, self.streams, device=device, compute_dtype=compute_dtype,
                                    num_slots=num_slots)
@@ -134,18 +136,21 @@ class StreamingExecutor:
         batch = hidden.shape[0]
         chunks = self._chunks(batch)
         flat, spec = pytree.tree_flatten(call)
+        rows = self.rows.rows(index, batch, flat, spec, self._name(index)) if len(chunks) > 1 else None
         rng = [] if recompute and self.training and tmpl.stochastic else None
         outs = []
         with torch.no_grad():
             for a, b in chunks:
                 if rng is not None:
                     rng.append(self._rng_state())
-                args, kwargs = slice_call(flat, spec, a, b, batch)
+                args, kwargs = slice_call(flat, spec, a, b, rows)
                 h = hidden if len(chunks) == 1 else hidden[a:b]
                 outs.append(tmpl(params, self.buffers[index], self.training, (h, *args), kwargs))
         self.last_rng = rng
         self.weights.release(s)
-        return merge_chunks(outs, [b - a for a, b in chunks], self._name(index))
+        tensors, layout = merge_chunks(outs, [b - a for a, b in chunks], self._name(index))
+        self.rows.saw_output(index, batch, flat, tensors, layout)
+        return tensors, layout
 
     def _backward_layer(self, index: int, hidden: torch.Tensor, call: Call, grad_pos: list[int],
                         extras: list[torch.Tensor], needs: tuple[bool, ...], out_grads: tuple,
@@ -175,18 +180,20 @@ class StreamingExecutor:
         batch = hidden.shape[0]
         chunks = self._chunks(batch)
         split = len(chunks) > 1
+        rows = self.rows.rows(index, batch, flat, spec, self._name(index)) if split else None
+        per = [1] + [rows[p] if rows else None for p in grad_pos]  # rows per sequence of each source (hidden: 1)
         # Inputs that are not batch-major (broadcast over the batch) are one leaf for all chunks (autograd sums their
         # gradient); batch-major ones get a leaf per chunk, whose gradient fills the chunk's rows.
-        whole = [None if not need else (x.detach().requires_grad_() if not (split and batch_major(x, batch)) else None)
-                 for x, need in zip(sources, needs)]
+        whole = [None if not need else (x.detach().requires_grad_() if not (split and r) else None)
+                 for x, need, r in zip(sources, needs, per)]
         for c, (a, b) in enumerate(chunks):
             gp[:n].zero_()
-            leaves = [w if w is not None or not need else x[a:b].detach().requires_grad_()
-                      for x, w, need in zip(sources, whole, needs)]
+            leaves = [w if w is not None or not need else x[a * r:b * r].detach().requires_grad_()
+                      for x, w, need, r in zip(sources, whole, needs, per)]
             h = leaves[0] if leaves[0] is not None else (hidden[a:b] if split else hidden).detach()
             with self._replay(rng[c] if rng else None), torch.enable_grad():
                 replace = {pos: leaf for pos, leaf in zip(grad_pos, leaves[1:]) if leaf is not None}
-                args, kwargs = slice_call(flat, spec, a, b, batch, replace)
+                args, kwargs = slice_call(flat, spec, a, b, rows, replace)
                 tap = self.tap if any(g is not None for g in side_grads) else None
                 if tap is not None:
                     tap.start()
@@ -211,7 +218,7 @@ class StreamingExecutor:
                     continue  # (a whole leaf accumulates over chunks by itself)
                 if grads_in[i] is None:
                     grads_in[i] = torch.zeros_like(sources[i])
-                grads_in[i][a:b] = leaf.grad
+                grads_in[i][a * per[i]:b * per[i]] = leaf.grad
             if n == 0:
                 continue
             if c == 0:

@@ -11,8 +11,9 @@ loops read ``outputs[0]``), or a ``ModelOutput``. An autograd Function takes and
   hidden state first) and ``OutLayout.rebuild`` puts the layer's own structure back around them, non-tensor and
   None leaves passed through unchanged.
 
-A visit split into micro-batches (``micro_batch_size``) runs the layer per chunk of rows: input tensors whose
-leading dim is the batch are sliced, the others (broadcast masks, rotary tables) passed whole (``slice_call``);
+A visit split into micro-batches (``micro_batch_size``) runs the layer per chunk of rows: input tensors that hold
+rows of the batch are sliced, the others (broadcast masks, rotary tables, ALiBi biases) passed whole
+(``slice_call``; which is which is asked of the model, not read off a shape: engine/batch_rows.py);
 output tensors whose leading dim is each chunk's rows are concatenated, tensors equal in every chunk kept once
 (``shared``), and anything else is refused (``merge_chunks``): no output is silently cut or dropped.
 """
@@ -34,18 +35,13 @@ def grad_positions(flat: list[Any]) -> list[int]:
             if isinstance(x, torch.Tensor) and x.requires_grad and x.is_floating_point()]
 
 
-def batch_major(x: Any, batch: int) -> bool:
-    """True for a tensor whose leading dim is the batch (sliced per chunk); broadcast tensors (dim 0 == 1) pass."""
-    return isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch
-
-
-def slice_call(flat: list[Any], spec: pytree.TreeSpec, a: int, b: int, batch: int,
+def slice_call(flat: list[Any], spec: pytree.TreeSpec, a: int, b: int, rows: list[int | None] | None,
                replace: dict[int, torch.Tensor] | None = None) -> Call:
-    """The call for rows ``a:b`` of the batch: batch-major tensors sliced, leaves in ``replace`` substituted (the
-    backward's leaves that collect input gradients, already cut to the chunk)."""
+    """The call for rows ``a:b`` of the batch: leaves holding ``r`` rows per sequence (``rows``, decided by
+    engine/batch_rows.py; None: the whole batch, nothing sliced) cut to ``a*r:b*r``, the others passed whole,
+    leaves in ``replace`` substituted (the backward's leaves that collect input gradients, already cut)."""
     replace = replace or {}
-    whole = a == 0 and b == batch
-    leaves = [replace[i] if i in replace else x if whole or not batch_major(x, batch) else x[a:b]
+    leaves = [replace[i] if i in replace else x if rows is None or rows[i] is None else x[a * rows[i]:b * rows[i]]
               for i, x in enumerate(flat)]
     return pytree.tree_unflatten(leaves, spec)
 

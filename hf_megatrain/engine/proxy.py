@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from ..model.cross_layer import MappingWatch
 from ..model.layers import copy_plain_attributes
 from .layer_io import Call, grad_positions
 
@@ -70,6 +71,15 @@ class StreamedLayer(nn.Module):
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         ex = self._executor[0]
         call = (args, kwargs)
+        if ex.rows.probing:  # the decoder re-run that finds which inputs hold batch rows (engine/batch_rows.py)
+            return ex.rows.visit(self.index, hidden_states, call)
+        watch = MappingWatch(pytree.tree_leaves(call))  # state a layer writes for later layers: refused
+        out = self._run(ex, hidden_states, call)
+        if watch.maps:
+            watch.check(f"layer {self.index} ({type(ex.templates[ex.kinds[self.index]].module).__name__})")
+        return out
+
+    def _run(self, ex: StreamingExecutor, hidden_states: torch.Tensor, call: Call) -> Any:
         tap = ex.tap if ex.tap is not None and ex.tap.active else None
         if torch.is_grad_enabled():
             flat = pytree.tree_leaves(call)

@@ -108,6 +108,7 @@ class MegaTrainEngine:
         """Forward pre-hook of the module that owns the layer stack (runs for every forward, ours or HF's)."""
         self.publish_resident()
         self.executor.training = module.training
+        self.executor.rows.begin_forward(module, args, kwargs)  # (micro-batches: which inputs are batch rows)
         router = self.head_extras.router
         if router is not None and not router.tap.active and router.wanted(kwargs):
             # An HF forward asking for router logits (its aux loss): HF records them with hooks on router
@@ -116,6 +117,7 @@ class MegaTrainEngine:
             self._hf_router_capture = (capture, capture.__enter__())  # (context, the list it fills)
 
     def _after_decoder(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.executor.rows.end_forward()
         held, self._hf_router_capture = self._hf_router_capture, None
         if held is None:
             return

@@ -72,6 +72,21 @@ def conversion_mapping(model: nn.Module) -> list:
     return list(get_model_conversion_mapping(model))
 
 
+def load_weights(engine: MegaTrainEngine, path: str, prefix: str | None = None,
+                 mapping: list | None = None) -> list[str]:
+    """Every load of a model checkpoint into an engine (``from_pretrained_streamed``, the Trainer's resume and
+    best-model loads): masters, then frozen parameters and buffers (``extra_sink``), with transformers' key
+    conversion applied to keys not named as in the model (a ``save_pretrained`` MoE checkpoint's per-expert keys).
+    ``mapping`` defaults to the one computed from ``engine.model`` (the same list as from its unconverted skeleton:
+    transformers derives it from the model's config and classes). Returns the checkpoint keys not used."""
+    model = engine.model
+    sink = extra_sink(engine)
+    return ckpt.load_pretrained_into_engine(engine, path, prefix=prefix, extra_sink=sink,
+                                            weight_mapping=conversion_mapping(model) if mapping is None else mapping,
+                                            extra_names=sink.names,
+                                            base_model_prefix=getattr(model, "base_model_prefix", None))
+
+
 def from_pretrained_streamed(model_id_or_path: str, config: MegaTrainConfig | dict | str | None = None,
                              device: torch.device | str | None = None, decay_names: set[str] | None = None,
                              **hf_kwargs: Any) -> MegaTrainEngine:
@@ -102,10 +117,7 @@ def from_pretrained_streamed(model_id_or_path: str, config: MegaTrainConfig | di
     _materialize_resident(model, config.layers_path)
     mapping = conversion_mapping(model)  # from the HF skeleton, before its layers become proxies
     engine = MegaTrainEngine(model, config, device=device, decay_names=decay_names)
-    sink = extra_sink(engine)
-    unused = ckpt.load_pretrained_into_engine(engine, path, prefix=ckpt.WEIGHTS_PREFIX, extra_sink=sink,
-                                              weight_mapping=mapping, extra_names=sink.names,
-                                              base_model_prefix=getattr(model, "base_model_prefix", None))
+    unused = load_weights(engine, path, prefix=ckpt.WEIGHTS_PREFIX, mapping=mapping)
     if unused:
         logger.warning("hf_megatrain: %d checkpoint tensors not used by the model, e.g. %s", len(unused), unused[:5])
     return engine

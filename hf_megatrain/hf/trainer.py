@@ -40,7 +40,7 @@ from .. import checkpoint as ckpt
 from . import peft_support
 from ..engine.runtime import ENGINE_ATTR, MegaTrainEngine
 from .export import export_model
-from .pretrained import extra_sink, from_pretrained_streamed
+from .pretrained import from_pretrained_streamed, load_weights
 from ..config import parse_dtype, resolve_config
 from .training_args import MegaTrainTrainingArguments, check_lean_accumulation, model_param_dtype
 
@@ -281,7 +281,7 @@ class MegaTrainTrainer(Trainer):
     def _mt_load_weights(self, path: str) -> None:
         if self._mt_peft:
             if ckpt.weight_files(path, ckpt.MASTER_PREFIX) is not None:
-                ckpt.load_pretrained_into_engine(self.engine, path, prefix=ckpt.MASTER_PREFIX)
+                load_weights(self.engine, path, prefix=ckpt.MASTER_PREFIX)
             else:
                 peft_support.load_adapter_into_engine(self.engine, path)
             return
@@ -292,7 +292,8 @@ class MegaTrainTrainer(Trainer):
             if saved not in (None, "float32"):
                 logger.warning("hf_megatrain: %s holds %s weights and no FP32 master; training continues from "
                                "rounded weights", path, saved)
-        unused = ckpt.load_pretrained_into_engine(self.engine, path, extra_sink=extra_sink(self.engine))
+        # (a checkpoint of plain transformers' Trainer / save_pretrained: per-expert MoE keys converted on load)
+        unused = load_weights(self.engine, path)
         if unused:
             logger.warning("hf_megatrain: checkpoint tensors not used by the model: %s", unused[:5])
 

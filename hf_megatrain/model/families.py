@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
+from .cross_layer import check_no_cross_layer_state
 from .head_config import check_head_extras, head_value
 from .layers import LayerStack
 from .loss import linear_cross_entropy
@@ -82,6 +83,7 @@ def check_supported(model: nn.Module, stack: LayerStack) -> None:
             f"{len(outside)} trainable parameter(s) sit outside that path ({shown}); this is not a plain "
             f"decoder-only causal LM (encoder-only / masked-LM head?). {hint}")
     check_head_extras(model)
+    check_no_cross_layer_state(model)
     _check_standard_loss(model, hint)  # last: the structural refusals above say more when they apply
 
 

@@ -320,19 +320,25 @@ def estimate(shape: ModelShape, config: MegaTrainConfig, seq_len: int, batch_siz
     frag = GPU_FRAGMENTATION_FRACTION if cuda else 0.0
 
     def phases(n_off: int) -> dict[str, dict[str, int]]:
-        boundaries = {f"boundary activations ({L + 1 - n_off} x B x T x H on the device)": (L + 1 - n_off) * act,
-                      "final norm + loss input/grad": tokens * H * (2 * c + 4)}
-        if n_off:  # the copy-out in flight and the layers fetched ahead of the backward
-            boundaries["activation copy-out / prefetch buffers"] = (1 + config.activation_prefetch) * act
+        # The loss runs with every kept input + the last layer's output alive; a layer's backward frees the kept
+        # input of the layer above, and once it reaches the offloaded ones, holds its own + the prefetched ones.
+        final = tokens * H * (2 * c + (0 if tile else 4))  # (a tiled final norm keeps no fp32 upcast)
+        loss_acts = {f"boundary activations ({L + 1 - n_off} x B x T x H on the device)": (L + 1 - n_off) * act,
+                     "final norm + loss input/grad": final}
+        alive = max(L + 1 - n_off if not n_off else L - n_off, 1 + config.activation_prefetch if n_off else 0)
+        layer_acts = {f"boundary activations ({alive} x B x T x H on the device"
+                      + (", incl. prefetched" if n_off else "") + ")": alive * act}
+        if not n_off:  # (calibrated as before: the whole-model layout of the unchanged default)
+            layer_acts["final norm + loss input/grad"] = final
         loss_chunk = min(config.loss_chunk_tokens, tokens)
         attention = {"attention backward workspace (flash dq fp32)": attention_workspace_bytes(
             shape, chunk_seqs * seq_len)} if cuda else {}
         return {
-            "loss forward": {**boundaries,
+            "loss forward": {**loss_acts,
                              "loss chunk ([chunk, V] fp32 blocks)": int(LOSS_CHUNK_FACTOR * loss_chunk * V * 4),
                              "lm_head grad fp32 + chunk grad": V * H * (4 + c)},
-            "loss backward": {**boundaries, "lm_head grad fp32, scaled, cast": V * H * (8 + cc)},
-            "layer backward": {**boundaries, "lm_head grad (compute dtype)": V * H * c,
+            "loss backward": {**loss_acts, "lm_head grad fp32, scaled, cast": V * H * (8 + cc)},
+            "layer backward": {**layer_acts, "lm_head grad (compute dtype)": V * H * c,
                                "one layer's recompute (micro-batch chunk)": layer_recompute_bytes(
                                    shape, chunk_seqs * seq_len, cdt, tile), **attention,
                                "backward grad_out / grad_in": 2 * tokens * H * c},

@@ -348,9 +348,10 @@ def main(argv: list[str] | None = None) -> int:
         rec = spawn(s, a.timeout, os.path.join(a.out, "logs", f"{name}_{seq}.log"), env)
         rec["planner_fits"] = fits(pred, s, gpu_free, host_avail)
         doc["runs"].append(rec)
+        ok = rec.get("status") == "ok"
         msg = (f"step {rec['step_time_s']:.1f}s, loss {rec['loss']:.4f}, GPU peak {rec.get('peak_gpu_reserved_gib')} "
                f"GiB (planner {rec['planner']['gpu_need_gib']:.1f}), host HWM {rec.get('vm_hwm_gib')} GiB (planner "
-               f"{rec['planner']['host_need_gib']:.1f})" if rec.get("status") == "ok" else (rec.get("error") or "")[:600])
+               f"{rec['planner']['host_need_gib']:.1f})") if ok else (rec.get("error") or "")[:600]
         print(f"[long]   -> {rec.get('status')} in {rec['subprocess_wall_s']:.0f}s: {msg}", flush=True)
         write()
         return rec

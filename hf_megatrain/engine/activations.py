@@ -37,7 +37,8 @@ class SavedInput:
 
     def __init__(self, store: ActivationStore, index: int, prev: SavedInput | None, offloaded: bool) -> None:
         self.store, self.index, self.prev, self.offloaded = store, index, prev, offloaded
-        self.host: torch.Tensor | None = None
+        self.host: torch.Tensor | None = None  # flat pinned buffer (kept flat: it owns the page-locking)
+        self.shape: torch.Size | None = None
         self.d2h_done: Any = None  # event: the host copy is complete
         self.device: torch.Tensor | None = None  # prefetched copy, handed to the backward once
         self.h2d_done: Any = None
@@ -52,7 +53,7 @@ class ActivationStore:
         self.device, self.prefetch, self.pin = device, prefetch, pin
         self.streams = StreamSet(device)
         self.offload: frozenset[int] = frozenset()  # layer indices whose input goes to host (set per step shape)
-        self._pool: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
+        self._pool: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}  # free flat buffers by (numel, dtype)
         self._last: weakref.ref[SavedInput] | None = None  # the latest save (chains a forward's layers)
         self.d2h_bytes = self.h2d_bytes = 0
         self.host_bytes = 0  # pinned host bytes this store holds (in use + pooled)
@@ -73,11 +74,11 @@ class ActivationStore:
         h = SavedInput(self, index, prev, index in self.offload)
         self._last = weakref.ref(h)
         if h.offloaded:
-            h.host = self._take(hidden)
+            h.host, h.shape = self._take(hidden), hidden.shape
             s = self.streams
             s.wait(s.d2h, s.record(s.compute))  # the input is complete on the compute stream
             with s.on(s.d2h):
-                h.host.copy_(hidden, non_blocking=s.is_cuda)
+                h.host.view(h.shape).copy_(hidden, non_blocking=s.is_cuda)
                 h.d2h_done = s.record(s.d2h)
             if s.is_cuda:
                 hidden.record_stream(s.d2h)  # its memory is reused only after the copy has read it
@@ -106,12 +107,12 @@ class ActivationStore:
 
     def _fetch(self, h: SavedInput) -> None:
         s = self.streams
-        assert h.host is not None
-        dev = torch.empty(h.host.shape, dtype=h.host.dtype, device=self.device)  # allocated on the compute stream
+        assert h.host is not None and h.shape is not None
+        dev = torch.empty(h.shape, dtype=h.host.dtype, device=self.device)  # allocated on the compute stream
         s.wait(s.h2d, s.record(s.compute))  # ... and free there: the copy starts after its previous use
         s.wait(s.h2d, h.d2h_done)
         with s.on(s.h2d):
-            dev.copy_(h.host, non_blocking=s.is_cuda)
+            dev.copy_(h.host.view(h.shape), non_blocking=s.is_cuda)
             h.h2d_done = s.record(s.h2d)
         if s.is_cuda:
             dev.record_stream(s.h2d)  # freed unused (graph dropped before its backward): reused after the copy
@@ -120,14 +121,14 @@ class ActivationStore:
 
     # -- host buffers ------------------------------------------------------------------------------------------------
     def _take(self, like: torch.Tensor) -> torch.Tensor:
-        free = self._pool.get((tuple(like.shape), like.dtype))
+        free = self._pool.get((like.numel(), like.dtype))
         if free:
             return free.pop()
         self.host_bytes += like.numel() * like.element_size()
-        return alloc_host(like.numel(), like.dtype, self.pin).view(like.shape)
+        return alloc_host(like.numel(), like.dtype, self.pin)
 
     def _release(self, host: torch.Tensor) -> None:
-        self._pool.setdefault((tuple(host.shape), host.dtype), []).append(host)
+        self._pool.setdefault((host.numel(), host.dtype), []).append(host)
 
     def clear_pool(self) -> None:
         """Free the pooled (unused) host buffers, e.g. after the sequence length changed."""

@@ -8,7 +8,8 @@ Streams (CUDA): H2D prefetch, compute (the current stream), D2H gradient offload
 
 On the CPU the same calls run in program order. Weights in: ``WeightSlots`` (slots.py); the layer runs through its
 stateless template (model/template.py); gradients out: ``GradientOffload`` (offload.py); each picks its strategy
-per unit plan at construction; the layers' saved inputs: ``ActivationStore`` (activations.py). The proxies and their autograd Function are in proxy.py.
+per unit plan at construction; the layers' saved inputs: ``ActivationStore`` (activations.py). The proxies and
+their autograd Function are in proxy.py.
 
 Frozen parameters (PEFT base, frozen layers) stream in the same slot, after the trainable ones; they get no
 gradient, and a layer with nothing trainable only passes the input gradient through. Layers that draw random

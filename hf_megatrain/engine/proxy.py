@@ -2,7 +2,8 @@
 
 The HF model's own forward loop still calls ``model.layers[i](hidden, **kwargs)``; each entry is a ``StreamedLayer``
 whose call is one autograd Function. Its forward runs the layer under ``no_grad`` (keeping only the boundary
-activation, on the device or offloaded: engine/activations.py); its backward asks the executor to recompute the layer with grad and returns the input gradients.
+activation, on the device or offloaded: engine/activations.py); its backward asks the executor to recompute the
+layer with grad and returns the input gradients.
 Autograd calls the backwards in reverse layer order, which is what lets the executor prefetch layer i-1 while
 layer i recomputes.
 

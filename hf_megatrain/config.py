@@ -138,6 +138,17 @@ class MegaTrainConfig:
             then the compute copy as a second pass), "compiled" (one inductor-generated pass that also writes the
             compute copy: fewer bytes over host memory, which bounds this step; needs a C++ compiler, compiled once
             at start, seconds) or "auto" (compiled when training on a GPU, fused on CPU-only machines).
+        seq_chunk_tokens: run each decoder layer's position-wise parts (the MLP, the norms) over chunks of this many
+            tokens of the sequence, each chunk recomputed on its own in the backward (model/seq_tiling.py), so their
+            intermediates ([tokens, intermediate] gate/up, fp32 norm upcasts) never exist for the whole sequence:
+            long-context training. 0 = off; -1 = auto (the planner picks a chunk from the MLP width; sequences no
+            longer than the chunk run untiled). Same math (fp32 sums in another order).
+        activation_offload: where each layer's saved input (the layer-boundary activation, batch x seq x hidden in
+            compute dtype, kept for the backward's recompute) lives: "off" (on the device, the default behaviour),
+            "on" (every layer's in pinned host memory, copied out after the forward uses it and prefetched back
+            for the backward), "auto" (the planner keeps the last layers' inputs on the GPU while they fit its
+            budget for the step's sequence length and offloads the first ones; nothing is offloaded on a CPU).
+        activation_prefetch: offloaded layer inputs copied back this many layers ahead of the backward (>= 1).
     """
 
     compute_dtype: str = "bfloat16"
@@ -161,6 +172,9 @@ class MegaTrainConfig:
     torch_compile: bool = False
     speculative_step: bool = True
     host_kernel: str = "auto"
+    seq_chunk_tokens: int = 0
+    activation_offload: str = "auto"
+    activation_prefetch: int = 2
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -204,6 +218,12 @@ class MegaTrainConfig:
             raise ValueError(f"lean_store=True cannot run AdamW on the GPU (device_step_layers="
                              f"{self.device_step_layers}): that path keeps each layer's gradient until the step. "
                              "Use device_step_layers=-1 or 0")
+        if self.seq_chunk_tokens < -1:
+            raise ValueError(f"seq_chunk_tokens={self.seq_chunk_tokens}: use 0 (off), -1 (auto) or a number of tokens")
+        if self.activation_offload not in ("auto", "on", "off"):
+            raise ValueError(f"activation_offload={self.activation_offload!r}; use 'auto', 'on' or 'off'")
+        if self.activation_prefetch < 1:
+            raise ValueError(f"activation_prefetch={self.activation_prefetch} must be >= 1 (layers fetched ahead)")
         if self.extra:
             raise ValueError(f"unknown MegaTrain config keys {sorted(self.extra)}; valid keys: {self.valid_keys()}")
 

@@ -28,7 +28,8 @@ from ..core.plan import Plans, Where
 from ..core.store import UnitStore
 from ..model.families import check_supported
 from ..model.layers import LayerStack, find_layer_stack, group_layers, unit_layouts
-from ..model.template import LayerTemplate
+from ..model.seq_tiling import tile_positionwise
+from ..model.template import LayerTemplate, is_stochastic
 from .executor import StreamingExecutor
 from .kv_cache import CachingStreamedLayer
 from .proxy import StreamedLayer
@@ -106,6 +107,7 @@ def convert(model: nn.Module, config: MegaTrainConfig, device: torch.device, dec
     logger.info("hf_megatrain: %s", plans.summary())
     planner.check_fits(shape, config, device_type=device.type, gpu_available=gpu_budget(device),
                        baseline_paid=True, plans=plans)
+    chunk = planner.seq_chunk(shape, config)  # sequence tiling of the position-wise modules (0: off)
     store = UnitStore(plans, ul.layouts, ul.frozen, compute_dtype=compute_dtype, device=device,
                       pin=config.pin_memory and device.type == "cuda", state_dir=config.optimizer_state_dir)
 
@@ -119,7 +121,8 @@ def convert(model: nn.Module, config: MegaTrainConfig, device: torch.device, dec
     for i, layer in enumerate(originals):
         unit = store.units[i]
         if kinds[i] not in templates:
-            templates[kinds[i]] = LayerTemplate(layer, unit.params, unit.frozen_params, compile=config.torch_compile)
+            templates[kinds[i]] = LayerTemplate(layer, unit.params, unit.frozen_params, compile=config.torch_compile,
+                                                seq_chunk_tokens=chunk)
         if not next(layer.parameters(), torch.empty(0, device="meta")).is_meta:
             for n, p in layer.named_parameters():
                 store.load_(f"{stack.path}.{i}.{n}", p.detach())
@@ -148,6 +151,8 @@ def convert(model: nn.Module, config: MegaTrainConfig, device: torch.device, dec
     for p in {id(p): p for p in frozen_resident.values()}.values():
         if not p.is_meta:
             p.data = p.data.to(device, compute_dtype)
+    if chunk > 0:  # the final norm (and any other position-wise child of the decoder module) too
+        tile_positionwise(stack.parent, chunk, is_stochastic)
     for mod in model.modules():  # rotary tables and other buffers follow to the device, dtype unchanged
         for bname, b in list(mod._buffers.items()):
             if b is not None and not b.is_meta:

@@ -8,7 +8,8 @@ Streams (CUDA): H2D prefetch, compute (the current stream), D2H gradient offload
 
 On the CPU the same calls run in program order. Weights in: ``WeightSlots`` (slots.py); the layer runs through its
 stateless template (model/template.py); gradients out: ``GradientOffload`` (offload.py); each picks its strategy
-per unit plan at construction. The proxies and their autograd Function are in proxy.py.
+per unit plan at construction; the layers' saved inputs: ``ActivationStore`` (activations.py). The proxies and
+their autograd Function are in proxy.py.
 
 Frozen parameters (PEFT base, frozen layers) stream in the same slot, after the trainable ones; they get no
 gradient, and a layer with nothing trainable only passes the input gradient through. Layers that draw random
@@ -29,6 +30,7 @@ from ..core.step_state import StepState
 from ..core.store import Unit
 from ..core.streams import StreamSet
 from ..model.template import LayerTemplate
+from .activations import ActivationStore
 from .batch_rows import BatchRows
 from .layer_io import Call, OutLayout, merge_chunks, slice_call
 from .offload import GradientOffload
@@ -39,7 +41,8 @@ from .slots import WeightSlots
 class StreamingExecutor:
     def __init__(self, units: list[Unit], state: StepState, kinds: list[int], templates: list[LayerTemplate],
                  buffers: list[dict[str, torch.Tensor]], *, device: torch.device, compute_dtype: torch.dtype,
-                 grad_offload_dtype: torch.dtype, num_slots: int, micro_batch_size: int, pin: bool) -> None:
+                 grad_offload_dtype: torch.dtype, num_slots: int, micro_batch_size: int, pin: bool,
+                 activation_prefetch: int = 2) -> None:
         self.units, self.kinds, self.templates, self.buffers = units, kinds, templates, buffers
         self.device = device
         self.state = state
@@ -52,6 +55,8 @@ class StreamingExecutor:
                                    num_slots=num_slots)
         self.grads = GradientOffload(units, state, self.streams, device=device, compute_dtype=compute_dtype,
                                      offload_dtype=grad_offload_dtype, pin=pin)
+        # The layers' saved inputs, on the device or offloaded to host (the engine sets which per step shape).
+        self.activations = ActivationStore(device, prefetch=activation_prefetch, pin=pin)
         self.training = True
         # Any input that requires grad makes autograd call our backward even when the hidden state does not
         # (frozen embeddings, PEFT): the anchor guarantees that.

@@ -2,7 +2,8 @@
 
 The HF model's own forward loop still calls ``model.layers[i](hidden, **kwargs)``; each entry is a ``StreamedLayer``
 whose call is one autograd Function. Its forward runs the layer under ``no_grad`` (keeping only the boundary
-activation); its backward asks the executor to recompute the layer with grad and returns the input gradients.
+activation, on the device or offloaded: engine/activations.py); its backward asks the executor to recompute the
+layer with grad and returns the input gradients.
 Autograd calls the backwards in reverse layer order, which is what lets the executor prefetch layer i-1 while
 layer i recomputes.
 
@@ -34,7 +35,12 @@ class _StreamedLayerFunction(torch.autograd.Function):
     def forward(ctx, executor: StreamingExecutor, index: int, call: Call, grad_pos: list[int],  # type: ignore[override]
                 anchor: torch.Tensor, hidden: torch.Tensor, *extras: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.executor, ctx.index, ctx.call, ctx.grad_pos = executor, index, call, grad_pos
-        ctx.save_for_backward(hidden, *extras)
+        # The input the backward recomputes from: saved here, or offloaded to host memory (engine/activations.py).
+        ctx.saved_input = saved = executor.activations.save(index, hidden)
+        if saved is not None and saved.offloaded:
+            ctx.save_for_backward(*extras)
+        else:
+            ctx.save_for_backward(hidden, *extras)
         ctx.set_materialize_grads(False)  # an unused output (attention weights, no aux loss) costs no gradient
         tap = executor.tap if executor.tap is not None and executor.tap.active else None
         if tap is not None:
@@ -52,7 +58,13 @@ class _StreamedLayerFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None):  # type: ignore[override]
-        hidden, *extras = ctx.saved_tensors
+        saved, acts = ctx.saved_input, ctx.executor.activations
+        if saved is not None and saved.offloaded:
+            hidden, extras = acts.load(saved), list(ctx.saved_tensors)
+        else:
+            hidden, *extras = ctx.saved_tensors
+        if saved is not None:
+            acts.prefetch_before(saved)  # the layers whose backward comes next, during this recompute
         n = ctx.num_out
         grads_in = ctx.executor.backward_layer(ctx.index, hidden, ctx.call, ctx.grad_pos, extras,
                                                ctx.needs_input_grad[5:], grads[:n], ctx.layout, grads[n:], ctx.rng)

@@ -68,7 +68,7 @@ class MegaTrainEngine:
             self.layer_units, self.state, conv.kinds, conv.templates, conv.buffers, device=self.device,
             compute_dtype=self.compute_dtype, grad_offload_dtype=config.torch_grad_offload_dtype,
             num_slots=config.num_slots, micro_batch_size=config.micro_batch_size,
-            pin=config.pin_memory and self.device.type == "cuda")
+            pin=config.pin_memory and self.device.type == "cuda", activation_prefetch=config.activation_prefetch)
         install_proxies(conv, self.executor)
         # Family extras of the HF head (soft-capping, logit scaling, MoE router aux loss): model/families.py.
         self.head_extras = ModelHead(model, self.stack, self.executor)
@@ -79,6 +79,7 @@ class MegaTrainEngine:
         self.optimizer: UnitAdamW | None = None
         self._replaying = False
         self._checked_shapes: set[tuple[int, int]] = set()  # (batch, seq) shapes the GPU check passed
+        self._activation_shape: tuple[int, int] | None = None  # (batch, seq) the activation placement is for
         # The HF model's own forward (generate(), a direct call) bypasses ``forward`` below: the decoder module
         # still gets final resident weights, the model's train/eval mode and (MoE) its router logits.
         self._hf_router_capture: tuple[Any, list[torch.Tensor]] | None = None
@@ -210,6 +211,7 @@ class MegaTrainEngine:
             self.state.land()  # an accumulation step: FP32-accumulate before the next backward adds more
         self.executor.training = self.model.training
         self._check_step_fits(input_ids, kwargs)
+        self._place_activations(input_ids, kwargs)
         dev = self.device
         move = lambda t: t.to(dev, non_blocking=True) if isinstance(t, torch.Tensor) else t  # noqa: E731
         kwargs = {k: move(v) for k, v in kwargs.items()}
@@ -248,6 +250,24 @@ class MegaTrainEngine:
                 planner.check_fits(self, seq_len=key[1], batch_size=key[0])
             except MemoryError as e:
                 logger.warning("hf_megatrain: %s", e)
+
+    def _place_activations(self, input_ids: torch.Tensor | None, kwargs: dict[str, Any]) -> None:
+        """Per (batch, seq) shape: which layers' saved inputs the executor offloads to host memory (the planner's
+        ``activation_offload`` rule; the first layers, whose backward comes last)."""
+        ref = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
+        if not isinstance(ref, torch.Tensor) or ref.dim() < 2 or not torch.is_grad_enabled():
+            return
+        key = (int(ref.shape[0]), int(ref.shape[1]))
+        if key == self._activation_shape:
+            return
+        acts = self.executor.activations
+        acts.clear_pool()  # buffers of another shape are not reused
+        n = planner.offloaded_layers_for(self, seq_len=key[1], batch_size=key[0])
+        acts.offload = frozenset(range(n))
+        self._activation_shape = key
+        if n:
+            logger.info("hf_megatrain: batch %d x seq %d: layers 0..%d offload their saved input to host memory, "
+                        "%d keep it on the device", key[0], key[1], n - 1, len(self.layer_units) - n)
 
     # -- lean units: the step's forward, kept for a re-run -----------------------------------------------------------
     @property

@@ -12,6 +12,9 @@ in FP32, rotary embeddings, SiLU-gating, residual adds) into a few kernels; at 1
 is ~20% of the GPU step in eager mode. The compiled graph takes the bound views as inputs, so one compilation
 serves every layer of a kind; a call dynamo cannot trace falls back to eager once, with a warning.
 
+``seq_chunk_tokens`` > 0: the template's position-wise children (MLP, norms) run over sequence chunks of that many
+tokens, forward and backward (model/seq_tiling.py); ``tiling`` reports what was tiled and what was left whole.
+
 ``stochastic`` says whether the layer draws random numbers in training mode (dropout, attention dropout, MoE
 router jitter): the executor then replays the forward's RNG state in the recompute, so both see the same masks.
 """
@@ -27,6 +30,7 @@ from torch import nn
 from torch.func import functional_call
 
 from ..core.store import ParamSlice
+from .seq_tiling import TilingReport, tile_positionwise
 
 logger = logging.getLogger(__name__)
 
@@ -45,13 +49,15 @@ def is_stochastic(module: nn.Module) -> bool:
 
 class LayerTemplate:
     def __init__(self, layer: nn.Module, layout: list[ParamSlice], frozen: list[ParamSlice] | None = None,
-                 compile: bool = False) -> None:
+                 compile: bool = False, seq_chunk_tokens: int = 0) -> None:
         self.module = copy.deepcopy(layer).to("meta")
         self.layout = layout  # same order as the unit's flat buffer
         self.frozen = frozen or []  # offsets into the unit's frozen buffer, stored after ``numel`` in a slot
         self.numel = sum(p.numel for p in layout)
         self.frozen_numel = sum(p.numel for p in self.frozen)
         self.stochastic = is_stochastic(self.module)
+        self.tiling = (tile_positionwise(self.module, seq_chunk_tokens, is_stochastic) if seq_chunk_tokens > 0
+                       else TilingReport())
         self.compiled = torch.compile(self._functional, dynamic=False) if compile else None
 
     def bind(self, flat: torch.Tensor, requires_grad: bool = False, frozen: bool = True) -> dict[str, torch.Tensor]:

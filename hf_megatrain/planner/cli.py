@@ -77,6 +77,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="plan for lean_store=True (12 host bytes per streamed parameter)")
     p.add_argument("--device-layers", type=int, default=None,
                    help="decoder layers kept whole on the GPU (default -1: as many as fit; 0: stream every layer)")
+    p.add_argument("--seq-chunk-tokens", type=int, default=None,
+                   help="tiles of the position-wise modules (MLP, norms) in tokens: 0 off, -1 auto (long context)")
+    p.add_argument("--activation-offload", default=None, choices=["auto", "on", "off"],
+                   help="layer inputs saved for the backward: in pinned host memory when the GPU cannot keep them")
+    p.add_argument("--host-memory", type=float, default=None,
+                   help="GiB of host RAM available when planning for another machine (default: this one's)")
     p.add_argument("--config", default=None, help="megatrain yaml (other MegaTrainConfig keys)")
     p.add_argument("--gpu-memory", type=float, default=None,
                    help="GiB of the target GPU when planning for another machine (default: this GPU, else 80)")
@@ -86,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         over = {k: v for k, v in (("compute_dtype", a.compute_dtype), ("num_slots", a.num_slots),
                                   ("micro_batch_size", a.micro_batch_size), ("device_layers", a.device_layers),
-                                  ("lean_store", a.lean_store or None)) if v is not None}
+                                  ("lean_store", a.lean_store or None), ("seq_chunk_tokens", a.seq_chunk_tokens),
+                                  ("activation_offload", a.activation_offload)) if v is not None}
         config = MegaTrainConfig.from_dict({**resolve_config(a.config).to_dict(), **over})
         if a.seq_len <= 0 or a.batch_size <= 0 or a.gpus <= 0:
             raise ValueError("--seq-len, --batch-size and --gpus must be positive")
@@ -99,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     gpu_plan = a.gpu_memory * GiB if a.gpu_memory else (gpu_avail or 80 * GiB)
     plan = estimate(shape, config, a.seq_len, a.batch_size, device_type="cuda", gpu_free=gpu_plan,
                     grad_accum=a.grad_accum, gpus=a.gpus)
-    host_avail = available_host_bytes()
+    host_avail = int(a.host_memory * GiB) if a.host_memory else available_host_bytes()
     host_need = plan.host_total
     host_ok = host_need <= config.host_memory_fraction * host_avail
     # Against this GPU, or the one --gpu-memory describes (also when this machine has none).
@@ -113,7 +120,9 @@ def main(argv: list[str] | None = None) -> int:
                           "host_total": host_need, "gpu_total": plan.device_total,
                           "disk_total": sum(plan.disk.values()),
                           "host_available": host_avail, "gpu_available": gpu_target, "host_fits": host_ok,
-                          "gpu_fits": gpu_ok, "notes": plan.notes}, indent=1))
+                          "gpu_fits": gpu_ok, "notes": plan.notes, "offloaded_layers": plan.offloaded_layers,
+                          "seq_chunk_tokens": plan.seq_chunk_tokens, "flops_per_token": plan.flops_per_token},
+                         indent=1))
         return 0
     print(f"{a.model}: {shape.trainable / 1e9:.3f}B trainable parameters ({shape.num_layers} streamed layers, "
           f"{shape.resident_numel / 1e6:.1f}M resident), {config.compute_dtype} compute, seq_len={a.seq_len}, "
@@ -123,6 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     gpu_v = "no GPU here" if gpu_ok is None else (("fits" if gpu_ok else "DOES NOT FIT") + (
         f" (a {format_bytes(gpu_target)} GPU, --gpu-memory)" if a.gpu_memory else f" ({format_bytes(gpu_target)} free)"))
     print("\n".join(_report(plan, host_v, gpu_v)))
+    f = plan.flops_per_token
+    print(f"FLOPs per token: {f['model']:.3g} = 6N {f['dense_6n']:.3g} + attention {f['attention']:.3g} "
+          f"(12 x layers x heads*head_dim x seq_len: {f['attention_over_6n']:.1f}x 6N); executed with the layer "
+          f"recompute and a causal kernel ~{f['hardware_with_recompute_causal']:.3g}")
     for note in plan.notes + ([] if gpu_here else [f"no GPU here: placement planned for a "
                                                      f"{format_bytes(gpu_plan)} GPU (--gpu-memory)"]):
         print("note:", note)

@@ -22,10 +22,12 @@ from ..config import MegaTrainConfig
 from ..core.memory import CUDA_CONTEXT_GPU_BYTES, available_host_bytes, format_bytes, gpu_budget
 from ..core.plan import CAST_STAGING_BYTES, PlanInputs, Plans, Stepper, Where, build_plans
 from ..model.layers import UnitLayouts, find_layer_stack, unit_layouts
+from .long_context import (activation_bytes, attention_workspace_bytes, flops_per_token, offload_layers,
+                           positionwise_bytes, seq_chunk, tiled)
 
 __all__ = ["HOST_BASELINE_BYTES", "CUDA_CONTEXT_HOST_BYTES", "CUDA_CONTEXT_GPU_BYTES", "GiB", "ModelShape",
            "layer_recompute_bytes", "step_reserve_bytes", "placement_budget", "unit_plans", "MemoryPlan", "estimate",
-           "check_fits", "sum_values"]
+           "check_fits", "sum_values", "offloaded_layers_for", "seq_chunk", "flops_per_token", "activation_bytes"]
 
 GiB = 1024 ** 3
 # Host RSS of python + torch + transformers + hf_megatrain imported (394 MiB measured, torch 2.13 CPU build), plus
@@ -160,19 +162,19 @@ def _per_layer_configs(cfg: Any) -> list[Any]:
     return [SimpleNamespace(**{**vars(cfg), **c}) if isinstance(c, dict) else c for c in per]
 
 
-def layer_recompute_bytes(shape: ModelShape, tokens: int, compute_dtype: torch.dtype) -> int:
+def layer_recompute_bytes(shape: ModelShape, tokens: int, compute_dtype: torch.dtype, chunk: int = 0) -> int:
     """Peak of one decoder layer's recompute + backward for ``tokens`` tokens (SDPA/flash: no T x T term).
 
     Saved activations per token: 2 norms (normalised + scaled: 4H), q/k/v after RoPE and the attention output
     (+ its contiguous copy: 3Q + 2KV), MLP gate, up, act(gate), act*up (4I); backward transients: ~2I of
     activation gradients less the H-sized ones already freed, and one weight gradient before it is accumulated
     into the slot's gradient buffer. In bf16 the norms upcast to fp32 (+8H bytes). Calibrated on CPU (Llama, fp32
-    and bf16, GQA and MHA): within +2..+6 % of the allocator's peak.
+    and bf16, GQA and MHA): within +2..+6 % of the allocator's peak. With ``chunk`` tokens per tile of the
+    position-wise modules (seq_chunk_tokens), the MLP and norm terms are one chunk's (long_context.py).
     """
     c, H = _elt(compute_dtype), shape.hidden
-    per_token = c * (3 * H + 3 * shape.q_dim + 2 * shape.kv_dim + 6 * shape.intermediate)
-    per_token += 8 * H if c < 4 else 0
-    return tokens * per_token + c * shape.max_weight
+    per_token = c * (3 * H + 3 * shape.q_dim + 2 * shape.kv_dim)
+    return tokens * per_token + positionwise_bytes(shape, tokens, compute_dtype, chunk) + c * shape.max_weight
 
 
 def step_reserve_bytes(shape: ModelShape, config: MegaTrainConfig) -> int:
@@ -215,6 +217,9 @@ class MemoryPlan:
     construction_extra: int = 0  # host bytes only alive while the engine converts the model (the source copy)
     pinned: bool = False  # page-locking faults every store page in at allocation (else grad/copy pages come later)
     notes: list[str] = field(default_factory=list)
+    seq_chunk_tokens: int = 0  # tokens per tile of the position-wise modules (0: untiled at this length)
+    offloaded_layers: int = 0  # layers whose saved input lives in pinned host memory
+    flops_per_token: dict[str, float] = field(default_factory=dict)
 
     @property
     def host_total(self) -> int:
@@ -250,12 +255,14 @@ class MemoryPlan:
 
 def estimate(shape: ModelShape, config: MegaTrainConfig, seq_len: int, batch_size: int, *, device_type: str = "cuda",
              gpu_free: int | None = None, grad_accum: int = 1, source_bytes: int = 0, gpus: int = 1,
-             plans: Plans | None = None) -> MemoryPlan:
+             plans: Plans | None = None, offloaded_layers: int | None = None) -> MemoryPlan:
     """Predict what ``MegaTrainEngine`` allocates for ``shape`` under ``config`` on ``device_type``.
 
     ``gpu_free``: the target GPU's budget (``core.memory.gpu_budget``; drives placement); ``source_bytes``: the
     live HF model handed to the engine (freed during conversion; 0 for ``from_pretrained_streamed``); ``plans``:
-    unit plans an engine already built (else built here from ``gpu_free``, as the engine would). The store's bytes
+    unit plans an engine already built (else built here from ``gpu_free``, as the engine would);
+    ``offloaded_layers``: layers whose saved input is offloaded (default: ``activation_offload``'s rule, from
+    ``gpu_free``: long_context.py). The store's bytes
     are sums of ``UnitPlan.buffers`` over the plans: one formula for the engine and the planner."""
     cdt, odt = config.torch_compute_dtype, config.torch_grad_offload_dtype
     c, o, cuda = _elt(cdt), _elt(odt), device_type == "cuda"
@@ -305,20 +312,56 @@ def estimate(shape: ModelShape, config: MegaTrainConfig, seq_len: int, batch_siz
     if lean and c < 4:
         d["lean FP32 H2D cast staging"] = min(4 * n_max, CAST_STAGING_BYTES)
     # Activations and gradients: the phases of a step follow each other; the peak is the largest one.
-    boundaries = {"boundary activations ((L+1) x B x T x H)": (L + 1) * tokens * H * c,
-                  "final norm + loss input/grad": tokens * H * (2 * c + 4)}
-    chunk = min(config.loss_chunk_tokens, tokens)
-    plan.phases = {
-        "loss forward": {**boundaries, "loss chunk ([chunk, V] fp32 blocks)": int(LOSS_CHUNK_FACTOR * chunk * V * 4),
-                         "lm_head grad fp32 + chunk grad": V * H * (4 + c)},
-        "loss backward": {**boundaries, "lm_head grad fp32, scaled, cast": V * H * (8 + cc)},
-        "layer backward": {**boundaries, "lm_head grad (compute dtype)": V * H * c,
-                           "one layer's recompute (micro-batch chunk)": layer_recompute_bytes(
-                               shape, chunk_seqs * seq_len, cdt),
-                           "backward grad_out / grad_in": 2 * tokens * H * c},
-        "gradients to host": {"resident grads (compute dtype)": c * res,
-                              "tied embedding grad temp": V * H * c if shape.tied else 0},
-    }
+    chunk = seq_chunk(shape, config)
+    tile = chunk if tiled(chunk, chunk_seqs * seq_len) else 0
+    plan.seq_chunk_tokens, plan.flops_per_token = tile, flops_per_token(shape, seq_len)
+    act = activation_bytes(shape, tokens, cdt)
+    fixed = sum(v for n, v in d.items() if n != "CUDA context")
+    frag = GPU_FRAGMENTATION_FRACTION if cuda else 0.0
+
+    def phases(n_off: int) -> dict[str, dict[str, int]]:
+        # The loss runs with every kept input + the last layer's output alive; a layer's backward frees the kept
+        # input of the layer above, and once it reaches the offloaded ones, holds its own + the prefetched ones.
+        final = tokens * H * (2 * c + (0 if tile else 4))  # (a tiled final norm keeps no fp32 upcast)
+        loss_acts = {f"boundary activations ({L + 1 - n_off} x B x T x H on the device)": (L + 1 - n_off) * act,
+                     "final norm + loss input/grad": final}
+        alive = max(L + 1 - n_off if not n_off else L - n_off, 1 + config.activation_prefetch if n_off else 0)
+        layer_acts = {f"boundary activations ({alive} x B x T x H on the device"
+                      + (", incl. prefetched" if n_off else "") + ")": alive * act}
+        if not n_off:  # (calibrated as before: the whole-model layout of the unchanged default)
+            layer_acts["final norm + loss input/grad"] = final
+        loss_chunk = min(config.loss_chunk_tokens, tokens)
+        attention = {"attention backward workspace (flash dq fp32)": attention_workspace_bytes(
+            shape, chunk_seqs * seq_len)} if cuda else {}
+        return {
+            "loss forward": {**loss_acts,
+                             "loss chunk ([chunk, V] fp32 blocks)": int(LOSS_CHUNK_FACTOR * loss_chunk * V * 4),
+                             "lm_head grad fp32 + chunk grad": V * H * (4 + c)},
+            "loss backward": {**loss_acts, "lm_head grad fp32, scaled, cast": V * H * (8 + cc)},
+            "layer backward": {**layer_acts, "lm_head grad (compute dtype)": V * H * c,
+                               "one layer's recompute (micro-batch chunk)": layer_recompute_bytes(
+                                   shape, chunk_seqs * seq_len, cdt, tile), **attention,
+                               "backward grad_out / grad_in": 2 * tokens * H * c},
+            "gradients to host": {"resident grads (compute dtype)": c * res,
+                                  "tied embedding grad temp": V * H * c if shape.tied else 0},
+        }
+
+    def device_total(n_off: int) -> int:
+        peak = max(map(sum_values, phases(n_off).values()))
+        return (CUDA_CONTEXT_GPU_BYTES if cuda else 0) + fixed + peak + int(frag * (fixed + peak))
+
+    n_off = offload_layers(config, L, device_type, gpu_free, device_total) if offloaded_layers is None \
+        else min(offloaded_layers, L)
+    plan.offloaded_layers = n_off
+    plan.phases = phases(n_off)
+    h["offloaded activations (pinned, layer inputs)"] = n_off * act
+    if n_off:
+        plan.notes.append(f"activations: {n_off} of {L} layers' inputs offloaded to pinned host memory "
+                          f"({format_bytes(act)} each), {L - n_off} kept on the device")
+    if tile:
+        plan.notes.append(f"sequence tiling: MLP and norms run in chunks of {tile} tokens "
+                          f"({format_bytes(positionwise_bytes(shape, chunk_seqs * seq_len, cdt, tile))} "
+                          "in the layer backward)")
     if cuda:
         d["allocator fragmentation"] = int(GPU_FRAGMENTATION_FRACTION * (
             sum(v for n, v in d.items() if n != "CUDA context") + max(map(sum_values, plan.phases.values()))))
@@ -385,3 +428,26 @@ def check_fits(engine_or_shape: Any, config: MegaTrainConfig | None = None, seq_
                           f"or num_slots=2 (now {config.num_slots})")
     if errors:
         raise MemoryError("hf_megatrain: this run does not fit: " + "; ".join(errors))
+
+
+def offloaded_layers_for(engine: Any, seq_len: int, batch_size: int, gpu_available: int | None = None) -> int:
+    """How many of ``engine``'s layers offload their saved input for a step of this shape (``activation_offload``'s
+    rule against the engine's GPU budget; long_context.py). Raises ``MemoryError`` when the offloaded inputs
+    cannot fit the host memory left (the pinned buffers would be taken from the running process)."""
+    config, dev = engine.config, engine.device
+    if gpu_available is None and dev.type == "cuda" and torch.cuda.is_available():
+        gpu_available = gpu_budget(dev) + torch.cuda.memory_allocated(dev)  # (its own buffers are in the plan)
+    shape = ModelShape.from_engine(engine)
+    plan = estimate(shape, config, seq_len, batch_size, device_type=dev.type, gpu_free=gpu_available,
+                    plans=engine.plans)
+    n = plan.offloaded_layers
+    if n:
+        need = plan.host["offloaded activations (pinned, layer inputs)"]
+        avail = available_host_bytes() + engine.executor.activations.host_bytes  # (its pool is reused)
+        if need > config.host_memory_fraction * avail:
+            raise MemoryError(
+                f"hf_megatrain: this run does not fit: {n} layers' inputs offloaded for seq_len={seq_len}, "
+                f"batch_size={batch_size} need {format_bytes(need)} pinned host memory, {format_bytes(avail)} "
+                f"available (host_memory_fraction={config.host_memory_fraction}); shorten the sequence, use "
+                "lean_store=True (less host memory for the weights) or a GPU with more memory")
+    return n

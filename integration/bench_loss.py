@@ -143,7 +143,6 @@ def bench_case(tokens: int, args, device: torch.device) -> dict:
             print(f"[{tokens}] {name}: error {rec['error'][:300]}", flush=True)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    del h, w, ref
     return case
 
 

@@ -142,7 +142,7 @@ def summarize(runs: list[dict[str, Any]], seeds: list[int]) -> dict[str, Any]:
 def markdown(result: dict[str, Any]) -> str:
     s = result["summary"]
     a = result["args"]
-    lines = [f"# Precision study: HF autocast bf16 vs hf_megatrain bf16 (default / lean store)", "",
+    lines = ["# Precision study: HF autocast bf16 vs hf_megatrain bf16 (default / lean store)", "",
              f"{result['params'] / 1e6:.1f}M-parameter Llama, {len(a['seeds'])} seeds, {a['steps']} steps of "
              f"{a['batch']} x {a['seq']} tokens, lr {a['lr']} cosine, device {result['device']}, "
              f"placement {a['placement']}, total wall {result['wall_s']:.0f} s.", "",

@@ -101,7 +101,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                               device=hidden.device)
         grad_h = torch.empty_like(hidden) if need_grad else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grad else None
-        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_grad and bias is not None else None
+        grad_b = (torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+                  if need_grad and bias is not None else None)
         for a in range(0, hidden.shape[0], chunk):
             t = targets[a:a + chunk]
             if not need_grad:

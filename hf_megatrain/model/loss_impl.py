@@ -23,7 +23,7 @@ from types import ModuleType
 import torch
 
 from . import loss_cce, loss_liger
-from .loss import TokenStats, linear_cross_entropy, prepare_targets, token_stats
+from .loss import IGNORE_INDEX, TokenStats, linear_cross_entropy, prepare_targets, token_stats
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +74,9 @@ def head_loss(impl: LossImpl, hidden: torch.Tensor, weight: torch.Tensor, labels
     if stats is not None:
         token_stats(flat.detach(), weight.detach(), targets, stats,
                     bias=bias.detach() if bias is not None else None, chunk_tokens=chunk_tokens, softcap=softcap)
-    total = mod.loss_sum(flat, weight, bias, targets, softcap)
-    # (a Python float: 0 counted tokens gives 0 / 0 = nan, as the chunked loss and HF)
-    return total / normalizer if normalizer else total * float("nan")
+    if not normalizer or not bool((targets != IGNORE_INDEX).any()):
+        # Nothing counts: nan loss and nan gradients (the optimizer skips the step), as the chunked loss and HF;
+        # the kernels are not asked to reduce over zero rows.
+        nan = float("nan")
+        return (flat.sum() * nan + weight.sum() * nan + (bias.sum() * nan if bias is not None else 0.0)).float()
+    return mod.loss_sum(flat, weight, bias, targets, softcap) / normalizer

@@ -144,3 +144,32 @@ def test_compose_is_generic():
     assert issubclass(args_cls, SFTConfig) and args_cls(output_dir="x", use_cpu=True).megatrain
     with pytest.raises(TypeError):
         megatrain_trainer_class(int)
+
+
+@pytest.mark.slow
+def test_sft_peft_config_and_megatrain_false(tmp_path):
+    """SFTTrainer wraps the model with PEFT from ``peft_config`` before the conversion (compose.py: the model is
+    converted at Trainer.__init__); megatrain=False is plain SFTTrainer."""
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    model = tiny("llama")
+    data, evald = sft_dataset(), sft_dataset(6, seed=1)
+
+    def run(cls, args, **kw):
+        t = cls(model=copy.deepcopy(model), args=args, train_dataset=data, eval_dataset=evald,
+                processing_class=tokenizer(), **kw)
+        t.train()
+        return t
+
+    ref = run(SFTTrainer, SFTConfig(**sft_kwargs(tmp_path / "ref")), peft_config=lora)
+    ours = run(MegaTrainSFTTrainer, MegaTrainSFTConfig(**sft_kwargs(tmp_path / "mt"),
+                                                       megatrain_config={"compute_dtype": "float32"}),
+               peft_config=lora)
+    assert ours.engine is not None and ours._mt_peft
+    for r, o in zip(logs(ref), logs(ours), strict=True):
+        for k in r:
+            assert o[k] == pytest.approx(r[k], rel=2e-5, abs=1e-6), (r["step"], k)
+    plain = run(MegaTrainSFTTrainer, MegaTrainSFTConfig(**sft_kwargs(tmp_path / "off"), megatrain=False))
+    ref2 = run(SFTTrainer, SFTConfig(**sft_kwargs(tmp_path / "ref2")))
+    assert plain.engine is None
+    assert logs(plain) == logs(ref2)

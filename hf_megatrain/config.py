@@ -31,6 +31,8 @@ def parse_dtype(name: str | torch.dtype, what: str, allowed: tuple[str, ...] = (
     return dtype
 
 
+LOSS_IMPLS = ("auto", "chunked", "liger", "cce")  # model/loss_impl.LossImpl (config stays free of model imports)
+
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
@@ -89,6 +91,11 @@ class MegaTrainConfig:
             0 = no split (the whole batch runs through a layer at once).
         num_slots: GPU weight slots (>= 2 for double buffering).
         loss_chunk_tokens: tokens per chunk of the fused linear cross-entropy (bounds [chunk, vocab] logits).
+        loss_impl: which cross-entropy computes the head loss (model/loss_impl.py): "chunked" (hf_megatrain's own,
+            every device), "liger" (Liger-Kernel's fused linear cross-entropy), "cce" (Apple's Cut Cross-Entropy),
+            or "auto": a fused one when it is installed, the device is CUDA and it honours the model's head extras
+            (liger, then cce), else chunked. Naming a fused one that cannot run is an error when the engine is
+            built.
         layers_path: dotted path to the decoder-layer ``nn.ModuleList`` when it cannot be found automatically,
             e.g. "model.layers".
         host_memory_fraction: refuse to build a host store needing more than this fraction of available RAM.
@@ -155,6 +162,7 @@ class MegaTrainConfig:
     micro_batch_size: int = 0
     num_slots: int = 2
     loss_chunk_tokens: int = 4096
+    loss_impl: str = "auto"
     layers_path: str | None = None
     host_memory_fraction: float = 0.9
     pin_memory: bool = True
@@ -192,6 +200,8 @@ class MegaTrainConfig:
             raise ValueError(f"micro_batch_size={self.micro_batch_size} must be >= 0 (0 = no split)")
         if self.loss_chunk_tokens <= 0:
             raise ValueError(f"loss_chunk_tokens={self.loss_chunk_tokens} must be > 0")
+        if self.loss_impl not in LOSS_IMPLS:
+            raise ValueError(f"loss_impl={self.loss_impl!r}; use one of {list(LOSS_IMPLS)}")
         if not 0.0 < self.host_memory_fraction <= 1.0:
             raise ValueError(f"host_memory_fraction={self.host_memory_fraction} must be in (0, 1]")
         if self.device_step_layers < -1:

@@ -30,6 +30,7 @@ from ..core import kernels
 from ..core.plan import Stepper, Where
 from ..core.step_state import StepState
 from ..model.families import ModelHead
+from ..model.loss import TokenStats
 from ..optim.adamw import UnitAdamW
 from ..optim.lean import LeanAdamW
 from ..optim.speculation import GA_MESSAGE
@@ -46,6 +47,7 @@ ENGINE_ATTR = "megatrain_engine"  # set on the converted HF model so integration
 class MegaTrainOutput:
     loss: torch.Tensor | None
     logits: torch.Tensor | None = None
+    token_stats: TokenStats | None = None  # per-token sums for TRL's SFT metrics, when asked for
 
 
 class MegaTrainEngine:
@@ -71,7 +73,7 @@ class MegaTrainEngine:
             pin=config.pin_memory and self.device.type == "cuda", activation_prefetch=config.activation_prefetch)
         install_proxies(conv, self.executor)
         # Family extras of the HF head (soft-capping, logit scaling, MoE router aux loss): model/families.py.
-        self.head_extras = ModelHead(model, self.stack, self.executor)
+        self.head_extras = ModelHead(model, self.stack, self.executor, loss_impl=config.loss_impl, device=self.device)
         self.state.add_lander(self.executor.finish)
         self.state.add_lander(self._land_resident)
         self._published = -1  # version of the resident unit last copied into its device working parameters
@@ -202,7 +204,7 @@ class MegaTrainEngine:
     # -- forward -----------------------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, num_items_in_batch: torch.Tensor | int | None = None,
-                return_logits: bool = False, **kwargs: Any) -> MegaTrainOutput:
+                return_logits: bool = False, token_stats: bool = False, **kwargs: Any) -> MegaTrainOutput:
         replay = self._record_forward(dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
                                            num_items_in_batch=num_items_in_batch, return_logits=return_logits,
                                            **kwargs))
@@ -224,14 +226,15 @@ class MegaTrainEngine:
         hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state  # [B, T, H]
         head = self.model.get_output_embeddings()
         loss = None
+        stats = TokenStats() if token_stats and labels is not None else None
         if labels is not None:
             loss = extras.loss(hidden, head, move(labels), chunk_tokens=self.config.loss_chunk_tokens,
                                num_items_in_batch=num_items_in_batch, router_logits=router_logits,
-                               attention_mask=attention_mask, compiled=self.config.torch_compile)
+                               attention_mask=attention_mask, compiled=self.config.torch_compile, stats=stats)
         logits = extras.logits(hidden, head) if return_logits else None
         if replay is not None:
             replay.watch({"loss": loss, "logits": logits}, self._bind_replay)
-        return MegaTrainOutput(loss=loss, logits=logits)
+        return MegaTrainOutput(loss=loss, logits=logits, token_stats=stats)
 
     __call__ = forward
 

@@ -52,13 +52,25 @@ logger = logging.getLogger(__name__)
 class MegaTrainTrainer(Trainer):
     """``transformers.Trainer`` with the model run by ``MegaTrainEngine`` (see the module docstring)."""
 
+    _mt = False  # (until _mt_setup: composed trainers run their base's __init__ code first, see compose.py)
+    engine: MegaTrainEngine | None = None
+    # Composed trainers that log per-token metrics (TRL's SFT) set this and implement _mt_log_token_stats.
+    _mt_token_stats = False
+
     def __init__(self, model: nn.Module | MegaTrainEngine | None = None, args: TrainingArguments | None = None,
                  *pargs: Any, **kwargs: Any) -> None:
+        model = self._mt_setup(model, args, kwargs)
+        super().__init__(model, args, *pargs, **kwargs)
+        self._mt_after_init()
+
+    def _mt_setup(self, model: nn.Module | MegaTrainEngine | None, args: TrainingArguments | None,
+                  kwargs: dict[str, Any]) -> nn.Module | None:
+        """Validate ``args`` and convert ``model``, just before ``Trainer.__init__`` receives them."""
         if args is not None and not isinstance(args, MegaTrainTrainingArguments):
             raise TypeError("MegaTrainTrainer needs MegaTrainTrainingArguments (a TrainingArguments subclass with "
                             f"the megatrain switches), got {type(args).__name__}")
         self._mt = args is not None and args.megatrain
-        self.engine: MegaTrainEngine | None = None
+        self.engine = None
         if self._mt:
             if args.world_size > 1:
                 raise ValueError(f"hf_megatrain trains on one GPU; this run has world_size={args.world_size}. "
@@ -76,9 +88,14 @@ class MegaTrainTrainer(Trainer):
                 args.gradient_checkpointing = False
             if model is not None:
                 model = self._mt_convert(model, args)
-        super().__init__(model, args, *pargs, **kwargs)
+        return model
+
+    def _mt_after_init(self) -> None:
         if self._mt and self.args.n_gpu > 1:
             self.args._n_gpu = 1  # one GPU; never DataParallel
+
+    def _mt_log_token_stats(self, stats: Any, inputs: dict[str, Any]) -> None:
+        raise NotImplementedError(f"{type(self).__name__} sets _mt_token_stats but does not log them")
 
     # -- model --------------------------------------------------------------------------------------------------------
     def _mt_convert(self, model: nn.Module | MegaTrainEngine, args: MegaTrainTrainingArguments) -> nn.Module:
@@ -165,7 +182,9 @@ class MegaTrainTrainer(Trainer):
         want_logits = getattr(self, "_mt_want_logits", None)
         if want_logits is None:
             want_logits = return_outputs or self.compute_loss_func is not None
-        out = self.engine(**kwargs, return_logits=want_logits)
+        out = self.engine(**kwargs, return_logits=want_logits, token_stats=self._mt_token_stats)
+        if out.token_stats is not None:
+            self._mt_log_token_stats(out.token_stats, inputs)
         # The backward about to run is the step's last when accelerate will sync (step) after it: its gradients are
         # final as they land, so the optimizer may update CPU-stepped layers during it (speculative_step).
         self.engine.state.final_backward = bool(model.training and torch.is_grad_enabled()

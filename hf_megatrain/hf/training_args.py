@@ -90,8 +90,10 @@ class MegaTrainTrainingArguments(TrainingArguments):
                 raise ValueError("label_smoothing_factor is not supported with megatrain=True (the loss is a fused "
                                  "chunked cross-entropy); set it to 0.")
             if self.use_liger_kernel:
-                raise ValueError("use_liger_kernel=True is not supported with megatrain=True (hf_megatrain already "
-                                 "computes the loss with a fused chunked cross-entropy); remove it.")
+                raise ValueError("use_liger_kernel=True is not supported with megatrain=True (it patches the model's "
+                                 "modules and forward, which hf_megatrain streams and replaces). For Liger's fused "
+                                 "linear cross-entropy set megatrain_config={..., 'loss_impl': 'liger'} ('auto', the "
+                                 "default, picks it when installed on CUDA), and remove use_liger_kernel.")
             if self.torch_compile or self.torch_compile_backend or self.torch_compile_mode:
                 # (Trainer would compile the whole model, whose decoder layers are weightless streamed proxies.)
                 raise ValueError("TrainingArguments torch_compile / torch_compile_backend / torch_compile_mode are "

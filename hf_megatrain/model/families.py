@@ -26,6 +26,7 @@ encoder-decoders) before the engine converts anything.
 from __future__ import annotations
 
 import inspect
+import logging
 import sys
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
@@ -36,7 +37,10 @@ from torch import nn
 from .cross_layer import check_no_cross_layer_state
 from .head_config import check_head_extras, head_value
 from .layers import LayerStack
-from .loss import linear_cross_entropy
+from .loss import TokenStats
+from .loss_impl import choose, head_loss
+
+logger = logging.getLogger(__name__)
 
 
 # -- supported models -----------------------------------------------------------------------------------------------
@@ -217,7 +221,8 @@ class RouterAux:
 class ModelHead:
     """Logits / loss of ``model`` from the decoder's last hidden state, with the family's extras."""
 
-    def __init__(self, model: nn.Module, stack: LayerStack, executor: Any) -> None:
+    def __init__(self, model: nn.Module, stack: LayerStack, executor: Any, loss_impl: str = "chunked",
+                 device: torch.device | None = None) -> None:
         # Each extra under any of its config names (head_config.HEAD_ALIASES); check_supported has refused the
         # head-extra-like attributes that are in no table.
         softcap = head_value(model, "softcap")
@@ -230,6 +235,11 @@ class ModelHead:
             scale /= div[1]
         self.scale = scale
         self.router = RouterAux.detect(model, stack, executor)
+        # The loss implementation (model/loss_impl.py), chosen once for this head and device.
+        head = model.get_output_embeddings()
+        self.loss_impl, why = choose(loss_impl, device or torch.device("cpu"),
+                                     bias=getattr(head, "bias", None) is not None, softcap=self.softcap)
+        logger.info("hf_megatrain: head loss %s (%s)", self.loss_impl.value, why)
 
     @contextmanager
     def capture(self, kwargs: dict[str, Any]) -> Iterator[list[torch.Tensor] | None]:
@@ -253,10 +263,11 @@ class ModelHead:
 
     def loss(self, hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor, *, chunk_tokens: int,
              num_items_in_batch: torch.Tensor | int | None, router_logits: list[torch.Tensor] | None,
-             attention_mask: torch.Tensor | None, compiled: bool = False) -> torch.Tensor:
-        loss = linear_cross_entropy(self._scaled(hidden, head), head.weight, labels,
-                                    bias=getattr(head, "bias", None), num_items_in_batch=num_items_in_batch,
-                                    chunk_tokens=chunk_tokens, softcap=self.softcap, compiled=compiled)
+             attention_mask: torch.Tensor | None, compiled: bool = False,
+             stats: TokenStats | None = None) -> torch.Tensor:
+        loss = head_loss(self.loss_impl, self._scaled(hidden, head), head.weight, labels,
+                         bias=getattr(head, "bias", None), num_items_in_batch=num_items_in_batch,
+                         chunk_tokens=chunk_tokens, softcap=self.softcap, compiled=compiled, stats=stats)
         if router_logits is not None and self.router is not None:
             aux = self.router.loss(router_logits, attention_mask)
             if aux is not None:

@@ -13,6 +13,11 @@ when ``softcap`` is set.
 reads the [chunk, vocab] logits once and writes their gradient once, instead of autograd's chain of fp32 copies,
 log-softmax, NLL and casts (~8x the memory traffic; ~100 ms per step at 32k tokens and a 152k vocabulary).
 Same math, fp32 throughout; eager mode keeps the autograd chain (bit-for-bit HF).
+
+``stats``: a ``TokenStats`` to fill, per counted token, with what TRL's SFT trainer logs from its logits (entropy
+of the next-token distribution, whether the label is its first argmax): read off each chunk's logits while they
+exist, so no second lm_head pass. ``token_stats`` is that pass on its own, for the fused implementations
+(``loss_impl``) that never form the logits.
 """
 
 from __future__ import annotations
@@ -22,6 +27,33 @@ import math
 import torch
 
 IGNORE_INDEX = -100
+
+
+class TokenStats:
+    """Sums over counted tokens (fp32, on the loss's device): entropy, top-1 hits, count. No gradient."""
+
+    def __init__(self) -> None:
+        self.entropy_sum: torch.Tensor | float = 0.0
+        self.correct: torch.Tensor | float = 0.0
+        self.count: torch.Tensor | float = 0.0
+
+    @torch.no_grad()
+    def add(self, zf: torch.Tensor, t: torch.Tensor) -> None:
+        """zf [n, V] final fp32 logits (soft-capped), t [n] targets (-100 ignored)."""
+        zf = zf.detach().float()
+        valid = t != IGNORE_INDEX
+        lse = torch.logsumexp(zf, dim=-1)
+        entropy = lse - (torch.softmax(zf, dim=-1) * zf).sum(-1)  # H = log Z - E_p[z]
+        # argmax returns the first maximum: a tie with an earlier token is not a hit (as TRL's is_top1)
+        hit = zf.argmax(-1) == t
+        self.entropy_sum = self.entropy_sum + (entropy * valid).sum()
+        self.correct = self.correct + (hit & valid).sum().float()
+        self.count = self.count + valid.sum().float()
+
+
+def _final_logits(z: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    zf = z.float()
+    return torch.tanh(zf / softcap) * softcap if softcap else zf
 
 
 def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
@@ -59,7 +91,8 @@ _ce_chunk_compiled = torch.compile(_ce_chunk, dynamic=False)
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, normalizer, chunk, softcap, compiled):  # type: ignore[override]
+    def forward(ctx, hidden, weight, bias, targets, normalizer, chunk, softcap, compiled,  # type: ignore[override]
+                stats):
         # hidden [N, H], weight [V, H], bias [V] | None, targets [N]
         need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -68,17 +101,23 @@ class _LinearCrossEntropy(torch.autograd.Function):
                               device=hidden.device)
         grad_h = torch.empty_like(hidden) if need_grad else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grad else None
-        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_grad and bias is not None else None
+        grad_b = (torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+                  if need_grad and bias is not None else None)
         for a in range(0, hidden.shape[0], chunk):
             t = targets[a:a + chunk]
             if not need_grad:
                 z = _logits(hidden[a:a + chunk], weight, bias, softcap).float()
                 total += torch.nn.functional.cross_entropy(z, t, ignore_index=IGNORE_INDEX, reduction="sum")
+                if stats is not None:
+                    stats.add(z, t)
                 continue
             if compiled:
                 h = hidden[a:a + chunk]
-                part, gz = _ce_chunk_compiled(_logits(h, weight, bias, None), t, inv_norm, softcap)  # gz [n, V]
+                z = _logits(h, weight, bias, None)
+                part, gz = _ce_chunk_compiled(z, t, inv_norm, softcap)  # gz [n, V]
                 total += part
+                if stats is not None:
+                    stats.add(_final_logits(z, softcap), t)
                 grad_h[a:a + chunk] = gz @ weight
                 grad_w.add_(gz.t() @ h)  # compute-dtype GEMM, FP32 accumulation across chunks (as autograd's)
                 if grad_b is not None:
@@ -94,6 +133,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 part = torch.nn.functional.cross_entropy(z, t, ignore_index=IGNORE_INDEX, reduction="sum")
                 grads = torch.autograd.grad(part / normalizer, [h, w] + ([b] if b is not None else []))
             total += part.detach()
+            if stats is not None:
+                stats.add(z, t)
             grad_h[a:a + chunk] = grads[0]
             grad_w.add_(grads[1])
             if grad_b is not None:
@@ -109,14 +150,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
         gh = grad_h * scale.to(grad_h.dtype) if grad_h is not None else None
         gw = (grad_w * scale).to(ctx.dtypes[0]) if grad_w is not None else None
         gb = (grad_b * scale).to(ctx.dtypes[1]) if grad_b is not None else None
-        return gh, gw, gb, None, None, None, None, None
+        return gh, gw, gb, None, None, None, None, None, None
 
 
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
-                         bias: torch.Tensor | None = None, num_items_in_batch: torch.Tensor | int | None = None,
-                         chunk_tokens: int = 4096, softcap: float | None = None,
-                         shift: bool = True, compiled: bool = False) -> torch.Tensor:
-    """Loss of ``lm_head(hidden)`` against ``labels`` ([B, T] hidden [B, T, H]); see the module docstring."""
+def prepare_targets(hidden: torch.Tensor, labels: torch.Tensor, num_items_in_batch: torch.Tensor | int | None,
+                    shift: bool = True) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(hidden [N, H], targets [N], normalizer): HF's shift and normalisation, shared by every ``loss_impl``.
+
+    No counted token (every label -100) gives a normalizer of 0, so the loss is 0 / 0 = nan, as HF's loss gives
+    (mean over nothing, or a sum over a num_items_in_batch of 0), never a "perfect" 0.0; the gradients are nan
+    too, so the optimizer skips the step."""
     targets = shift_labels(labels) if shift else labels
     targets = targets.reshape(-1).to(hidden.device)
     flat = hidden.reshape(-1, hidden.shape[-1])
@@ -124,6 +167,23 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         normalizer = float((targets != IGNORE_INDEX).sum().item())
     else:
         normalizer = float(num_items_in_batch.item() if torch.is_tensor(num_items_in_batch) else num_items_in_batch)
-    # No counted token (every label -100): 0 / 0 = nan, as HF's loss gives (mean over nothing, or a sum over a
-    # num_items_in_batch of 0), never a "perfect" 0.0; the gradients are nan too, so the optimizer skips the step.
-    return _LinearCrossEntropy.apply(flat, weight, bias, targets, normalizer, chunk_tokens, softcap, compiled)
+    return flat, targets, normalizer
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
+                         bias: torch.Tensor | None = None, num_items_in_batch: torch.Tensor | int | None = None,
+                         chunk_tokens: int = 4096, softcap: float | None = None,
+                         shift: bool = True, compiled: bool = False, stats: TokenStats | None = None) -> torch.Tensor:
+    """Loss of ``lm_head(hidden)`` against ``labels`` ([B, T] hidden [B, T, H]); see the module docstring."""
+    flat, targets, normalizer = prepare_targets(hidden, labels, num_items_in_batch, shift)
+    return _LinearCrossEntropy.apply(flat, weight, bias, targets, normalizer, chunk_tokens, softcap, compiled, stats)
+
+
+@torch.no_grad()
+def token_stats(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, stats: TokenStats, *,
+                bias: torch.Tensor | None = None, chunk_tokens: int = 4096, softcap: float | None = None) -> None:
+    """Fill ``stats`` from ``hidden`` [N, H] and shifted ``targets`` [N] in one no-grad chunked lm_head pass."""
+    for a in range(0, hidden.shape[0], chunk_tokens):
+        t = targets[a:a + chunk_tokens]
+        if bool((t != IGNORE_INDEX).any()):
+            stats.add(_logits(hidden[a:a + chunk_tokens], weight, bias, softcap), t)

@@ -1,0 +1,77 @@
+"""Combine ``MegaTrainTrainer`` with any ``transformers.Trainer`` subclass (TRL's SFT, DPO, ... or a user's own).
+
+``megatrain_trainer_class(Base)`` builds ``MegaTrain<Base>`` whose method resolution order is
+
+    MegaTrain<Base> -> MegaTrainTrainer -> Base -> (Base's parents) -> _ConvertAtTrainerInit -> Trainer
+
+so that
+
+- the engine-owned methods (optimizer, gradient clipping, loss via the engine, evaluation, saving, loading,
+  device placement) are MegaTrainTrainer's; each falls through to ``Base``'s (``super()``) when ``megatrain=False``;
+- everything else (``Base``'s data preparation, collators, ``training_step``, ``log``, its metrics) is ``Base``'s;
+- ``Base.__init__`` runs *first*, on the user's model as given (a Hub id it loads, a PEFT wrapping it applies, token
+  resizing), and the model is converted only when ``Base`` hands it to ``Trainer.__init__``: ``MegaTrainTrainer``'s
+  own ``__init__`` is skipped, its ``_mt_setup`` runs in ``_ConvertAtTrainerInit``, the last class before Trainer.
+
+``megatrain_args_class(BaseArgs)`` is the matching arguments dataclass (``MegaTrainTrainingArguments`` fields and
+checks plus ``BaseArgs``' fields, ``BaseArgs``' defaults). A trainer whose ``compute_loss`` does more than the
+causal-LM loss (SFT's metrics, DPO's pairs) needs that part ported on top (``trl_support.py`` does it for SFT):
+MegaTrainTrainer's ``compute_loss`` runs the engine's loss, not ``Base``'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+from typing import Any
+
+from transformers import Trainer, TrainingArguments
+
+from .trainer import MegaTrainTrainer
+from .training_args import MegaTrainTrainingArguments
+
+__all__ = ["megatrain_trainer_class", "megatrain_args_class"]
+
+
+class _ConvertAtTrainerInit(Trainer):
+    """Last stop before ``Trainer.__init__``: validate the arguments and convert the model ``Base`` prepared."""
+
+    def __init__(self, model: Any = None, args: TrainingArguments | None = None, *pargs: Any, **kwargs: Any) -> None:
+        model = self._mt_setup(model, args, kwargs)  # (MegaTrainTrainer's, found through self)
+        super().__init__(model, args, *pargs, **kwargs)
+        self._mt_after_init()
+
+
+@functools.cache
+def megatrain_trainer_class(base: type[Trainer]) -> type[MegaTrainTrainer]:
+    """``MegaTrain<base>``: ``base``'s behaviour with the model trained by hf_megatrain (module docstring)."""
+    if not (isinstance(base, type) and issubclass(base, Trainer)):
+        raise TypeError(f"megatrain_trainer_class needs a transformers.Trainer subclass, got {base!r}")
+    if issubclass(base, MegaTrainTrainer):
+        raise TypeError(f"{base.__name__} is already a MegaTrainTrainer")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        base.__init__(self, *args, **kwargs)  # -> ... -> _ConvertAtTrainerInit.__init__ -> Trainer.__init__
+
+    name = f"MegaTrain{base.__name__}"
+    return type(name, (MegaTrainTrainer, base, _ConvertAtTrainerInit),
+                {"__init__": __init__, "__module__": base.__module__, "__qualname__": name,
+                 "__doc__": f"{base.__name__} trained by hf_megatrain (hf_megatrain.hf.compose)."})
+
+
+def megatrain_args_class(base: type[TrainingArguments], name: str | None = None,
+                         module: str | None = None) -> type[MegaTrainTrainingArguments]:
+    """A dataclass with ``MegaTrainTrainingArguments``' switches and checks and ``base``'s fields and defaults.
+
+    Trainer pickles its arguments into every save (``training_args.bin``): bind the result to the module-level
+    name ``name`` (default ``MegaTrain<base>``) of ``module`` (default: the caller's) so pickle can find it."""
+    if not (isinstance(base, type) and issubclass(base, TrainingArguments)):
+        raise TypeError(f"megatrain_args_class needs a TrainingArguments subclass, got {base!r}")
+    if issubclass(base, MegaTrainTrainingArguments):
+        return base
+    name = name or f"MegaTrain{base.__name__}"
+    if module is None:
+        module = sys._getframe(1).f_globals.get("__name__", "__main__")
+    cls = type(name, (MegaTrainTrainingArguments, base), {"__module__": module, "__qualname__": name})
+    return dataclasses.dataclass(cls)

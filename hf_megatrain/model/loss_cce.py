@@ -1,0 +1,57 @@
+"""``loss_impl="cce"``: Apple's Cut Cross-Entropy (Triton, CUDA only).
+
+CCE never writes the [tokens, vocab] logits to memory: it computes the log-sum-exp and the label logit in SRAM and
+recomputes blocks of logits in the backward. Called with ``reduction="sum"`` (the caller divides by HF's
+normalizer), ``ignore_index=-100``, ``shift=False`` (targets come shifted) and ``filter_eps=None``: CCE's default
+gradient filtering skips vocabulary blocks whose softmax is below a threshold, an approximation that would make the
+gradients differ from HF's; off, they are exact up to rounding. Soft-capping is supported; an lm_head *bias* is
+not (CCE's API has none), so a biased head is refused here (``auto`` then keeps the chunked loss). Logit scaling is
+applied to the hidden state by the caller. The import is lazy: hf_megatrain's core needs only torch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from .loss import IGNORE_INDEX
+
+NAME = "cce"
+PACKAGE = "cut-cross-entropy"
+
+
+def unavailable(device: torch.device) -> str | None:
+    """Why this implementation cannot run on ``device`` (None when it can)."""
+    if device.type != "cuda":
+        return f"{NAME} runs Triton kernels on CUDA only (device {device})"
+    if importlib.util.find_spec("cut_cross_entropy") is None:
+        return f"{PACKAGE} is not installed (pip install {PACKAGE})"
+    try:
+        _function()
+    except Exception as e:  # a broken install (no triton, ABI mismatch) must not look like "installed"
+        return f"{PACKAGE} does not import: {type(e).__name__}: {e}"
+    return None
+
+
+def unsupported(*, bias: bool, softcap: float | None) -> str | None:
+    """Which head extra this implementation cannot honour (None: all of them)."""
+    if bias:
+        return "the lm_head has a bias, which Cut Cross-Entropy's linear_cross_entropy does not take"
+    return None
+
+
+def _function():
+    from cut_cross_entropy import linear_cross_entropy
+    return linear_cross_entropy
+
+
+def loss_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+             softcap: float | None) -> torch.Tensor:
+    """Sum of the per-token losses over counted targets; hidden [N, H], weight [V, H], targets [N] (shifted)."""
+    if bias is not None:
+        raise NotImplementedError(unsupported(bias=True, softcap=softcap))
+    # CCE takes one dtype for both operands (the lm_head GEMM's compute dtype)
+    loss = _function()(hidden.contiguous(), weight.to(hidden.dtype), targets, ignore_index=IGNORE_INDEX,
+                       softcap=softcap, reduction="sum", shift=False, filter_eps=None, impl="cce")
+    return loss.float()

@@ -1,0 +1,82 @@
+"""Which cross-entropy implementation computes the head loss: one implementation per module behind ``LossImpl``.
+
+- ``chunked`` (``loss.py``): hf_megatrain's own chunked linear cross-entropy; pure PyTorch, every device, the CPU
+  path, bit-for-bit HF in eager fp32; optionally ``torch.compile``d per chunk.
+- ``liger`` (``loss_liger.py``): Liger-Kernel's fused linear cross-entropy (Triton, CUDA).
+- ``cce`` (``loss_cce.py``): Apple's Cut Cross-Entropy (Triton, CUDA; no lm_head bias).
+- ``auto``: the first fused implementation that is installed, runs on the device and honours the model's head
+  extras (liger, then cce), else ``chunked``. Explicitly naming one that cannot run is an error, never a silent
+  fallback.
+
+Every implementation gets the same inputs from ``prepare_targets`` (HF's shift, ``-100`` ignored, sum divided by
+``num_items_in_batch`` or the counted tokens; nan when nothing counts) and the same head extras: logit scaling is
+applied to the hidden state before this point, soft-capping is passed to the kernel. The fused ones never form
+the logits, so the SFT metrics (``TokenStats``) take one extra no-grad chunked pass with them.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from types import ModuleType
+
+import torch
+
+from . import loss_cce, loss_liger
+from .loss import IGNORE_INDEX, TokenStats, linear_cross_entropy, prepare_targets, token_stats
+
+logger = logging.getLogger(__name__)
+
+
+class LossImpl(str, enum.Enum):
+    AUTO = "auto"
+    CHUNKED = "chunked"
+    LIGER = "liger"
+    CCE = "cce"
+
+
+FUSED: dict[LossImpl, ModuleType] = {LossImpl.LIGER: loss_liger, LossImpl.CCE: loss_cce}  # auto's order
+
+
+def choose(requested: str | LossImpl, device: torch.device, *, bias: bool, softcap: float | None,
+           fused: dict[LossImpl, ModuleType] | None = None) -> tuple[LossImpl, str]:
+    """(implementation, why) for ``requested`` on ``device`` with this head. ``fused`` replaces ``FUSED`` (tests)."""
+    fused = FUSED if fused is None else fused
+    want = LossImpl(requested)
+    if want is LossImpl.CHUNKED:
+        return want, "loss_impl='chunked'"
+    if want is not LossImpl.AUTO:
+        mod = fused[want]
+        why = mod.unavailable(device) or mod.unsupported(bias=bias, softcap=softcap)
+        if why:
+            raise ValueError(f"loss_impl={want.value!r} cannot be used: {why}. Use loss_impl='auto' (a fused loss "
+                             "when one can run, else the chunked loss) or 'chunked'.")
+        return want, f"loss_impl={want.value!r}"
+    skipped = []
+    for impl, mod in fused.items():
+        why = mod.unavailable(device) or mod.unsupported(bias=bias, softcap=softcap)
+        if why is None:
+            return impl, f"loss_impl='auto': {impl.value} ({mod.PACKAGE}) is installed and runs on {device}"
+        skipped.append(f"{impl.value}: {why}")
+    return LossImpl.CHUNKED, "loss_impl='auto' chose chunked (" + "; ".join(skipped) + ")"
+
+
+def head_loss(impl: LossImpl, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
+              bias: torch.Tensor | None, num_items_in_batch: torch.Tensor | int | None, chunk_tokens: int,
+              softcap: float | None, compiled: bool = False, stats: TokenStats | None = None,
+              fused: dict[LossImpl, ModuleType] | None = None) -> torch.Tensor:
+    """Causal-LM loss of ``lm_head(hidden)`` against ``labels`` ([B, T]) by ``impl`` (a ``choose`` result)."""
+    if impl is LossImpl.CHUNKED:
+        return linear_cross_entropy(hidden, weight, labels, bias=bias, num_items_in_batch=num_items_in_batch,
+                                    chunk_tokens=chunk_tokens, softcap=softcap, compiled=compiled, stats=stats)
+    mod = (FUSED if fused is None else fused)[impl]
+    flat, targets, normalizer = prepare_targets(hidden, labels, num_items_in_batch)
+    if stats is not None:
+        token_stats(flat.detach(), weight.detach(), targets, stats,
+                    bias=bias.detach() if bias is not None else None, chunk_tokens=chunk_tokens, softcap=softcap)
+    if not normalizer or not bool((targets != IGNORE_INDEX).any()):
+        # Nothing counts: nan loss and nan gradients (the optimizer skips the step), as the chunked loss and HF;
+        # the kernels are not asked to reduce over zero rows.
+        nan = float("nan")
+        return (flat.sum() * nan + weight.sum() * nan + (bias.sum() * nan if bias is not None else 0.0)).float()
+    return mod.loss_sum(flat, weight, bias, targets, softcap) / normalizer

@@ -29,7 +29,7 @@ class Fake:
     def unavailable(self, device):
         return self.missing or (None if device.type == "cuda" else "CUDA only")
 
-    def unsupported(self, *, bias, softcap):
+    def unsupported(self, *, bias, softcap, dtype=torch.float32):
         return "bias" if bias and self.no_bias else None
 
     def loss_sum(self, hidden, weight, bias, targets, softcap):
@@ -67,6 +67,11 @@ def test_real_modules_say_why_not_on_cpu():
     assert choose("auto", CPU, bias=True, softcap=30.0)[0] is LossImpl.CHUNKED
     assert loss_impl.loss_cce.unsupported(bias=True, softcap=None) and not loss_impl.loss_liger.unsupported(
         bias=True, softcap=30.0)
+    # Cut Cross-Entropy is refused for fp32 compute (reduced-precision kernels, measured on the H100) and is never
+    # auto's choice; Liger is.
+    assert "fp32" in loss_impl.loss_cce.unsupported(bias=False, softcap=None, dtype=torch.float32)
+    assert loss_impl.loss_cce.unsupported(bias=False, softcap=None, dtype=torch.bfloat16) is None
+    assert loss_impl.AUTO_ORDER == (LossImpl.LIGER,)
 
 
 def test_config_key():

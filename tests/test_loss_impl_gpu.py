@@ -46,6 +46,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("num_items", [None, 3000])
 def test_fused_matches_chunked(impl, dtype, tol, softcap, num_items):
     _need(impl)
+    if impl is LossImpl.CCE and dtype == torch.float32:
+        pytest.skip("cce is refused for fp32 compute (test_cce_is_refused_for_fp32_compute)")
     torch.manual_seed(0)
     dev = torch.device("cuda")
     B, T, H, V = 2, 1536, 512, 32000
@@ -92,7 +94,8 @@ def test_engine_step_with_fused_loss(impl, family):
     labels[:, :3] = -100
     out = {}
     for which in ("chunked", impl.value):
-        eng = MegaTrainEngine(copy.deepcopy(model), MegaTrainConfig(compute_dtype="float32", loss_impl=which),
+        dtype = "bfloat16" if impl is LossImpl.CCE else "float32"  # (cce is refused for fp32 compute)
+        eng = MegaTrainEngine(copy.deepcopy(model), MegaTrainConfig(compute_dtype=dtype, loss_impl=which),
                               device="cuda")
         assert eng.head_extras.loss_impl.value == which
         loss = eng(input_ids=ids, labels=labels).loss
@@ -100,5 +103,13 @@ def test_engine_step_with_fused_loss(impl, family):
         eng.land_gradients()
         out[which] = (float(loss), eng.resident_unit.grad.detach().float().cpu().clone())
     (lc, gc), (lf, gf) = out["chunked"], out[impl.value]
-    assert abs(lf - lc) <= 1e-4 * abs(lc)
-    assert _rel(gf, gc) <= 1e-3
+    tol = 2e-2 if impl is LossImpl.CCE else 1e-4  # (cce: both in bf16)
+    assert abs(lf - lc) <= tol * abs(lc)
+    assert _rel(gf, gc) <= tol * 10
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
+def test_cce_is_refused_for_fp32_compute():
+    _need(LossImpl.CCE)
+    with pytest.raises(ValueError, match="compute_dtype bfloat16"):
+        MegaTrainEngine(tiny("llama"), MegaTrainConfig(compute_dtype="float32", loss_impl="cce"), device="cuda")

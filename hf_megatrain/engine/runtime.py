@@ -73,7 +73,8 @@ class MegaTrainEngine:
             pin=config.pin_memory and self.device.type == "cuda", activation_prefetch=config.activation_prefetch)
         install_proxies(conv, self.executor)
         # Family extras of the HF head (soft-capping, logit scaling, MoE router aux loss): model/families.py.
-        self.head_extras = ModelHead(model, self.stack, self.executor, loss_impl=config.loss_impl, device=self.device)
+        self.head_extras = ModelHead(model, self.stack, self.executor, loss_impl=config.loss_impl, device=self.device,
+                                       compute_dtype=config.torch_compute_dtype)
         self.state.add_lander(self.executor.finish)
         self.state.add_lander(self._land_resident)
         self._published = -1  # version of the resident unit last copied into its device working parameters

@@ -222,7 +222,7 @@ class ModelHead:
     """Logits / loss of ``model`` from the decoder's last hidden state, with the family's extras."""
 
     def __init__(self, model: nn.Module, stack: LayerStack, executor: Any, loss_impl: str = "chunked",
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, compute_dtype: torch.dtype = torch.float32) -> None:
         # Each extra under any of its config names (head_config.HEAD_ALIASES); check_supported has refused the
         # head-extra-like attributes that are in no table.
         softcap = head_value(model, "softcap")
@@ -238,7 +238,8 @@ class ModelHead:
         # The loss implementation (model/loss_impl.py), chosen once for this head and device.
         head = model.get_output_embeddings()
         self.loss_impl, why = choose(loss_impl, device or torch.device("cpu"),
-                                     bias=getattr(head, "bias", None) is not None, softcap=self.softcap)
+                                     bias=getattr(head, "bias", None) is not None, softcap=self.softcap,
+                                     dtype=compute_dtype)
         logger.info("hf_megatrain: head loss %s (%s)", self.loss_impl.value, why)
 
     @contextmanager

@@ -34,10 +34,15 @@ def unavailable(device: torch.device) -> str | None:
     return None
 
 
-def unsupported(*, bias: bool, softcap: float | None) -> str | None:
-    """Which head extra this implementation cannot honour (None: all of them)."""
+def unsupported(*, bias: bool, softcap: float | None, dtype: torch.dtype = torch.float32) -> str | None:
+    """Which head extra or compute dtype this implementation cannot honour (None: all of them)."""
     if bias:
         return "the lm_head has a bias, which Cut Cross-Entropy's linear_cross_entropy does not take"
+    if dtype == torch.float32:
+        # Measured on the H100: fp32 inputs gave a loss and gradients ~1e-3..1e-2 off the chunked fp32 loss
+        # (tests/test_loss_impl_gpu.py): an fp32 run would train with bf16-grade head gradients without saying so.
+        return "its kernels compute in reduced precision, so an fp32 model (compute_dtype float32) would get " \
+               "head gradients ~1e-2 off the exact loss; use it with compute_dtype bfloat16"
     return None
 
 

@@ -33,7 +33,7 @@ def unavailable(device: torch.device) -> str | None:
     return None
 
 
-def unsupported(*, bias: bool, softcap: float | None) -> str | None:
+def unsupported(*, bias: bool, softcap: float | None, dtype: torch.dtype = torch.float32) -> str | None:
     """Which head extra this implementation cannot honour (None: all of them)."""
     return None
 

@@ -11,10 +11,9 @@ applied to the hidden state by the caller. The import is lazy: hf_megatrain's co
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
+from . import fused_install
 from .loss import IGNORE_INDEX
 
 NAME = "cce"
@@ -23,15 +22,7 @@ PACKAGE = "cut-cross-entropy"
 
 def unavailable(device: torch.device) -> str | None:
     """Why this implementation cannot run on ``device`` (None when it can)."""
-    if device.type != "cuda":
-        return f"{NAME} runs Triton kernels on CUDA only (device {device})"
-    if importlib.util.find_spec("cut_cross_entropy") is None:
-        return f"{PACKAGE} is not installed (pip install {PACKAGE})"
-    try:
-        _function()
-    except Exception as e:  # a broken install (no triton, ABI mismatch) must not look like "installed"
-        return f"{PACKAGE} does not import: {type(e).__name__}: {e}"
-    return None
+    return fused_install.unavailable(device, NAME, PACKAGE, "cut_cross_entropy", _function)
 
 
 def unsupported(*, bias: bool, softcap: float | None, dtype: torch.dtype = torch.float32) -> str | None:

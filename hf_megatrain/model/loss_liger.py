@@ -10,10 +10,9 @@ state by the caller (``families.ModelHead``). The import is lazy: hf_megatrain's
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
+from . import fused_install
 from .loss import IGNORE_INDEX
 
 NAME = "liger"
@@ -22,15 +21,7 @@ PACKAGE = "liger-kernel"
 
 def unavailable(device: torch.device) -> str | None:
     """Why this implementation cannot run on ``device`` (None when it can)."""
-    if device.type != "cuda":
-        return f"{NAME} runs Triton kernels on CUDA only (device {device})"
-    if importlib.util.find_spec("liger_kernel") is None:
-        return f"{PACKAGE} is not installed (pip install {PACKAGE})"
-    try:
-        _function()
-    except Exception as e:  # a broken install (no triton, ABI mismatch) must not look like "installed"
-        return f"{PACKAGE} does not import: {type(e).__name__}: {e}"
-    return None
+    return fused_install.unavailable(device, NAME, PACKAGE, "liger_kernel", _function)
 
 
 def unsupported(*, bias: bool, softcap: float | None, dtype: torch.dtype = torch.float32) -> str | None:

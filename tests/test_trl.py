@@ -101,7 +101,7 @@ def test_sft_metrics_with_fused_loss_path(tmp_path, monkeypatch):
             return None
 
         @staticmethod
-        def unsupported(*, bias, softcap):
+        def unsupported(*, bias, softcap, dtype=None):
             return None
 
         @staticmethod

@@ -46,8 +46,7 @@ from bench.common import GIB, PEAK_TFLOPS, _vm_hwm_bytes, runner_main, versions 
 from bench_vs_deepspeed import gpu_slug, log_tail  # noqa: E402
 from hf_megatrain import MegaTrainConfig, MegaTrainEngine, planner  # noqa: E402
 from hf_megatrain.core.memory import available_host_bytes, gpu_budget  # noqa: E402
-from hf_megatrain.model.layers import find_layer_stack  # noqa: E402
-from scale_123b import HostSampler, LayerTimer, machine, random_value  # noqa: E402
+from scale_123b import HostSampler, LayerTimer, machine, random_engine  # noqa: E402
 
 WIDTH = dict(hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4,
              vocab_size=152064)
@@ -115,32 +114,8 @@ def plan_record(plan: planner.MemoryPlan) -> dict[str, Any]:
 
 # -- one run (child process) ------------------------------------------------------------------------------------------
 def build_engine(spec: dict, config: MegaTrainConfig, dev: torch.device) -> tuple[MegaTrainEngine, dict]:
-    gen = torch.Generator(device=dev).manual_seed(int(spec.get("seed", 0)))
-    times: dict[str, float] = {}
-    t = time.perf_counter()
-    model = skeleton(spec)
-    layer_ids = {id(p) for p in find_layer_stack(model).layers.parameters()}
-    with torch.no_grad():
-        for mname, module in model.named_modules():
-            for pname, p in list(module._parameters.items()):
-                if p is not None and id(p) not in layer_ids:
-                    name = f"{mname}.{pname}" if mname else pname
-                    module._parameters[pname] = torch.nn.Parameter(random_value(name, p.shape, dev, gen).float())
-    model.train()
-    times["model_build_s"] = time.perf_counter() - t
-    t = time.perf_counter()
-    engine = MegaTrainEngine(model, config, device=dev)
-    times["engine_build_s"] = time.perf_counter() - t
-    t = time.perf_counter()
-    store, resident = engine.store, engine.resident_unit
-    with torch.no_grad():
-        for name in store.names():
-            unit, sl = store.by_name[name]
-            if unit is not resident:
-                store.load_(name, random_value(name, sl.shape, dev, gen).float())
-    engine.sync_device_()
-    times["fill_layers_s"] = time.perf_counter() - t
-    return engine, times
+    return random_engine(lambda: skeleton(spec), config, dev, int(spec.get("seed", 0)), device=dev,
+                         resident_dtype=torch.float32)
 
 
 def run_one(spec: dict) -> dict[str, Any]:

@@ -36,7 +36,7 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import threading  # noqa: E402
-from typing import Any  # noqa: E402
+from typing import Any, Callable  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -99,26 +99,29 @@ def random_value(name: str, shape: tuple[int, ...], device: torch.device, gen: t
     return torch.empty(shape, dtype=torch.bfloat16, device=device).normal_(0.0, 0.02, generator=gen)
 
 
-def build_engine(spec: dict, config: MegaTrainConfig, gen_device: torch.device) -> tuple[MegaTrainEngine, dict]:
-    """Skeleton -> resident parameters drawn on ``gen_device`` -> engine (store allocated and pinned, layers stay
-    meta) -> each layer's masters filled from ``gen_device`` -> streaming copies synced. Returns phase times."""
-    from transformers import MistralForCausalLM  # noqa: F401  (imported here: not part of the timed build)
-
-    gen = torch.Generator(device=gen_device).manual_seed(int(spec.get("seed", 0)))
+def random_engine(make_skeleton: Callable[[], torch.nn.Module], config: MegaTrainConfig, gen_device: torch.device,
+                  seed: int = 0, device: torch.device | None = None,
+                  resident_dtype: torch.dtype | None = None) -> tuple[MegaTrainEngine, dict[str, float]]:
+    """Meta skeleton -> resident parameters drawn on ``gen_device`` -> engine (store allocated and pinned, layers stay
+    meta) -> each layer's masters filled from ``gen_device`` -> streaming copies synced. The model is never whole on
+    the host (shared by scale_123b, long_context and full_32b). Returns the engine and its phase times."""
+    gen = torch.Generator(device=gen_device).manual_seed(seed)
     times: dict[str, float] = {}
     t = time.perf_counter()
-    model = skeleton(spec, int(spec["layers"]))
+    model = make_skeleton()
     layer_ids = {id(p) for p in find_layer_stack(model, config.layers_path).layers.parameters()}
     with torch.no_grad():
         for mname, module in model.named_modules():
             for pname, p in list(module._parameters.items()):
                 if p is not None and id(p) not in layer_ids:
                     name = f"{mname}.{pname}" if mname else pname
-                    module._parameters[pname] = torch.nn.Parameter(random_value(name, p.shape, gen_device, gen))
+                    value = random_value(name, p.shape, gen_device, gen)
+                    module._parameters[pname] = torch.nn.Parameter(
+                        value if resident_dtype is None else value.to(resident_dtype))
     model.train()
     times["model_build_s"] = time.perf_counter() - t
     t = time.perf_counter()
-    engine = MegaTrainEngine(model, config)
+    engine = MegaTrainEngine(model, config, device=device)
     times["engine_build_s"] = time.perf_counter() - t  # store allocation + page-locking dominate
     t = time.perf_counter()
     store, resident = engine.store, engine.resident_unit
@@ -132,6 +135,13 @@ def build_engine(spec: dict, config: MegaTrainConfig, gen_device: torch.device) 
     engine.sync_device_()  # master -> bf16 streaming copy of every unit
     times["sync_s"] = time.perf_counter() - t
     return engine, times
+
+
+def build_engine(spec: dict, config: MegaTrainConfig, gen_device: torch.device) -> tuple[MegaTrainEngine, dict]:
+    from transformers import MistralForCausalLM  # noqa: F401  (imported here: not part of the timed build)
+
+    layers = int(spec["layers"])
+    return random_engine(lambda: skeleton(spec, layers), config, gen_device, int(spec.get("seed", 0)))
 
 
 def count_params(spec: dict, layers: int) -> int:
@@ -342,10 +352,12 @@ def machine() -> dict[str, Any]:
     return info
 
 
-def spawn(spec: dict, timeout: float, log_path: str, env: dict[str, str]) -> dict[str, Any]:
-    """One run in its own process group (killed whole on timeout); an error record when no result came back."""
-    result = tempfile.NamedTemporaryFile(prefix="scale_123b_", suffix=".json", delete=False).name
-    cmd = [sys.executable, os.path.abspath(__file__), "--spec", json.dumps(spec), "--result", result]
+def spawn(spec: dict, timeout: float, log_path: str, env: dict[str, str], script: str = __file__) -> dict[str, Any]:
+    """One run of ``script --spec ... --result ...`` (a ``runner_main`` child) in its own process group (killed whole
+    on timeout); an error record when no result came back."""
+    prefix = os.path.splitext(os.path.basename(script))[0] + "_"
+    result = tempfile.NamedTemporaryFile(prefix=prefix, suffix=".json", delete=False).name
+    cmd = [sys.executable, os.path.abspath(script), "--spec", json.dumps(spec), "--result", result]
     t0, status = time.perf_counter(), None
     with open(log_path, "w") as log:
         log.write("$ " + shlex.join(cmd) + "\n")

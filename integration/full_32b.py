@@ -52,7 +52,7 @@ from bench_vs_deepspeed import gpu_slug, log_tail  # noqa: E402
 from hf_megatrain import MegaTrainConfig, planner  # noqa: E402
 from hf_megatrain.core.memory import available_host_bytes  # noqa: E402
 from long_context import plan_record  # noqa: E402
-from scale_123b import HostSampler, engine_plan, machine, random_engine, spawn  # noqa: E402
+from scale_123b import HostSampler, child_env, engine_plan, machine, random_engine, spawn  # noqa: E402
 
 # Qwen2.5-32B's config.json (shape only; the values are random).
 WIDTH = dict(hidden_size=5120, intermediate_size=27648, num_attention_heads=40, num_key_value_heads=8,
@@ -458,11 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     doc: dict[str, Any] = {"command": "python " + shlex.join([os.path.relpath(os.path.abspath(__file__), ROOT)] + (
         sys.argv[1:] if argv is None else argv)), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "versions": versions(),
         "machine": info, "spec": spec, "width": TINY_WIDTH if a.tiny else WIDTH, "prediction": pred}
-    env = {**os.environ, "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join([ROOT] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH")
-                                                   else []))}
-    if a.alloc_conf and "PYTORCH_CUDA_ALLOC_CONF" not in env:
-        env["PYTORCH_CUDA_ALLOC_CONF"] = a.alloc_conf
+    env = child_env(a.alloc_conf)
 
     def write() -> None:
         doc["wall_s"] = time.perf_counter() - T_START

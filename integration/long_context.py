@@ -30,10 +30,7 @@ import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
 import shlex  # noqa: E402
-import signal  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
-import tempfile  # noqa: E402
 from typing import Any  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -43,10 +40,11 @@ sys.path[:0] = [HERE, ROOT]
 import torch  # noqa: E402
 
 from bench.common import GIB, PEAK_TFLOPS, _vm_hwm_bytes, runner_main, versions  # noqa: E402
-from bench_vs_deepspeed import gpu_slug, log_tail  # noqa: E402
+from bench_vs_deepspeed import gpu_slug  # noqa: E402
 from hf_megatrain import MegaTrainConfig, MegaTrainEngine, planner  # noqa: E402
 from hf_megatrain.core.memory import available_host_bytes, gpu_budget  # noqa: E402
-from scale_123b import HostSampler, LayerTimer, machine, random_engine  # noqa: E402
+from scale_123b import HostSampler, LayerTimer, child_env, machine, random_engine  # noqa: E402
+from scale_123b import spawn as run_isolated  # noqa: E402
 
 WIDTH = dict(hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4,
              vocab_size=152064)
@@ -196,38 +194,8 @@ def run_one(spec: dict) -> dict[str, Any]:
 
 # -- parent: runs in subprocesses, the search, the JSON -------------------------------------------------------------
 def spawn(spec: dict, timeout: float, log_path: str, env: dict[str, str]) -> dict[str, Any]:
-    result = tempfile.NamedTemporaryFile(prefix="long_context_", suffix=".json", delete=False).name
-    cmd = [sys.executable, os.path.abspath(__file__), "--spec", json.dumps(spec), "--result", result]
-    t0, status = time.perf_counter(), None
-    with open(log_path, "w") as log:
-        log.write("$ " + shlex.join(cmd) + "\n")
-        log.flush()
-        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
-        try:
-            p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            status = "timeout"
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                try:
-                    os.killpg(p.pid, sig)
-                    p.wait(timeout=15)
-                    break
-                except (subprocess.TimeoutExpired, ProcessLookupError):
-                    continue
-    try:
-        with open(result) as f:
-            record = json.loads(f.read().strip().splitlines()[-1])
-    except (OSError, ValueError, IndexError):
-        tail = log_tail(log_path)
-        record = {"status": status or "error", "oom": "out of memory" in tail.lower(),
-                  "error": (f"timed out after {timeout:.0f}s" if status else
-                            f"exited with code {p.returncode} without a result (killed for host memory?)")
-                  + "\n" + tail[-3000:]}
-    finally:
-        if os.path.exists(result):
-            os.remove(result)
-    record.update(seq=spec["seq"], subprocess_wall_s=time.perf_counter() - t0, log=os.path.basename(log_path),
-                  returncode=p.returncode)
+    record = run_isolated(spec, timeout, log_path, env, script=__file__)
+    record["seq"] = spec["seq"]
     return record
 
 
@@ -302,11 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.dry_run:
         print(json.dumps(pred, indent=1))
         return 0
-    env = {**os.environ, "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join([ROOT] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH")
-                                                   else []))}
-    if a.alloc_conf and "PYTORCH_CUDA_ALLOC_CONF" not in env:
-        env["PYTORCH_CUDA_ALLOC_CONF"] = a.alloc_conf
+    env = child_env(a.alloc_conf)
 
     def write() -> None:
         doc["wall_s"] = time.perf_counter() - T_START

@@ -352,6 +352,17 @@ def machine() -> dict[str, Any]:
     return info
 
 
+def child_env(alloc_conf: str | None) -> dict[str, str]:
+    """The environment of a run's subprocess: this repo first on PYTHONPATH, unbuffered output, and the allocator
+    configuration unless the caller's environment sets one."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join([ROOT] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH")
+                                                   else []))}
+    if alloc_conf and "PYTORCH_CUDA_ALLOC_CONF" not in env:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf
+    return env
+
+
 def spawn(spec: dict, timeout: float, log_path: str, env: dict[str, str], script: str = __file__) -> dict[str, Any]:
     """One run of ``script --spec ... --result ...`` (a ``runner_main`` child) in its own process group (killed whole
     on timeout); an error record when no result came back."""
@@ -547,11 +558,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{'fits' if row['fits'] else 'does not fit'}", flush=True)
     if a.dry_run:
         return 0
-    env = {**os.environ, "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join([ROOT] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH")
-                                                   else []))}
-    if a.alloc_conf and "PYTORCH_CUDA_ALLOC_CONF" not in env:
-        env["PYTORCH_CUDA_ALLOC_CONF"] = a.alloc_conf
+    env = child_env(a.alloc_conf)
     logs: list[str] = []
 
     def write() -> None:

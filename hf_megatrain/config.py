@@ -119,6 +119,13 @@ class MegaTrainConfig:
             moments stay on the GPU (12 bytes per parameter there, 8 fewer on the host), the master streams through
             PCIe. -1 = auto: as many as fit in ``device_step_fraction`` of the GPU memory left after the resident
             parts (none on CPU-only machines).
+        device_step_state: where the AdamW moments of the GPU-stepped layers (``device_step_layers``) live between
+            steps: "device" (on the GPU: 12 bytes per parameter there, the master alone streams), or "host" (pinned
+            host memory: master and moments stream in for each update, 12 bytes in and 12 out per parameter over
+            PCIe; the GPU holds only the gradient during a step and one buffer set per such layer). With "host" no
+            per-parameter state of a streamed layer stays on the GPU between steps, as with a model many times the
+            GPU's size; their state is copied in during the step's last backward (before their gradients land),
+            so the update waits for PCIe only where the backward left no time.
         device_step_fraction: share of that free GPU memory the auto rules may give to GPU-kept and GPU-stepped
             layers together (the rest
             is for activations, the loss and the weight slots; lower it if large batches run out of memory).
@@ -176,6 +183,7 @@ class MegaTrainConfig:
     optimizer_state_dir: str | None = None
     resident_device_fraction: float = 0.5
     device_step_fraction: float = 0.5
+    device_step_state: str = "device"
     lean_store: bool = False
     torch_compile: bool = False
     speculative_step: bool = True
@@ -192,6 +200,9 @@ class MegaTrainConfig:
         parse_dtype(self.compute_dtype, "compute_dtype")
         parse_dtype(self.grad_offload_dtype, "grad_offload_dtype")
         parse_dtype(self.save_dtype, "save_dtype")
+        if self.device_step_state not in ("device", "host"):
+            raise ValueError(f"device_step_state={self.device_step_state!r}: use 'device' (AdamW moments of the "
+                             "GPU-stepped layers on the GPU) or 'host' (streamed in and out for each update)")
         if self.host_kernel not in ("auto", "fused", "compiled"):
             raise ValueError(f"host_kernel={self.host_kernel!r}: use 'auto', 'fused' or 'compiled'")
         if self.num_slots < 2:

@@ -272,7 +272,7 @@ def _versus(r: dict, rat: dict) -> str:
         return ""
     regime = record_regime(r)
     entry = rat.get(str(r["batch"]), {})
-    if regime == "streamed" and "ours_over_best_peer" in entry.get(regime, {}):
+    if regime.startswith("streamed") and "ours_over_best_peer" in entry.get(regime, {}):
         return f"{entry[regime]['ours_over_best_peer']:.2f}x {LABEL[entry['best_peer']]}"
     if regime == "auto" and "ours_over_plain" in entry.get(regime, {}):
         return f"{entry[regime]['ours_over_plain']:.2f}x plain"
@@ -419,7 +419,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--regime", default="streamed",
                     help="hf_megatrain's placement, comma list of " + ",".join(REGIMES) + ": streamed = every "
                          "decoder layer streamed, no per-parameter state of a streamed layer on the GPU (a model "
-                         "many times the GPU's memory; the headline, vs the offload peers); auto = the planner's "
+                         "many times the GPU's memory; the headline, vs the offload peers); streamed_gpu_step = "
+                         "the same with 2 layers stepped on the GPU, their state streamed each step; auto = the planner's "
                          "placement (the model fits; vs plain). The peers run once whatever the regime")
     ap.add_argument("--sizes", default="4,16", help="sequences per optimizer step (x seq tokens)")
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default 8; 2 with --tiny)")

@@ -45,6 +45,42 @@ def test_parity_with_device_stepped_layers(overlap):
     assert [u.plan.stepper for u in engine.layer_units] == [Stepper.DEVICE_STREAMED] * 2 + [Stepper.HOST] * 2
 
 
+@pytest.mark.parametrize("final_backward", [False, True])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_parity_with_device_stepped_layers_host_state(overlap, final_backward):
+    """device_step_state="host": the GPU-stepped layers' moments live on the host and stream with the master,
+    copied in during the step's last backward (``final_backward``: with the speculative CPU step beside it),
+    clipping on."""
+    cfg = MegaTrainConfig(compute_dtype="float32", device_step_layers=2, overlap_optimizer=overlap,
+                          device_step_state="host")
+    ga = 1 if final_backward else 2
+    worst, engine, _ = run_parity(tiny("llama", num_hidden_layers=4), config=cfg, ga=ga, batch=4 // ga, steps=4,
+                                  final_backward=final_backward, clip_schedule=[1e6, 1e6, 0.3, 1e6])
+    stepped = engine.layer_units[:2]
+    assert [u.plan.stepper for u in engine.layer_units] == [Stepper.DEVICE_STREAMED] * 2 + [Stepper.HOST] * 2
+    assert all(u.plan.moments is Where.HOST and u.plan.grad is Where.DEVICE for u in stepped)
+    stepper = engine.optimizer.device_stepper
+    assert stepper.host_state and not stepper.loaded
+    # A prefetched copy is dropped when the master changes outside an update (a checkpoint load touches it).
+    stepper.prefetch()
+    with torch.no_grad():
+        stepped[0].master.add_(1.0)
+    engine.state.touch(stepped[0].index)
+    stepper.prefetch()
+    assert torch.equal(stepper.bufs[0]["master"][:stepped[0].numel], stepped[0].master)
+
+
+def test_device_step_state_host_plans_fewer_gpu_bytes():
+    from hf_megatrain.core.plan import device_step_bytes, stepper_buffer_bytes
+
+    n = 1000
+    assert device_step_bytes(2, n, torch.bfloat16, host_state=True) == 2 * 4 * n + stepper_buffer_bytes(
+        2, n, torch.bfloat16, True) == 2 * 4 * n + 2 * 14 * n
+    assert device_step_bytes(2, n, torch.bfloat16) == 2 * 12 * n + 2 * 6 * n
+    with pytest.raises(ValueError, match="device_step_state"):
+        MegaTrainConfig(device_step_state="gpu")
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_parity_with_layers_kept_on_device(overlap):
     """Layer 0 kept whole on the device (master cast into the slot per visit, gradient accumulated there, AdamW

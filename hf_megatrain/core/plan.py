@@ -10,6 +10,7 @@ byte counts are sums of ``UnitPlan.nbytes`` over the same plans.
     plan              master  grad    moments      compute copy  stepper
     host layer        host    host    host / disk  host (bf16)   HOST: fused AdamW on the CPU
     GPU-stepped layer host    device  device       host (bf16)   DEVICE_STREAMED: master streams to the GPU for it
+      (state "host")  host    device  host         host (bf16)   DEVICE_STREAMED: master and moments stream
     kept layer        device  device  device       none          DEVICE: everything on the GPU, cast per visit
     lean layer        host    none    host / disk  none          LEAN: update as each gradient lands
     resident (device) device  device  device       device (bf16) DEVICE
@@ -139,10 +140,21 @@ def resident_device_bytes(numel: int, compute_dtype: torch.dtype) -> int:
     return numel * (16 + (c if c < 4 else 0))
 
 
-def device_step_bytes(k: int, max_numel: int, compute_dtype: torch.dtype) -> int:
-    """GPU bytes of ``k`` GPU-stepped layers: FP32 gradient + AdamW moments each, and the stepper's two
-    master + compute-copy buffers."""
-    return 0 if k == 0 else STEPPED_LAYER_DEVICE_BYTES * k * max_numel + 2 * (4 + _elt(compute_dtype)) * max_numel
+def device_step_bytes(k: int, max_numel: int, compute_dtype: torch.dtype, host_state: bool = False) -> int:
+    """GPU bytes of ``k`` GPU-stepped layers: FP32 gradient + AdamW moments each (the gradient alone with
+    ``host_state``) and the stepper's buffers (``stepper_buffer_bytes``)."""
+    if k == 0:
+        return 0
+    per_layer = 4 if host_state else STEPPED_LAYER_DEVICE_BYTES
+    return per_layer * k * max_numel + stepper_buffer_bytes(k, max_numel, compute_dtype, host_state)
+
+
+def stepper_buffer_bytes(k: int, max_numel: int, compute_dtype: torch.dtype, host_state: bool) -> int:
+    """GPU bytes of the DeviceStepper's buffers for ``k`` layers: two master + compute-copy sets (the master
+    streams through them in turn), or with ``host_state`` one master + moments + compute-copy set per layer (all
+    of them are copied in during the backward)."""
+    c = _elt(compute_dtype)
+    return (k * (12 + c) if host_state else 2 * (4 + c)) * max_numel if k else 0
 
 
 def _resident_on_device(numel: int, config: MegaTrainConfig, device_type: str, budget: int | None) -> bool:
@@ -184,7 +196,8 @@ def _layer_choice(numels: list[int], frozen: list[int], config: MegaTrainConfig,
         if not auto_off and rest:
             n_max = max(numels[i] for i in rest)
             k = len(rest)
-            while k > 0 and device_step_bytes(k, n_max, config.torch_compute_dtype) > left:
+            host_state = config.device_step_state == "host"
+            while k > 0 and device_step_bytes(k, n_max, config.torch_compute_dtype, host_state) > left:
                 k -= 1
     return kept, rest[:k]
 
@@ -207,7 +220,8 @@ def build_plans(inputs: PlanInputs, config: MegaTrainConfig) -> Plans:
         if i in kept:
             where = (Where.DEVICE, Where.DEVICE, Where.DEVICE, Where.NONE, Stepper.DEVICE)
         elif i in stepped:
-            where = (Where.HOST, Where.DEVICE, Where.DEVICE, host_copy, Stepper.DEVICE_STREAMED)
+            moments = host_moments if config.device_step_state == "host" else Where.DEVICE
+            where = (Where.HOST, Where.DEVICE, moments, host_copy, Stepper.DEVICE_STREAMED)
         elif config.lean_store:
             where = (Where.HOST, Where.NONE, host_moments, Where.NONE, Stepper.LEAN)
         else:

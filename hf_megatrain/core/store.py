@@ -109,15 +109,16 @@ class UnitStore:
         if disk:
             check_disk_space(disk, state_dir, f"the AdamW state of {disk // 8 / 1e6:.1f}M parameters")
 
-        def alloc(where: Where, n: int, dtype: torch.dtype, moment: bool = False) -> torch.Tensor | None:
+        def alloc(where: Where, n: int, dtype: torch.dtype, moment: bool = False,
+                  streams: bool = False) -> torch.Tensor | None:
             if where is Where.NONE:
                 return None
             if where is Where.DISK:
                 return alloc_on_disk(n, dtype, state_dir)  # sparse file: zeros
             if where is Where.DEVICE:
                 t = torch.empty(n, dtype=dtype, device=device)
-            else:  # moments never cross PCIe: page-locking them would only cost registration time and RAM
-                t = alloc_host(n, dtype, pin and not moment)
+            else:  # moments cross PCIe only for GPU-stepped layers: pinning others would only cost time and RAM
+                t = alloc_host(n, dtype, pin and (not moment or streams))
             return t.zero_() if moment else t
 
         self.units: list[Unit] = []
@@ -126,8 +127,9 @@ class UnitStore:
         for plan, layout, frozen_layout in zip(plans.units, layouts, frozen_layouts):
             params, n = _slices(layout)
             f32 = torch.float32
+            streams = plan.stepper is Stepper.DEVICE_STREAMED
             unit = Unit(plan.index, plan, params, n, alloc(plan.master, n, f32), alloc(plan.grad, n, f32),
-                        alloc(plan.moments, n, f32, moment=True), alloc(plan.moments, n, f32, moment=True),
+                        alloc(plan.moments, n, f32, True, streams), alloc(plan.moments, n, f32, True, streams),
                         alloc(plan.compute, n, compute_dtype))
             unit.by_name = {p.name: p for p in params}
             self.by_name.update({p.name: (unit, p) for p in params})

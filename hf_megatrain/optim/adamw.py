@@ -81,7 +81,8 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
         self.unit_order = unit_order or list(range(len(store.units)))
         self.overlap = overlap
         streamed = [u for u in store.units if u.plan.stepper is Stepper.DEVICE_STREAMED]
-        self.device_stepper = DeviceStepper(streamed, streamed[0].grad.device, store.compute_dtype) \
+        self.device_stepper = DeviceStepper(streamed, streamed[0].grad.device, store.compute_dtype,
+                                            lambda i: state.version[i]) \
             if streamed else None
         # How host units are updated (core/kernels.py): the compiled kernel writes the compute copy in the same
         # pass; compiled here, on the main thread, rather than in the middle of the first step on a worker.
@@ -292,6 +293,8 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         self.wait()
+        if self.device_stepper is not None:
+            self.device_stepper.forget()
         self._counts = [int(v) for v in tensors["unit_steps"].tolist()]
         self._missed = {u.index: [int(v) for v in tensors[f"missed_steps.{u.index}"].tolist()]
                         for u in self.store.units if f"missed_steps.{u.index}" in tensors}

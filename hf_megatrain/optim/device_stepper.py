@@ -1,19 +1,29 @@
-"""DeviceStepper: AdamW for some streamed layers on the GPU, their FP32 master streamed through PCIe.
+"""DeviceStepper: AdamW for some streamed layers on the GPU, their FP32 state streamed through PCIe.
 
-The CPU AdamW over host memory is bound by host memory bandwidth (~34 bytes of host traffic per parameter, and
-the box moves ~100 GB/s in all, DMA included), and with exact gradient clipping it can only start once the
+The CPU AdamW over host memory is bound by host memory bandwidth (30-38 bytes of host traffic per parameter, and
+the box moves ~120 GB/s in all, DMA included), and with exact gradient clipping it can only start once the
 backward has produced every gradient. So the layers are split between two workers that run at the same time: the
-CPU steps its layers in host memory while this stepper takes the others through the GPU, pipelined per layer:
+CPU steps its layers in host memory while this stepper takes the others through the GPU. Those layers' plan
+(core/plan.py, ``Stepper.DEVICE_STREAMED``) keeps their FP32 gradient on the GPU (the executor accumulates it in
+place: it never crosses PCIe); where their AdamW moments live is ``device_step_state``:
+
+- "device": the moments stay on the GPU (12 bytes per parameter there); the master streams through two buffers,
+  pipelined per layer (10 bytes of PCIe per parameter: 4 in, 6 out)::
 
     h2d:     [master of layer j -> GPU buffer A]      [layer j+2 -> A] ...
-    compute:              [fused AdamW on A with the gradient and moments kept on the GPU][bf16 copy]
+    compute:              [fused AdamW on A with the gradient and moments on the GPU][bf16 copy]
     d2h:                                     [master, bf16 copy of layer j -> host]
 
-Those layers' plan (core/plan.py, ``Stepper.DEVICE_STREAMED``) keeps their FP32 gradient and AdamW moments on the
-GPU (the store allocates them there; the executor accumulates the gradient in place), so a stepped parameter costs 10 bytes of host traffic (4 in, 6 out) instead of the CPU path's 34, for 12
-bytes of GPU memory. The update is the same fused AdamW kernel with the same hyper-parameters, clip scale and
-step count, so results match the CPU path to rounding. Checkpoints read the moments wherever they live. On a
-CPU-only machine the "device" is the CPU and the same code runs synchronously (tested there).
+- "host": master and moments stay in pinned host memory and nothing of the layer is on the GPU between steps (a
+  model many times the GPU's size). Each layer has its own buffer set; ``prefetch`` copies master and moments in
+  during the step's last backward (they do not change before the update), so when the last gradient lands the
+  update is a GPU kernel, and master, moments and the bf16 copy go back (12 bytes in, 14 out per parameter). The
+  first layers in forward order are the ones stepped here: they land last in the backward and the next forward
+  needs them first, which is where the CPU would make the forward wait.
+
+The update is the same fused AdamW kernel with the same hyper-parameters, clip scale and step count, so results
+match the CPU path to rounding. Checkpoints read the moments wherever they live. On a CPU-only machine the
+"device" is the CPU and the same code runs synchronously (tested there).
 """
 
 from __future__ import annotations
@@ -22,52 +32,100 @@ from typing import Callable
 
 import torch
 
+from ..core.plan import Where
 from ..core.store import Unit
 from ..core.streams import StreamSet
 
 
 class DeviceStepper:
-    def __init__(self, units: list[Unit], device: torch.device, compute_dtype: torch.dtype) -> None:
+    def __init__(self, units: list[Unit], device: torch.device, compute_dtype: torch.dtype,
+                 version_of: Callable[[int], int] = lambda i: 0) -> None:
         self.units = units
+        # A unit's master version (core/step_state.py): a prefetched copy taken at another version is stale.
+        self.version_of = version_of
         self.device = device
         self.streams = StreamSet(device)
         self.compute_stream = torch.cuda.Stream(device) if self.streams.is_cuda else None
+        # The moments live where the plan put them (the store allocated them there): off the device, they stream.
+        self.host_state = bool(units) and units[0].plan.moments is not Where.DEVICE
         n = max((u.numel for u in units), default=0)
-        # Two buffer sets: layer j+1's master streams in while layer j's streams out.
-        self.bufs = [{"master": torch.empty(n, dtype=torch.float32, device=device),
-                      "compute": torch.empty(n, dtype=compute_dtype, device=device)} for _ in range(2)]
-        self.free: list = [None, None]
+
+        def buffers(n: int, moments: bool) -> dict[str, torch.Tensor]:
+            names = ("master", "exp_avg", "exp_avg_sq") if moments else ("master",)
+            out = {k: torch.empty(n, dtype=torch.float32, device=device) for k in names}
+            out["compute"] = torch.empty(n, dtype=compute_dtype, device=device)
+            return out
+
+        # "host": one set per layer (all are copied in during the backward); "device": two, used in turn.
+        self.bufs = [buffers(u.numel, True) for u in units] if self.host_state else [buffers(n, False)
+                                                                                      for _ in range(2)]
+        self.free: list = [None] * len(self.bufs)
+        # unit position -> (event, master version): its state is in its buffers (host state)
+        self.loaded: dict[int, tuple[object, int]] = {}
+
+    def _slot(self, j: int) -> int:
+        return j if self.host_state else j % 2
+
+    def prefetch(self) -> None:
+        """Host state: copy every layer's master and moments into its buffers now (the step's last backward: they
+        do not change before the update). Idempotent within a step; no-op for the device state."""
+        if not self.host_state:
+            return
+        st = self.streams
+        for j, unit in enumerate(self.units):
+            if j in self.loaded and self.loaded[j][1] == self.version_of(unit.index):
+                continue
+            b, n = self.bufs[j], unit.numel
+            with st.on(st.h2d):
+                st.wait(st.h2d, self.free[j])  # the previous update's copies out of these buffers
+                for name in ("master", "exp_avg", "exp_avg_sq"):
+                    b[name][:n].copy_(getattr(unit, name), non_blocking=True)
+                self.loaded[j] = (st.record(st.h2d), self.version_of(unit.index))
+
+    def forget(self) -> None:
+        """The host copies may have changed (a checkpoint was loaded): prefetched buffers are stale."""
+        self.loaded.clear()
 
     def run(self, order: list[Unit], step_fn: Callable[[Unit, list[torch.Tensor]], None],
             done: Callable[[Unit], None]) -> None:
         """Step ``order``'s units; ``step_fn(unit, [master, grad, m, v])`` runs the kernel on device views;
-        ``done(unit)`` is called once the unit's new state (and streaming copy) is back in host memory."""
+        ``done(unit)`` is called once the unit's new state (and compute copy) is back in host memory."""
         st = self.streams
+        position = {u.index: j for j, u in enumerate(self.units)}
         prev: tuple[Unit, object] | None = None
-        for j, unit in enumerate(order):
-            b = self.bufs[j % 2]
-            n = unit.numel
+        self.prefetch()
+        for k, unit in enumerate(order):
+            j = self._slot(position[unit.index] if self.host_state else k)
+            b, n = self.bufs[j], unit.numel
             master, comp = b["master"][:n], b["compute"][:n]
-            with st.on(st.h2d):
-                st.wait(st.h2d, self.free[j % 2])
-                master.copy_(unit.master, non_blocking=True)
-                loaded = st.record(st.h2d)
+            if self.host_state:
+                m, v = b["exp_avg"][:n], b["exp_avg_sq"][:n]
+                loaded = self.loaded.pop(j)[0]
+            else:
+                m, v = unit.exp_avg, unit.exp_avg_sq
+                with st.on(st.h2d):
+                    st.wait(st.h2d, self.free[j])
+                    master.copy_(unit.master, non_blocking=True)
+                    loaded = st.record(st.h2d)
             with st.on(self.compute_stream):
                 st.wait(self.compute_stream, loaded)
-                step_fn(unit, [master, unit.grad, unit.exp_avg, unit.exp_avg_sq])
+                step_fn(unit, [master, unit.grad, m, v])
                 comp.copy_(master)
                 stepped = st.record(self.compute_stream)
             with st.on(st.d2h):
                 st.wait(st.d2h, stepped)
-                unit.master.copy_(master, non_blocking=True)
-                if unit.compute is not None:
+                if unit.compute is not None:  # first: the next forward reads it
                     unit.compute.copy_(comp, non_blocking=True)
-                self.free[j % 2] = st.record(st.d2h)
+                unit.master.copy_(master, non_blocking=True)
+                if self.host_state:
+                    unit.exp_avg.copy_(m, non_blocking=True)
+                    unit.exp_avg_sq.copy_(v, non_blocking=True)
+                self.free[j] = st.record(st.d2h)
             if prev is not None:  # the previous unit's copies were queued before this one's: finish it now
                 with torch.profiler.record_function("megatrain.optimizer.device_unit_wait"):
                     st.synchronize(prev[1])
                 done(prev[0])
-            prev = (unit, self.free[j % 2])
+            prev = (unit, self.free[j])
         if prev is not None:
             st.synchronize(prev[1])
             done(prev[0])

@@ -51,6 +51,8 @@ class SpeculativeStep:
     def _on_landed(self: Any, i: int, sq: float | None) -> None:
         """Main thread, the step's last backward: unit ``i``'s gradient is final. A HOST unit whose squared norm
         is known (its first visit) goes to the speculative worker."""
+        if self.device_stepper is not None:  # (the GPU-stepped layers' state starts coming in: idempotent)
+            self.device_stepper.prefetch()
         if sq is None or self.store.units[i].plan.stepper is not Stepper.HOST:
             return
         # A unit some of whose parameters skip steps (no gradient now or before) keeps per-parameter step counts:

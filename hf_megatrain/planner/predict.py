@@ -20,7 +20,7 @@ import torch
 
 from ..config import MegaTrainConfig
 from ..core.memory import CUDA_CONTEXT_GPU_BYTES, available_host_bytes, format_bytes, gpu_budget
-from ..core.plan import CAST_STAGING_BYTES, PlanInputs, Plans, Stepper, Where, build_plans
+from ..core.plan import CAST_STAGING_BYTES, PlanInputs, Plans, Stepper, Where, build_plans, stepper_buffer_bytes
 from ..model.layers import UnitLayouts, find_layer_stack, unit_layouts
 from .long_context import (activation_bytes, attention_workspace_bytes, flops_per_token, offload_layers,
                            positionwise_bytes, seq_chunk, tiled)
@@ -292,9 +292,11 @@ def estimate(shape: ModelShape, config: MegaTrainConfig, seq_len: int, batch_siz
     kept, stepped = plans.kept, plans.device_stepped
     if kept:
         d[f"{len(kept)} layers kept on the GPU (fp32 master, grad, moments)"] = layer_dev[Stepper.DEVICE]
-    if stepped:  # + the stepper's two master + compute-copy buffers
-        d[f"GPU AdamW: {len(stepped)} layers' fp32 grads + moments, 2 master/copy buffers"] = (
-            layer_dev[Stepper.DEVICE_STREAMED] + 2 * (4 + c) * max(shape.layer_numels[i] for i in stepped))
+    if stepped:  # + the stepper's buffers
+        host_state = config.device_step_state == "host"
+        what = "fp32 grads, master/moments/copy buffers" if host_state else "fp32 grads + moments, 2 master/copy buffers"
+        d[f"GPU AdamW: {len(stepped)} layers' {what}"] = layer_dev[Stepper.DEVICE_STREAMED] + stepper_buffer_bytes(
+            len(stepped), max(shape.layer_numels[i] for i in stepped), cdt, host_state)
     lean = any(up.stepper is Stepper.LEAN for up in plans.units)
     # Staging is touched only when pinned (CUDA) or used: a second accumulation step or a non-fp32 offload.
     staged = plan.pinned or grad_accum > 1 or o != 4 or lean

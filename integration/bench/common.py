@@ -43,13 +43,24 @@ GIB = 2 ** 30
 # auto: the planner's choice (a model that fits keeps most layers on the GPU). streamed: the users' case, a model many
 # times the GPU's memory: every decoder layer streamed and no streamed layer keeps per-parameter state (weights,
 # gradients, moments) on the GPU between steps; the resident parts (embeddings, final norm, lm_head) may stay.
-REGIMES: dict[str, dict[str, int]] = {"auto": {}, "streamed": {"device_layers": 0, "device_step_layers": 0}}
+# hf_megatrain's placements. "streamed": every layer streams and is stepped on the CPU; "streamed_gpu_step": the
+# same with the first 2 layers in forward order stepped on the GPU, their master and moments streamed in and out
+# each step (device_step_state="host": nothing of a streamed layer's state stays on the GPU between steps; the GPU
+# holds a fixed 2 layers' worth of buffers, as it could beside a model many times its size).
+REGIMES: dict[str, dict[str, Any]] = {
+    "auto": {},
+    "streamed": {"device_layers": 0, "device_step_layers": 0},
+    "streamed_gpu_step": {"device_layers": 0, "device_step_layers": 2, "device_step_state": "host"},
+}
 
 
 def regime_of(megatrain_config: dict) -> str:
-    """The regime a MegaTrainConfig override dict runs in (streamed iff it holds the whole streamed overlay)."""
-    streamed = REGIMES["streamed"]
-    return "streamed" if all(megatrain_config.get(k) == v for k, v in streamed.items()) else "auto"
+    """The regime a MegaTrainConfig override dict runs in: the one whose whole overlay it holds (the longest
+    overlay first), else auto."""
+    for name, overlay in sorted(REGIMES.items(), key=lambda kv: -len(kv[1])):
+        if overlay and all(megatrain_config.get(k) == v for k, v in overlay.items()):
+            return name
+    return "auto"
 
 
 # -- model ------------------------------------------------------------------------------------------------------------

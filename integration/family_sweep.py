@@ -8,7 +8,8 @@ For each ``model_type`` of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` (encoder-decode
    model in fp32, eager attention, and runs one plain forward + backward (a failure here is ``cannot-build``:
    transformers itself);
 2. goes through a real checkpoint: ``save_pretrained`` to a temporary directory; the reference is plain
-   ``AutoModelForCausalLM.from_pretrained(dir)`` (failing: ``cannot-build``), ours is
+   ``AutoModelForCausalLM.from_pretrained(dir)`` (the class's own ``from_pretrained`` where no auto class maps the
+   saved config; failing: ``cannot-build``), ours is
    ``hf_megatrain.from_pretrained_streamed(dir, compute_dtype=float32)``. The reference model is first converted
    in memory with ``MegaTrainEngine``: an error raised from hf_megatrain code there is ``refused`` (its message
    recorded); an error of the streamed load after that is ``fail`` (stage ``streamed-load``). Each line records
@@ -368,8 +369,14 @@ def worker(model_type: str) -> dict:
         return {**rec, "status": "cannot-build", "reason": f"save_pretrained: {type(e).__name__}: {str(e)[:400]}"}
     del model
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(tmp.name, dtype=torch.float32,
-                                                                   attn_implementation="eager")
+        try:
+            model = transformers.AutoModelForCausalLM.from_pretrained(tmp.name, dtype=torch.float32,
+                                                                       attn_implementation="eager")
+        except ValueError as e:  # a config class no auto class maps (MllamaForCausalLM saves its text config)
+            if "Unrecognized configuration class" not in str(e):
+                raise
+            model = cls.from_pretrained(tmp.name, dtype=torch.float32, attn_implementation="eager")
+            rec["load"] += f", {cls_name}.from_pretrained: AutoModelForCausalLM does not map the saved config"
         if type(model).__name__ != cls_name:
             raise TypeError(f"from_pretrained built {type(model).__name__}, not {cls_name}")
         model.train()

@@ -7,12 +7,15 @@ For each ``model_type`` of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` (encoder-decode
    ``text_config`` / ``vision_config`` shrunk the same way, per-layer overrides mapped onto the tiny layers) and the
    model in fp32, eager attention, and runs one plain forward + backward (a failure here is ``cannot-build``:
    transformers itself);
-2. goes through a real checkpoint: ``save_pretrained`` to a temporary directory; the reference is plain
+2. converts a copy of it with ``MegaTrainEngine``: an error raised from hf_megatrain code there is ``refused`` (its
+   message recorded);
+   then goes through a real checkpoint: ``save_pretrained`` to a temporary directory; the reference is plain
    ``AutoModelForCausalLM.from_pretrained(dir)`` (the class's own ``from_pretrained`` where no auto class maps the
    saved config; failing: ``cannot-build``), ours is
-   ``hf_megatrain.from_pretrained_streamed(dir, compute_dtype=float32)``. The reference model is first converted
-   in memory with ``MegaTrainEngine``: an error raised from hf_megatrain code there is ``refused`` (its message
-   recorded); an error of the streamed load after that is ``fail`` (stage ``streamed-load``). Each line records
+   ``hf_megatrain.from_pretrained_streamed(dir, compute_dtype=float32)``; an error of the streamed load is
+   ``fail`` (stage ``streamed-load``). A parameter plain ``from_pretrained`` hands back trainable but the
+   constructor made frozen (a router's score-correction bias) is compared as a weight (``frozen_in_engine``).
+   Tiny values transformers' config validators reject get their default back. Each line records
    ``load`` and ``load_memory`` (the store's host bytes vs the process's peak-RSS growth during the load;
    informational, tiny models are dominated by allocator noise);
 3. trains the plain model + ``torch.optim.AdamW`` and the engine side by side (tests/parity.py's protocol: 3 steps,
@@ -145,11 +148,32 @@ def _tiny_overrides(d: dict) -> dict:
 def _set_overrides(cfg, over: dict) -> None:
     """Set ``over`` as attributes, into sub-config objects where ``cfg`` holds one under that key."""
     for k, v in over.items():
-        sub = getattr(cfg, k, None)
+        try:
+            sub = getattr(cfg, k, None) if isinstance(v, dict) else None
+        except Exception:  # noqa: BLE001  # a per-layer attribute read globally (heterogeneous configs)
+            sub = None
         if isinstance(v, dict) and hasattr(sub, "to_dict"):
             _set_overrides(sub, {kk: vv for kk, vv in v.items() if sub.to_dict().get(kk, object()) != vv})
         else:
             setattr(cfg, k, v)
+
+
+def _build_config(base, d: dict, over: dict):
+    try:
+        return type(base)(**{**d, **over})
+    except Exception:  # noqa: BLE001  # some derived keys do not round-trip through to_dict: set attributes instead
+        cfg = type(base)()
+        _set_overrides(cfg, over)
+        return cfg
+
+
+def _invalid(cfg) -> bool:
+    try:
+        if hasattr(cfg, "validate"):
+            cfg.validate()
+        return False
+    except Exception:  # noqa: BLE001
+        return True
 
 
 def tiny_config(model_type: str):
@@ -159,11 +183,13 @@ def tiny_config(model_type: str):
     base = AutoConfig.for_model(model_type)
     d = base.to_dict()
     over = _tiny_overrides(d)
-    try:
-        cfg = type(base)(**{**d, **over})
-    except Exception:  # some derived keys do not round-trip through to_dict: set attributes instead
-        cfg = type(base)()
-        _set_overrides(cfg, over)
+    cfg = _build_config(base, d, over)
+    if _invalid(cfg):  # transformers' validators (run again by save_pretrained) reject a tiny value: put back the
+        for k in [k for k, v in over.items() if not isinstance(v, dict)]:  # default of the first one that fixes it
+            trial = _build_config(base, d, {kk: vv for kk, vv in over.items() if kk != k})
+            if not _invalid(trial):
+                cfg = trial
+                break
     cfg._attn_implementation = "eager"
     for k in getattr(cfg, "sub_configs", None) or {}:
         sub = getattr(cfg, k, None)
@@ -285,6 +311,8 @@ def _engine_train(model, batches, lr, wd, mgn, engine_box):
         losses.append(step_losses)
         g = {}
         for n in names:
+            if n not in engine.store.by_name:  # frozen on our side (see _engine_weight): no gradient
+                continue
             unit, ps = engine.store.by_name[n]
             grad = captured.get(unit.index) if unit.grad is None else unit.grad
             if grad is not None:
@@ -293,8 +321,19 @@ def _engine_train(model, batches, lr, wd, mgn, engine_box):
         opt.step()
         opt.wait()
         opt.zero_grad()
-        weights.append({n: engine.store.master_tensor(n).detach().clone().cpu() for n in names})
+        weights.append({n: _engine_weight(engine, n).detach().clone().cpu() for n in names})
     return losses, grads, weights
+
+
+def _engine_weight(engine, name: str):
+    """A parameter's value on our side: its master, or, for one the engine holds frozen (``requires_grad=False`` in
+    the constructor, e.g. a router's score-correction bias; plain ``from_pretrained`` hands such parameters back
+    with ``requires_grad=True``, but they get no gradient, so AdamW never steps them), its frozen copy."""
+    if name in engine.store.by_name:
+        return engine.store.master_tensor(name)
+    if name in engine.store.frozen_by_name:
+        return engine.store.frozen_tensor(name).float()
+    return dict(engine.model.named_parameters())[name].float()
 
 
 def _status_kb(key: str) -> int | None:
@@ -357,10 +396,20 @@ def worker(model_type: str) -> dict:
         del probe
     except Exception as e:  # noqa: BLE001
         return {**rec, "status": "cannot-build", "reason": f"{type(e).__name__}: {str(e)[:400]}"}
-    # 2. through a real checkpoint: save_pretrained, then plain from_pretrained (the reference) and
-    #    from_pretrained_streamed (ours) from the same directory
     from hf_megatrain import MegaTrainConfig, MegaTrainEngine, from_pretrained_streamed
 
+    # 2. conversion of the in-memory model first: a refusal (hf_megatrain's message) is told apart from a failure
+    #    of the streamed load itself, which is a fail
+    try:
+        MegaTrainEngine(copy.deepcopy(model), MegaTrainConfig(compute_dtype="float32"), device="cpu")
+    except Exception as e:  # noqa: BLE001
+        msg = f"{type(e).__name__}: {str(e)[:600]}"
+        if _from_hf_megatrain(e) and isinstance(e, (ValueError, TypeError, NotImplementedError)):
+            return {**rec, "status": "refused", "reason": msg}
+        tb = traceback.extract_tb(e.__traceback__)[-1]
+        return {**rec, "status": "fail", "stage": "convert", "reason": msg, "where": f"{tb.filename}:{tb.lineno}"}
+    # 2b. through a real checkpoint: save_pretrained, then plain from_pretrained (the reference) and
+    #    from_pretrained_streamed (ours) from the same directory
     rec["load"] = "save_pretrained -> from_pretrained_streamed (reference: plain from_pretrained)"
     tmp = tempfile.TemporaryDirectory(prefix=f"sweep-{model_type}-")
     try:
@@ -382,16 +431,6 @@ def worker(model_type: str) -> dict:
         model.train()
     except Exception as e:  # noqa: BLE001
         return {**rec, "status": "cannot-build", "reason": f"plain from_pretrained: {type(e).__name__}: {str(e)[:400]}"}
-    # conversion of the in-memory model first: a refusal (hf_megatrain's message) is told apart from a failure
-    # of the streamed load itself, which is a fail
-    try:
-        MegaTrainEngine(copy.deepcopy(model), MegaTrainConfig(compute_dtype="float32"), device="cpu")
-    except Exception as e:  # noqa: BLE001
-        msg = f"{type(e).__name__}: {str(e)[:600]}"
-        if _from_hf_megatrain(e) and isinstance(e, (ValueError, TypeError, NotImplementedError)):
-            return {**rec, "status": "refused", "reason": msg}
-        tb = traceback.extract_tb(e.__traceback__)[-1]
-        return {**rec, "status": "fail", "stage": "convert", "reason": msg, "where": f"{tb.filename}:{tb.lineno}"}
     unused: list[str] = []
 
     class _Unused(logging.Handler):
@@ -418,6 +457,9 @@ def worker(model_type: str) -> dict:
         log.removeHandler(handler)
     if unused:
         rec["load_unused"] = unused
+    frozen_here = [n for n, p in model.named_parameters() if p.requires_grad and n not in engine.store.by_name]
+    if frozen_here:  # trainable in the plain model as from_pretrained returns it, frozen in the engine
+        rec["frozen_in_engine"] = frozen_here[:10]
     # 3. reference vs ours
     t0 = time.time()
     try:

@@ -132,9 +132,10 @@ def _tiny_overrides(d: dict) -> dict:
         new: dict = {}
         for key, val in plc.items():
             i = int(key)
-            if isinstance(val, dict):  # shrink the overrides in proportion (head_dim 512 where 256 -> 16)
-                val = {kk: (max(1, round(over[kk] * vv / d[kk])) if isinstance(vv, int) and isinstance(d.get(kk), int)
-                            and d[kk] and isinstance(over.get(kk), int) else vv) for kk, vv in val.items()}
+            if isinstance(val, dict):  # the tiny value where there is one (config validators tie per-layer
+                # dimensions to the global ones: dots3's sliding layers need head_dim = nope + rope)
+                val = {kk: (over[kk] if kk in over and not isinstance(over[kk], (dict, list)) else vv)
+                       for kk, vv in val.items()}
             if old_types and new_types and i < len(old_types):  # onto the tiny layers of the same type
                 targets = [j for j, t in enumerate(new_types) if t == old_types[i]]
             else:
@@ -185,8 +186,15 @@ def tiny_config(model_type: str):
     over = _tiny_overrides(d)
     cfg = _build_config(base, d, over)
     if _invalid(cfg):  # transformers' validators (run again by save_pretrained) reject a tiny value: put back the
-        for k in [k for k, v in over.items() if not isinstance(v, dict)]:  # default of the first one that fixes it
-            trial = _build_config(base, d, {kk: vv for kk, vv in over.items() if kk != k})
+        trials = [{kk: vv for kk, vv in over.items() if kk != k}  # default of the first one that fixes it
+                  for k, v in over.items() if not isinstance(v, dict)]
+        if "qk_nope_head_dim" in over and "qk_rope_head_dim" in over:  # MLA whose head_dim is nope + rope
+            hd = over["qk_nope_head_dim"] + over["qk_rope_head_dim"]
+            plc = {k: {**v, "head_dim": hd} if "head_dim" in v else v
+                   for k, v in (over.get("per_layer_config") or {}).items()}
+            trials.append({**over, "head_dim": hd, **({"per_layer_config": plc} if plc else {})})
+        for trial_over in trials:
+            trial = _build_config(base, d, trial_over)
             if not _invalid(trial):
                 cfg = trial
                 break

@@ -3,11 +3,22 @@
 For each ``model_type`` of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` (encoder-decoder configs skipped), one subprocess:
 
 1. builds a tiny config generically (hidden 32, 2 layers, 4 heads / 2 kv heads, head_dim 8, vocab 96, 4 experts
-   top-2, windows 4, dropout 0, ... wherever the config has such an attribute) and the model in fp32, eager
-   attention, and runs one plain forward + backward (a failure here is ``cannot-build``: transformers itself);
-2. converts a copy with ``MegaTrainEngine`` (``compute_dtype=float32``); an error raised from hf_megatrain code at
-   conversion is ``refused`` (its message recorded);
-3. trains plain HF + ``torch.optim.AdamW`` and the engine side by side (tests/parity.py's protocol: 3 steps,
+   top-2, windows 4, dropout 0, ... wherever the config has such an attribute; nested sub-configs such as
+   ``text_config`` / ``vision_config`` shrunk the same way, per-layer overrides mapped onto the tiny layers) and the
+   model in fp32, eager attention, and runs one plain forward + backward (a failure here is ``cannot-build``:
+   transformers itself);
+2. converts a copy of it with ``MegaTrainEngine``: an error raised from hf_megatrain code there is ``refused`` (its
+   message recorded);
+   then goes through a real checkpoint: ``save_pretrained`` to a temporary directory; the reference is plain
+   ``AutoModelForCausalLM.from_pretrained(dir)`` (the class's own ``from_pretrained`` where no auto class maps the
+   saved config; failing: ``cannot-build``), ours is
+   ``hf_megatrain.from_pretrained_streamed(dir, compute_dtype=float32)``; an error of the streamed load is
+   ``fail`` (stage ``streamed-load``). A parameter plain ``from_pretrained`` hands back trainable but the
+   constructor made frozen (a router's score-correction bias) is compared as a weight (``frozen_in_engine``).
+   Tiny values transformers' config validators reject get their default back. Each line records
+   ``load`` and ``load_memory`` (the store's host bytes vs the process's peak-RSS growth during the load;
+   informational, tiny models are dominated by allocator noise);
+3. trains the plain model + ``torch.optim.AdamW`` and the engine side by side (tests/parity.py's protocol: 3 steps,
    gradient accumulation 2, clipping, weight decay) and records the worst relative error of the loss, every
    gradient and every updated weight;
 4. noise floor: the plain model trained again in float64 (or, where float64 does not run, with the accumulated
@@ -26,9 +37,11 @@ import argparse
 import concurrent.futures as cf
 import copy
 import json
+import logging
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -54,7 +67,7 @@ TINY = {
     "sliding_window": 4, "window_size": 4, "attention_window_size": 4, "rotary_dim": 4,
     "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4, "num_experts_per_tok": 2,
     "moe_top_k": 2, "top_k": 2, "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
-    "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 8, "v_head_dim": 8,
+    "hidden_size_per_layer_input": 8, "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 8, "v_head_dim": 8,
     "qk_head_dim": 12, "mamba_d_state": 4, "mamba_dt_rank": 4, "mamba_n_heads": 4, "mamba_d_head": 16,
     "mamba_expand": 2, "mamba_n_groups": 1, "state_size": 4, "ssm_state_size": 4, "linear_num_key_heads": 2,
     "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
@@ -65,12 +78,11 @@ LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 N_LAYERS = 2
 
 
-def tiny_config(model_type: str):
-    import torch  # noqa: F401
-    from transformers import AutoConfig
-
-    base = AutoConfig.for_model(model_type)
-    d = base.to_dict()
+def _tiny_overrides(d: dict) -> dict:
+    """The tiny settings for one config's dict (``to_dict()``), nested sub-configs (``text_config``,
+    ``vision_config``, ``audio_config``, a BLT's ``encoder_config`` ...) shrunk the same way, recursively: a
+    composite model builds its towers from those, and the top-level keys alone leave them full size (gemma3's
+    SigLIP tower and 262k-token text model, mllama's 40-layer stack: minutes, or out of memory)."""
     old_layers = next((d[k] for k in LAYER_KEYS if isinstance(d.get(k), int)), None)
     over: dict = {}
     for k, v in TINY.items():
@@ -93,8 +105,18 @@ def tiny_config(model_type: str):
         # per-layer lists: keep the pattern's first N_LAYERS entries
         if isinstance(v, list) and old_layers and len(v) == old_layers and old_layers != N_LAYERS:
             over[k] = v[:N_LAYERS]
-        if k in ("mlp_only_layers",) and isinstance(v, list):
-            over[k] = [x for x in v if x < N_LAYERS]
+        if k in ("mlp_only_layers", "cross_attention_layers") and isinstance(v, list):
+            over[k] = [x for x in v if isinstance(x, int) and x < N_LAYERS]
+        if isinstance(v, dict) and (k.endswith("_config") or "model_type" in v):  # a nested sub-config
+            over[k] = {**v, **_tiny_overrides(v)}
+        # other widths of the model (a BLT's global hidden size seen by its local encoder/decoder)
+        if k.startswith("hidden_size_") and k not in TINY and isinstance(v, int) and not isinstance(v, bool) \
+                and v > 32:
+            over[k] = 32
+        # other vocabularies (per-layer-input embeddings, hash n-gram tables): as small as the main one
+        if ("vocab_size" in k or k.endswith("_vocab")) and isinstance(v, int) and not isinstance(v, bool) \
+                and v > 96:
+            over[k] = 96
     if "kv_lora_rank" in d:  # MLA: as many kv heads as heads, qk head = nope + rope
         over.update(num_key_value_heads=4, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=8, head_dim=4)
         if "qk_head_dim" in d:
@@ -104,13 +126,83 @@ def tiny_config(model_type: str):
     if "layer_types" in d and isinstance(d["layer_types"], list) and d["layer_types"]:
         kinds = list(dict.fromkeys(d["layer_types"]))  # both kinds in the tiny stack where there are several
         over["layer_types"] = (kinds * N_LAYERS)[:N_LAYERS] if len(kinds) > 1 else [kinds[0]] * N_LAYERS
-    try:
-        cfg = type(base)(**{**d, **over})
-    except Exception:  # some derived keys do not round-trip through to_dict: set attributes instead
-        cfg = type(base)()
-        for k, v in over.items():
+    plc = d.get("per_layer_config")
+    if isinstance(plc, dict) and plc and old_layers:  # per-layer overrides keyed by layer index
+        old_types, new_types = d.get("layer_types"), over.get("layer_types")
+        new: dict = {}
+        for key, val in plc.items():
+            i = int(key)
+            if isinstance(val, dict):  # the tiny value where there is one (config validators tie per-layer
+                # dimensions to the global ones: dots3's sliding layers need head_dim = nope + rope)
+                val = {kk: (over[kk] if kk in over and not isinstance(over[kk], (dict, list)) else vv)
+                       for kk, vv in val.items()}
+            if old_types and new_types and i < len(old_types):  # onto the tiny layers of the same type
+                targets = [j for j, t in enumerate(new_types) if t == old_types[i]]
+            else:
+                targets = [i] if i < N_LAYERS else []
+            for j in targets:
+                new.setdefault(f"{j:02d}", val)
+        over["per_layer_config"] = new
+    return over
+
+
+def _set_overrides(cfg, over: dict) -> None:
+    """Set ``over`` as attributes, into sub-config objects where ``cfg`` holds one under that key."""
+    for k, v in over.items():
+        try:
+            sub = getattr(cfg, k, None) if isinstance(v, dict) else None
+        except Exception:  # noqa: BLE001  # a per-layer attribute read globally (heterogeneous configs)
+            sub = None
+        if isinstance(v, dict) and hasattr(sub, "to_dict"):
+            _set_overrides(sub, {kk: vv for kk, vv in v.items() if sub.to_dict().get(kk, object()) != vv})
+        else:
             setattr(cfg, k, v)
+
+
+def _build_config(base, d: dict, over: dict):
+    try:
+        return type(base)(**{**d, **over})
+    except Exception:  # noqa: BLE001  # some derived keys do not round-trip through to_dict: set attributes instead
+        cfg = type(base)()
+        _set_overrides(cfg, over)
+        return cfg
+
+
+def _invalid(cfg) -> bool:
+    try:
+        if hasattr(cfg, "validate"):
+            cfg.validate()
+        return False
+    except Exception:  # noqa: BLE001
+        return True
+
+
+def tiny_config(model_type: str):
+    import torch  # noqa: F401
+    from transformers import AutoConfig
+
+    base = AutoConfig.for_model(model_type)
+    d = base.to_dict()
+    over = _tiny_overrides(d)
+    cfg = _build_config(base, d, over)
+    if _invalid(cfg):  # transformers' validators (run again by save_pretrained) reject a tiny value: put back the
+        trials = [{kk: vv for kk, vv in over.items() if kk != k}  # default of the first one that fixes it
+                  for k, v in over.items() if not isinstance(v, dict)]
+        if "qk_nope_head_dim" in over and "qk_rope_head_dim" in over:  # MLA whose head_dim is nope + rope
+            hd = over["qk_nope_head_dim"] + over["qk_rope_head_dim"]
+            plc = {k: {**v, "head_dim": hd} if "head_dim" in v else v
+                   for k, v in (over.get("per_layer_config") or {}).items()}
+            trials.append({**over, "head_dim": hd, **({"per_layer_config": plc} if plc else {})})
+        for trial_over in trials:
+            trial = _build_config(base, d, trial_over)
+            if not _invalid(trial):
+                cfg = trial
+                break
     cfg._attn_implementation = "eager"
+    for k in getattr(cfg, "sub_configs", None) or {}:
+        sub = getattr(cfg, k, None)
+        if hasattr(sub, "_attn_implementation"):
+            sub._attn_implementation = "eager"
     return cfg
 
 
@@ -227,6 +319,8 @@ def _engine_train(model, batches, lr, wd, mgn, engine_box):
         losses.append(step_losses)
         g = {}
         for n in names:
+            if n not in engine.store.by_name:  # frozen on our side (see _engine_weight): no gradient
+                continue
             unit, ps = engine.store.by_name[n]
             grad = captured.get(unit.index) if unit.grad is None else unit.grad
             if grad is not None:
@@ -235,8 +329,42 @@ def _engine_train(model, batches, lr, wd, mgn, engine_box):
         opt.step()
         opt.wait()
         opt.zero_grad()
-        weights.append({n: engine.store.master_tensor(n).detach().clone().cpu() for n in names})
+        weights.append({n: _engine_weight(engine, n).detach().clone().cpu() for n in names})
     return losses, grads, weights
+
+
+def _engine_weight(engine, name: str):
+    """A parameter's value on our side: its master, or, for one the engine holds frozen (``requires_grad=False`` in
+    the constructor, e.g. a router's score-correction bias; plain ``from_pretrained`` hands such parameters back
+    with ``requires_grad=True``, but they get no gradient, so AdamW never steps them), its frozen copy."""
+    if name in engine.store.by_name:
+        return engine.store.master_tensor(name)
+    if name in engine.store.frozen_by_name:
+        return engine.store.frozen_tensor(name).float()
+    return dict(engine.model.named_parameters())[name].float()
+
+
+def _status_kb(key: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _reset_peak_rss() -> int:
+    """Reset the kernel's peak-RSS mark (Linux: ``5`` to /proc/self/clear_refs) and return the current RSS."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+    return _status_kb("VmRSS") or 0
+
+
+def _peak_rss() -> int | None:
+    return _status_kb("VmHWM")
 
 
 def _from_hf_megatrain(exc: BaseException) -> bool:
@@ -276,17 +404,70 @@ def worker(model_type: str) -> dict:
         del probe
     except Exception as e:  # noqa: BLE001
         return {**rec, "status": "cannot-build", "reason": f"{type(e).__name__}: {str(e)[:400]}"}
-    # 2. convert
-    from hf_megatrain import MegaTrainConfig, MegaTrainEngine
+    from hf_megatrain import MegaTrainConfig, MegaTrainEngine, from_pretrained_streamed
 
+    # 2. conversion of the in-memory model first: a refusal (hf_megatrain's message) is told apart from a failure
+    #    of the streamed load itself, which is a fail
     try:
-        engine = MegaTrainEngine(copy.deepcopy(model), MegaTrainConfig(compute_dtype="float32"), device="cpu")
+        MegaTrainEngine(copy.deepcopy(model), MegaTrainConfig(compute_dtype="float32"), device="cpu")
     except Exception as e:  # noqa: BLE001
         msg = f"{type(e).__name__}: {str(e)[:600]}"
         if _from_hf_megatrain(e) and isinstance(e, (ValueError, TypeError, NotImplementedError)):
             return {**rec, "status": "refused", "reason": msg}
         tb = traceback.extract_tb(e.__traceback__)[-1]
         return {**rec, "status": "fail", "stage": "convert", "reason": msg, "where": f"{tb.filename}:{tb.lineno}"}
+    # 2b. through a real checkpoint: save_pretrained, then plain from_pretrained (the reference) and
+    #    from_pretrained_streamed (ours) from the same directory
+    rec["load"] = "save_pretrained -> from_pretrained_streamed (reference: plain from_pretrained)"
+    tmp = tempfile.TemporaryDirectory(prefix=f"sweep-{model_type}-")
+    try:
+        model.save_pretrained(tmp.name)
+    except Exception as e:  # noqa: BLE001
+        return {**rec, "status": "cannot-build", "reason": f"save_pretrained: {type(e).__name__}: {str(e)[:400]}"}
+    del model
+    try:
+        try:
+            model = transformers.AutoModelForCausalLM.from_pretrained(tmp.name, dtype=torch.float32,
+                                                                       attn_implementation="eager")
+        except ValueError as e:  # a config class no auto class maps (MllamaForCausalLM saves its text config)
+            if "Unrecognized configuration class" not in str(e):
+                raise
+            model = cls.from_pretrained(tmp.name, dtype=torch.float32, attn_implementation="eager")
+            rec["load"] += f", {cls_name}.from_pretrained: AutoModelForCausalLM does not map the saved config"
+        if type(model).__name__ != cls_name:
+            raise TypeError(f"from_pretrained built {type(model).__name__}, not {cls_name}")
+        model.train()
+    except Exception as e:  # noqa: BLE001
+        return {**rec, "status": "cannot-build", "reason": f"plain from_pretrained: {type(e).__name__}: {str(e)[:400]}"}
+    unused: list[str] = []
+
+    class _Unused(logging.Handler):
+        def emit(self, r):
+            unused.append(r.getMessage()[:300])
+
+    log = logging.getLogger("hf_megatrain.hf.pretrained")
+    handler = _Unused(level=logging.WARNING)
+    log.addHandler(handler)
+    try:
+        rss0 = _reset_peak_rss()
+        engine = from_pretrained_streamed(tmp.name, MegaTrainConfig(compute_dtype="float32"), device="cpu",
+                                          attn_implementation="eager")
+        peak = _peak_rss()
+        store = int(engine.store.nbytes)
+        rec["load_memory"] = {"store_bytes": store, "peak_rss_growth_bytes": None if peak is None else peak - rss0,
+                              "ratio": None if peak is None or not store else round((peak - rss0) / store, 2),
+                              "note": "informational: allocator and import noise dominate at this size"}
+    except Exception as e:  # noqa: BLE001
+        tb = traceback.extract_tb(e.__traceback__)[-1]
+        return {**rec, "status": "fail", "stage": "streamed-load", "reason": f"{type(e).__name__}: {str(e)[:600]}",
+                "where": f"{tb.filename}:{tb.lineno}"}
+    finally:
+        log.removeHandler(handler)
+    if unused:
+        rec["load_unused"] = unused
+    frozen_here = [n for n, p in model.named_parameters() if p.requires_grad and n not in engine.store.by_name]
+    if frozen_here:  # trainable in the plain model as from_pretrained returns it, frozen in the engine
+        rec["frozen_in_engine"] = frozen_here[:10]
     # 3. reference vs ours
     t0 = time.time()
     try:
@@ -351,7 +532,8 @@ def write_markdown(records: list[dict], path: Path) -> None:
     for r in records:
         counts[r["status"]] = counts.get(r["status"], 0) + 1
     lines = ["# Family parity sweep (CPU, fp32)", "",
-             "Generated by `integration/family_sweep.py` (plain HF + torch.optim.AdamW vs MegaTrainEngine, 3 steps, "
+             "Generated by `integration/family_sweep.py` (each model through `save_pretrained`: plain "
+             "`from_pretrained` + torch.optim.AdamW vs `from_pretrained_streamed`, 3 steps, "
              "GA 2, clipping, decay; tolerance max(1e-5, 10 x fp32 noise floor)).", "",
              "Counts: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())), "",
              "| family | class | status | max rel. error (loss / grad / weight) | noise floor | note |",

@@ -22,11 +22,14 @@ README = ROOT / "README.md"
 START, END = "<!-- family-table:start -->", "<!-- family-table:end -->"
 ORDER = ["pass", "fail", "refused", "timeout", "cannot-build", "skipped"]
 MEANING = {
-    "pass": "trains like plain transformers (loss, every gradient and weight within max(1e-5, 10 x fp32 noise))",
-    "fail": "converts, but trains differently or crashes: a bug to fix",
+    "pass": "loaded from its `save_pretrained` checkpoint with `from_pretrained_streamed`, trains like plain "
+            "transformers loaded from the same checkpoint (loss, every gradient and weight within max(1e-5, 10 x fp32 "
+            "noise))",
+    "fail": "converts, but the streamed load fails, or it trains differently or crashes: a bug to fix",
     "refused": "refused at conversion with a message saying why and what to do",
     "timeout": "did not finish within the sweep's time limit",
-    "cannot-build": "the generic tiny config does not build or run in transformers itself",
+    "cannot-build": "the generic tiny config does not build, run, save or load (`AutoModelForCausalLM`) in "
+                    "transformers itself",
     "skipped": "encoder-decoder (not a decoder-only LM)",
 }
 

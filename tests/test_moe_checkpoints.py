@@ -229,3 +229,20 @@ def test_trainer_exact_resume_moe(tmp_path):
     resumed.engine.optimizer.wait()
     for n in full.engine.store.names():
         assert torch.equal(full.engine.store.master_tensor(n), resumed.engine.store.master_tensor(n)), n
+
+
+def test_checkpoint_of_a_class_no_auto_class_maps_loads_streamed(tmp_path):
+    """``MllamaForCausalLM.save_pretrained`` writes its text config (``mllama_text_model``), which
+    ``AutoModelForCausalLM`` does not map; the class named in ``architectures`` builds the skeleton, as plain
+    ``MllamaForCausalLM.from_pretrained`` would."""
+    cfg = transformers.MllamaTextConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, cross_attention_layers=[],
+                                        max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.MllamaForCausalLM(cfg).float()
+    path = _save(model, tmp_path / "hf")
+    with pytest.raises(ValueError, match="Unrecognized configuration class"):
+        transformers.AutoModelForCausalLM.from_pretrained(path)
+    engine = from_pretrained_streamed(path, FP32, device="cpu")
+    assert type(engine.model).__name__ == "MllamaForCausalLM"
+    _assert_masters_equal(engine, model)

@@ -275,28 +275,10 @@ def test_config_long_context_values_from_strings():
 def test_tiled_layer_recompute_formula_vs_allocator(dtype):
     """The planner's tiled recompute bytes against the CPU allocator's peak for a tiled Llama layer (as
     test_planner's untiled calibration), and well under the untiled peak."""
-    import transformers
+    from .test_planner import _alloc_peak, layer_recompute_probe
 
-    from .test_planner import _alloc_peak
-
-    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=1024, num_hidden_layers=1, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=64, attn_implementation="sdpa")
-    model = transformers.LlamaForCausalLM(cfg).to(dtype)
-    layer = model.model.layers[0]
     B, T, chunk = 2, 256, 64
-    tile_positionwise(layer, chunk, is_stochastic)
-    h, g = torch.randn(B, T, 256, dtype=dtype), torch.randn(B, T, 256, dtype=dtype)
-    pos = torch.arange(T)[None].expand(B, T)
-    pe = model.model.rotary_emb(h, pos)
-
-    def step():
-        x = h.detach().requires_grad_()
-        out = layer(x, attention_mask=None, position_ids=pos, position_embeddings=pe)
-        out = out[0] if isinstance(out, tuple) else out
-        torch.autograd.backward(out, g, inputs=[x] + list(layer.parameters()))
-        for p in layer.parameters():
-            p.grad = None
-
+    model, step = layer_recompute_probe(dtype, B, T, tile=lambda layer: tile_positionwise(layer, chunk, is_stochastic))
     step()
     measured = _alloc_peak(step)
     shape = planner.ModelShape.from_model(model)

@@ -123,15 +123,17 @@ def _alloc_peak(fn) -> int:
     return Peak.peak - base
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_layer_recompute_formula_vs_allocator(dtype):
+def layer_recompute_probe(dtype: torch.dtype, B: int = 2, T: int = 256, tile=None):
+    """A one-layer sdpa Llama (hidden 256) and a function running its recompute + backward on fresh inputs, as the
+    executor does (``tile``: applied to the layer first); grads are accumulated into zeroed buffers."""
     cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=1024, num_hidden_layers=1, num_attention_heads=4,
                                    num_key_value_heads=2, vocab_size=64, attn_implementation="sdpa")
     model = transformers.LlamaForCausalLM(cfg).to(dtype)
     layer = model.model.layers[0]
+    if tile is not None:
+        tile(layer)
     for p in layer.parameters():
         p.grad = torch.zeros_like(p)
-    B, T = 2, 256
     h, g = torch.randn(B, T, 256, dtype=dtype), torch.randn(B, T, 256, dtype=dtype)
     pos = torch.arange(T)[None].expand(B, T)
     pe = model.model.rotary_emb(h, pos)
@@ -142,6 +144,13 @@ def test_layer_recompute_formula_vs_allocator(dtype):
         out = out[0] if isinstance(out, tuple) else out
         torch.autograd.backward(out, g, inputs=[x] + list(layer.parameters()))
 
+    return model, step
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_recompute_formula_vs_allocator(dtype):
+    B, T = 2, 256
+    model, step = layer_recompute_probe(dtype, B, T)
     step()
     measured = _alloc_peak(step)
     predicted = planner.layer_recompute_bytes(planner.ModelShape.from_model(model), B * T, dtype)

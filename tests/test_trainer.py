@@ -180,6 +180,21 @@ def test_exact_resume(tmp_path):
         assert torch.equal(full.engine.store.master_tensor(n), resumed.engine.store.master_tensor(n)), n
 
 
+def test_exact_resume_with_gpu_stepped_layers_on_host_state(tmp_path):
+    """device_step_state="host" (the GPU-stepped layers' master and moments live on the host and are copied in for
+    each update): a resumed run loads them and goes on bit for bit; the copies taken before the load are not used."""
+    cfg = {"compute_dtype": "bfloat16", "device_step_layers": 1, "device_step_state": "host"}
+    kw = dict(max_steps=4, save_strategy="steps", save_steps=2)
+    full = MegaTrainTrainer(model=tiny("llama"), args=mt_args(tmp_path / "a", cfg, **kw), train_dataset=dataset())
+    full.train()
+    assert full.engine.optimizer.device_stepper.host_state
+    resumed = MegaTrainTrainer(model=tiny("llama"), args=mt_args(tmp_path / "b", cfg, **kw), train_dataset=dataset())
+    resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
+    assert losses(full) == losses(resumed)
+    for n in full.engine.store.names():
+        assert torch.equal(full.engine.store.master_tensor(n), resumed.engine.store.master_tensor(n)), n
+
+
 def test_exact_resume_bf16_compute_bf16_export(tmp_path):
     """The FP32 master travels next to bf16 exported weights, so resuming stays exact."""
     cfg = {"compute_dtype": "bfloat16", "save_dtype": "bfloat16"}

@@ -177,3 +177,13 @@ def test_plans_place_every_buffer_once():
     assert lean.resident.stepper is Stepper.HOST and lean.resident.grad is Where.HOST
     disk = build_plans(PlanInputs([n, 10], [0, 0], "cpu"), MegaTrainConfig(optimizer_state_dir="/tmp"))
     assert disk.layers[0].moments is Where.DISK and disk.layers[0].nbytes(Where.DISK, bf16) == 8 * n
+
+
+def test_compiled_host_kernel_failure_says_what_to_do(monkeypatch):
+    """Where the kernel cannot be compiled (no C++ compiler), the error names the fix; auto falls back to fused."""
+    def broken(*a, **k):
+        raise OSError("g++ not found")
+
+    monkeypatch.setattr(kernels, "_compiled_adamw_", broken)
+    with pytest.raises(RuntimeError, match="host_kernel='fused'"):
+        kernels.warm_up(torch.bfloat16)

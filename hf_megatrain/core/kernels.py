@@ -136,11 +136,17 @@ def _kernel() -> Any:
 
 
 def warm_up(compute_dtype: torch.dtype | None) -> None:
-    """Compile the host kernel now (main thread, seconds), for a unit with a compute copy of ``compute_dtype``."""
+    """Compile the host kernel now (main thread, seconds), for a unit with a compute copy of ``compute_dtype``;
+    a RuntimeError that says what to do when it cannot be compiled here (no C++ compiler, ...)."""
     n = 64
     p, g, m, v = (torch.ones(n) for _ in range(4))
     out = None if compute_dtype is None else torch.empty(n, dtype=compute_dtype)
-    _compiled_adamw_(p, g, m, v, [(Hyper(1e-3, (0.9, 0.999), 1e-8, 0.0), [(0, n)])], 1, None, out)
+    try:
+        _compiled_adamw_(p, g, m, v, [(Hyper(1e-3, (0.9, 0.999), 1e-8, 0.0), [(0, n)])], 1, None, out)
+    except Exception as e:
+        raise RuntimeError(f"hf_megatrain: host_kernel='compiled' cannot be compiled on this machine "
+                           f"({type(e).__name__}: {str(e)[:300]}); install a C++ compiler (g++) or use "
+                           "host_kernel='fused'") from e
 
 
 def _constants(h: Hyper, step: int, grad_scale: float | None) -> tuple[torch.Tensor, bool]:

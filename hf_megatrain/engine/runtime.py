@@ -309,9 +309,16 @@ class MegaTrainEngine:
     # -- optimizer ---------------------------------------------------------------------------------------------------
     def _host_kernel(self) -> kernels.HostKernel:
         choice = self.config.host_kernel
-        if choice == "auto":
-            return kernels.HostKernel.COMPILED if self.device.type == "cuda" else kernels.HostKernel.FUSED
-        return kernels.HostKernel(choice)
+        if choice != "auto":
+            return kernels.HostKernel(choice)
+        if self.device.type != "cuda":
+            return kernels.HostKernel.FUSED
+        try:  # (compiled once per process; the optimizer's own warm-up then finds it ready)
+            kernels.warm_up(self.store.compute_dtype if self.store.compute_dtype != torch.float32 else None)
+        except RuntimeError as e:  # same math either way: only the speed differs, so say it and go on
+            logger.warning("%s; host_kernel='auto' uses the fused kernel", e)
+            return kernels.HostKernel.FUSED
+        return kernels.HostKernel.COMPILED
 
     def create_optimizer(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                          weight_decay: float = 0.0, max_grad_norm: float | None = None) -> UnitAdamW:

@@ -41,6 +41,19 @@ def test_gpu_parity_streams_and_device_stepper(family, tie, kept, stepped):
     assert sum(u.grad.is_cuda for u in engine.layer_units) == len(place.kept) + len(place.device_stepped)
 
 
+@pytest.mark.parametrize("final_backward", [False, True])
+def test_gpu_parity_device_stepper_host_state(final_backward):
+    """device_step_state="host": the first 2 layers' master and moments stay in pinned host memory, are copied in
+    during the last backward (with the speculative CPU step beside them) and stepped on the GPU; clipping on."""
+    cfg = MegaTrainConfig(compute_dtype="float32", device_layers=0, device_step_layers=2, device_step_state="host")
+    ga = 1 if final_backward else 2
+    worst, engine, _ = run_parity(tiny("llama", num_hidden_layers=4), config=cfg, device="cuda", ga=ga,
+                                  batch=4 // ga, steps=4, final_backward=final_backward,
+                                  clip_schedule=[1e6, 1e6, 0.3, 1e6])
+    stepped = engine.layer_units[:2]
+    assert all(not u.exp_avg.is_cuda and u.exp_avg.is_pinned() and u.grad.is_cuda for u in stepped)
+
+
 def test_gpu_parity_split_inside_layer_visit():
     # One-sequence chunks make cuBLAS reduce the weight gradient over a different split than the reference's
     # batch-2 GEMMs; measured on an H100: grads 2.3e-5, weights 1.3e-5 relative (the same test is 1e-5 on CPU).

@@ -72,6 +72,34 @@ def test_state_dict_and_named_parameters_are_whole(tmp_path):
     assert set(torch.nn.ModuleDict({"m": model}).state_dict()) == {f"m.{n}" for n in plain.state_dict()}
 
 
+@pytest.mark.parametrize("tie", [False, True])
+def test_load_state_dict_loads_every_layer(tie):
+    """load_state_dict on the converted model writes the layers' masters too (plain nn.Module would load the
+    resident parts only and call every layer key unexpected, which strict=False callers never read); the next
+    forward computes with the loaded weights; strict errors and size mismatches change nothing."""
+    ref = tiny("llama", tie=tie)
+    model = tiny("llama", tie=tie)
+    engine = MegaTrainEngine(model, MegaTrainConfig(compute_dtype="float32"))
+    sd = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+    assert str(model.load_state_dict(sd)) == "<All keys matched successfully>"
+    for n in engine.store.names():
+        assert torch.equal(engine.store.master_tensor(n), sd[n]), n
+    ids = torch.randint(0, 96, (2, 10))
+    with torch.no_grad():
+        assert torch.allclose(model(input_ids=ids).logits, ref(input_ids=ids).logits, atol=1e-5)
+    before = {n: engine.store.master_tensor(n).clone() for n in engine.store.names()}
+    part = {"model.layers.1.mlp.up_proj.weight": sd["model.layers.1.mlp.up_proj.weight"] + 1, "bogus": torch.zeros(1)}
+    with pytest.raises(RuntimeError, match="nothing was loaded"):
+        model.load_state_dict(part)
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        model.load_state_dict({"model.layers.0.mlp.up_proj.weight": torch.zeros(3)}, strict=False)
+    assert all(torch.equal(engine.store.master_tensor(n), t) for n, t in before.items())
+    res = model.load_state_dict(part, strict=False)
+    assert res.unexpected_keys == ["bogus"] and "model.layers.0.mlp.up_proj.weight" in res.missing_keys
+    assert torch.equal(engine.store.master_tensor("model.layers.1.mlp.up_proj.weight"), part[
+        "model.layers.1.mlp.up_proj.weight"])
+
+
 def test_save_pretrained_refuses_what_it_cannot_honour(tmp_path):
     trainer = _trained(tmp_path, steps=1)
     with pytest.raises(ValueError, match="state_dict"):

@@ -11,6 +11,10 @@ converted model these methods as instance attributes (class, class name and ``is
   from the FP32 masters, or the PEFT adapter folder), so plain ``from_pretrained`` gets the trained weights;
 - ``state_dict()``: every tensor that export writes (FP32 masters, frozen parameters, persistent buffers) plus tied
   aliases, by HF name; references to the live tensors, as in torch (no copy of the model);
+- ``load_state_dict(sd, strict=True)``: the same names back into the masters (a tied alias into its source), frozen
+  parameters and buffers, then every compute copy refreshed; ``strict=False`` reports missing / unexpected keys as
+  torch does. Plain ``nn.Module.load_state_dict`` would load the resident parts only and call every layer key
+  "unexpected", which ``strict=False`` callers never read;
 - ``named_parameters()`` / ``parameters()`` (and what is built on them: ``num_parameters``, ``device``, ``dtype``):
   every parameter in model order. Streamed layers' entries are their FP32 masters (``nn.Parameter`` sharing the host
   store's memory; ``.grad`` is the FP32 host gradient buffer where the plan keeps one, complete once
@@ -115,6 +119,54 @@ def _state_dict(engine: MegaTrainEngine, *args: Any, destination: dict | None = 
     return out
 
 
+def _aliases(engine: MegaTrainEngine) -> dict[str, str]:
+    """Tied names the store holds once: alias -> the name its master is kept under."""
+    model = engine.model
+    first = {id(p): n for n, p in {**engine.resident_params, **engine.frozen_resident}.items()}
+    return {name: first[id(t)] for name, t in type(model).state_dict(model, keep_vars=True).items()
+            if id(t) in first and first[id(t)] != name}
+
+
+def _load_state_dict(engine: MegaTrainEngine, state_dict: dict[str, torch.Tensor], strict: bool = True,
+                     assign: bool = False) -> Any:
+    """``nn.Module.load_state_dict`` over what ``state_dict()`` presents (moments untouched, as in torch)."""
+    from torch.nn.modules.module import _IncompatibleKeys
+
+    from .pretrained import extra_sink
+
+    if assign:
+        raise ValueError("hf_megatrain: load_state_dict(assign=True) is not supported on a converted model (its "
+                         "weights live in the engine's host store); load without assign")
+    expected = set(_state_dict(engine))  # (waits for updates in flight)
+    aliases, store, sink = _aliases(engine), engine.store, extra_sink(engine)
+
+    def in_store(name: str) -> bool:
+        src = aliases.get(name, name)
+        return src in store.by_name or src in store.frozen_by_name
+
+    unexpected = [n for n in state_dict if not in_store(n) and n not in sink.names]
+    given = {aliases.get(n, n) for n in state_dict} | set(state_dict)
+    missing = sorted(n for n in expected if n not in given and aliases.get(n, n) not in given)
+    if strict and (missing or unexpected):  # checked before anything is written: nothing half-loaded
+        raise RuntimeError(f"Error(s) in loading state_dict for {type(engine.model).__name__}: missing keys "
+                           f"{missing[:8]}{' ...' if len(missing) > 8 else ''}, unexpected keys "
+                           f"{unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}; nothing was loaded")
+    slices = {**store.by_name, **store.frozen_by_name}
+    wrong = [f"{n}: {tuple(t.shape)} != {slices[aliases.get(n, n)][1].shape}" for n, t in state_dict.items()
+             if in_store(n) and tuple(t.shape) != slices[aliases.get(n, n)][1].shape]
+    if wrong:  # (torch refuses a size mismatch whatever ``strict`` says)
+        raise RuntimeError(f"Error(s) in loading state_dict for {type(engine.model).__name__}: size mismatch "
+                           f"{wrong[:4]}; nothing was loaded")
+    with torch.no_grad():
+        for name, t in state_dict.items():
+            if in_store(name):
+                store.load_(aliases.get(name, name), t)
+            elif name in sink.names:
+                sink(name, t)
+    engine.sync_device_()
+    return _IncompatibleKeys(missing, unexpected)
+
+
 def _save_pretrained(engine: MegaTrainEngine, save_directory: str, is_main_process: bool = True,
                      state_dict: dict | None = None, push_to_hub: bool = False, max_shard_size: int | str | None = None,
                      *, dtype: torch.dtype | str | None = None, **kwargs: Any) -> list[str]:
@@ -158,6 +210,10 @@ def present_weights(engine: MegaTrainEngine) -> None:
     def save_pretrained(self: nn.Module, save_directory: str, *args: Any, **kwargs: Any) -> list[str]:
         return _save_pretrained(engine, save_directory, *args, **kwargs)
 
+    def load_state_dict(self: nn.Module, state_dict: dict[str, torch.Tensor], strict: bool = True,
+                        assign: bool = False) -> Any:
+        return _load_state_dict(engine, state_dict, strict, assign)
+
     def zero_grad(self: nn.Module, set_to_none: bool = True) -> None:
         # nn.Module.zero_grad walks parameters(), which would now wait for the optimizer on every step (Trainer
         # calls it each step) and touch the host gradient buffers: the streamed layers' gradients belong to the
@@ -171,5 +227,5 @@ def present_weights(engine: MegaTrainEngine) -> None:
                 else:
                     p.grad.detach_().zero_()
 
-    for fn in (named_parameters, state_dict, save_pretrained, zero_grad):
+    for fn in (named_parameters, state_dict, load_state_dict, save_pretrained, zero_grad):
         object.__setattr__(model, fn.__name__, types.MethodType(fn, model))

@@ -322,3 +322,18 @@ def test_lora_bf16_compute_trains():
     opt.wait()
     assert abs(losses[0] - ref_loss) <= 2e-2 * ref_loss and losses[-1] < losses[0]
     assert all(m.dtype == torch.float32 for _, m in engine.named_master_tensors())
+
+
+def test_set_peft_model_state_dict_loads_adapters_into_streamed_layers():
+    """PEFT's own loader on a converted model: it cannot see the tuner layers inside streamed layers, so it hands
+    load_state_dict keys without the adapter name; they still reach the adapters' FP32 masters."""
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+    model = lora(tiny("llama"))
+    ref = copy.deepcopy(model)
+    engine = MegaTrainEngine(model, MegaTrainConfig(compute_dtype="float32"))
+    sd = {k: v + 1.0 for k, v in get_peft_model_state_dict(ref).items()}
+    res = set_peft_model_state_dict(model, sd)
+    assert res.unexpected_keys == []
+    names = [n for n in engine.store.names() if "lora_" in n]
+    assert names and all(torch.equal(engine.store.master_tensor(n), sd[n.replace(".default.", ".")]) for n in names)

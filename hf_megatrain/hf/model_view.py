@@ -35,7 +35,7 @@ from torch import nn
 
 from ..engine.proxy import StreamedLayer
 from .export import export_model, model_tensors
-from .peft_support import is_peft_model
+from .peft_support import adapter_key_aliases, is_peft_model
 
 if TYPE_CHECKING:
     from ..engine.runtime import MegaTrainEngine
@@ -138,7 +138,7 @@ def _load_state_dict(engine: MegaTrainEngine, state_dict: dict[str, torch.Tensor
         raise ValueError("hf_megatrain: load_state_dict(assign=True) is not supported on a converted model (its "
                          "weights live in the engine's host store); load without assign")
     expected = set(_state_dict(engine))  # (waits for updates in flight)
-    aliases, store, sink = _aliases(engine), engine.store, extra_sink(engine)
+    aliases, store, sink = {**adapter_key_aliases(engine), **_aliases(engine)}, engine.store, extra_sink(engine)
 
     def in_store(name: str) -> bool:
         src = aliases.get(name, name)

@@ -80,6 +80,17 @@ def save_adapter(engine: Any, save_dir: str, dtype: torch.dtype = torch.float32,
     return sorted(set(os.listdir(save_dir)) - before | {ADAPTER_WEIGHTS, "adapter_config.json"})
 
 
+def adapter_key_aliases(engine: Any) -> dict[str, str]:
+    """PEFT's name without the adapter segment -> the store's name, for the active adapter's parameters: what
+    ``set_peft_model_state_dict`` hands ``load_state_dict`` when it cannot see the tuner layers inside streamed
+    layers (it inserts the adapter name only for the modules it finds)."""
+    if not is_peft_model(engine.model):
+        return {}
+    seg = f".{engine.model.active_adapter}."
+    return {n.replace(seg, ".", 1): n for n in list(engine.store.by_name) + list(engine.store.frozen_by_name)
+            if seg in n}
+
+
 def load_adapter_into_engine(engine: Any, path: str, adapter_name: str = "default") -> None:
     """Copy the adapter weights of a PEFT folder into the engine's FP32 masters (every adapter must be present)."""
     from peft import get_peft_model_state_dict

@@ -110,11 +110,8 @@ def _state_dict(engine: MegaTrainEngine, *args: Any, destination: dict | None = 
     for name, t in tensors.items():
         out[prefix + name] = t.detach()
     # Tied aliases (lm_head.weight = embed_tokens.weight): the export writes one name, torch lists both.
-    model = engine.model
-    first = {id(p): n for n, p in {**engine.resident_params, **engine.frozen_resident}.items()}
-    for name, t in type(model).state_dict(model, keep_vars=True).items():
-        src = first.get(id(t))
-        if src is not None and name not in tensors and src in tensors:
+    for name, src in _aliases(engine).items():
+        if name not in tensors and src in tensors:
             out[prefix + name] = tensors[src].detach()
     return out
 

@@ -23,6 +23,7 @@ import resource
 import socket
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from typing import Any, Callable
@@ -400,3 +401,43 @@ def runner_main(system: str, run: Callable[[dict], dict]) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+# -- the peers that run through plain transformers.Trainer (plain GPU, DeepSpeed) ------------------------------------
+def run_hf_trainer(model: torch.nn.Module, spec: dict, *, micro: int, ga: int, clock: "StepClock", prefix: str,
+                   lr: float, max_grad_norm: float, **extra: Any) -> dict[str, Any]:
+    """``transformers.Trainer`` over the benchmark's tokens as a user configures it (bf16, non-reentrant activation
+    checkpointing, constant LR, no weight decay, the spec's clip), ``extra`` TrainingArguments on top (``optim``,
+    ``deepspeed``). The clock is marked at train begin and after every step. Returns the trainer, train()'s
+    result, the Trainer construction time, train()'s wall time and the seconds from train() to the first mark
+    (engine / optimizer setup inside train())."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    marks: dict[str, float] = {}
+
+    class Timer(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            marks["train_begin"] = time.perf_counter()
+            clock.mark()
+
+        def on_step_end(self, args, state, control, **kw):
+            clock.mark()
+
+    warm, steps = int(spec["warmup"]), int(spec["steps"])
+    cuda = torch.cuda.is_available()
+    args = TrainingArguments(
+        output_dir=tempfile.mkdtemp(prefix=prefix), per_device_train_batch_size=micro,
+        gradient_accumulation_steps=ga, max_steps=warm + steps, bf16=True, use_cpu=not cuda,
+        gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False}, learning_rate=lr,
+        weight_decay=0.0, max_grad_norm=spec.get("max_grad_norm", max_grad_norm), lr_scheduler_type="constant",
+        warmup_steps=0, logging_steps=10 ** 6, save_strategy="no", report_to=[], disable_tqdm=True,
+        remove_unused_columns=False, dataloader_num_workers=0, dataloader_pin_memory=cuda,
+        seed=int(spec.get("seed", 0)), **extra)
+    t = time.perf_counter()
+    trainer = Trainer(model=model, args=args, train_dataset=TokenDataset(token_rows(spec, warm + steps)),
+                      callbacks=[Timer()])
+    init_s = time.perf_counter() - t
+    t = time.perf_counter()
+    result = trainer.train()
+    return {"trainer": trainer, "result": result, "trainer_init_s": init_s, "train_s": time.perf_counter() - t,
+            "setup_in_train_s": marks.get("train_begin", t) - t}

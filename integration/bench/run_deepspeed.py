@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import os
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -25,8 +24,8 @@ sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 
 import torch  # noqa: E402
 
-from bench.common import (StepClock, TokenDataset, build_model, count_params, runner_main,  # noqa: E402
-                          single_process_dist_env, throughput, token_rows)
+from bench.common import (StepClock, build_model, count_params, run_hf_trainer, runner_main,  # noqa: E402
+                          single_process_dist_env, throughput)
 
 LR, MAX_GRAD_NORM = 1e-5, 1.0
 
@@ -78,12 +77,11 @@ def run(spec: dict) -> dict[str, Any]:
         import deepspeed
     except ImportError as e:
         raise RuntimeError(f"deepspeed is not importable ({e}); run integration/install_peers.sh first") from e
-    from transformers import Trainer, TrainerCallback, TrainingArguments
 
     single_process_dist_env()
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    warm, steps, batch = int(spec["warmup"]), int(spec["steps"]), int(spec["batch"])
+    batch = int(spec["batch"])
     micro, ga = int(spec.get("micro_batch") or batch), int(spec.get("grad_accum") or 1)
     if micro * ga != batch:
         raise ValueError(f"micro_batch {micro} x grad_accum {ga} != batch {batch}")
@@ -95,32 +93,10 @@ def run(spec: dict) -> dict[str, Any]:
     build_s = time.perf_counter() - t
 
     config = ds_config(spec.get("ds"))
-    clock, marks = StepClock(spec.get("clock_sync") == "stream"), {}
-
-    class Timer(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kw):
-            marks["train_begin"] = time.perf_counter()
-            clock.mark()
-
-        def on_step_end(self, args, state, control, **kw):
-            clock.mark()
-
-    cuda = torch.cuda.is_available()
-    args = TrainingArguments(
-        output_dir=tempfile.mkdtemp(prefix="bench_ds_"), deepspeed=copy.deepcopy(config),
-        per_device_train_batch_size=micro, gradient_accumulation_steps=ga, max_steps=warm + steps,
-        bf16=True, use_cpu=not cuda, gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False},
-        learning_rate=LR, weight_decay=0.0, max_grad_norm=spec.get("max_grad_norm", MAX_GRAD_NORM), lr_scheduler_type="constant",
-        warmup_steps=0, logging_steps=10 ** 6, save_strategy="no", report_to=[], disable_tqdm=True,
-        remove_unused_columns=False, dataloader_num_workers=0, dataloader_pin_memory=cuda,
-        seed=int(spec.get("seed", 0)))
-    t = time.perf_counter()
-    trainer = Trainer(model=model, args=args, train_dataset=TokenDataset(token_rows(spec, warm + steps)),
-                      callbacks=[Timer()])
-    trainer_init_s = time.perf_counter() - t
-    t = time.perf_counter()
-    result = trainer.train()
-    train_s = time.perf_counter() - t
+    clock = StepClock(spec.get("clock_sync") == "stream")
+    run_ = run_hf_trainer(model, spec, micro=micro, ga=ga, clock=clock, prefix="bench_ds_", lr=LR,
+                          max_grad_norm=MAX_GRAD_NORM, deepspeed=copy.deepcopy(config))
+    trainer, result, trainer_init_s, train_s = (run_[k] for k in ("trainer", "result", "trainer_init_s", "train_s"))
     chain, opt = [], trainer.optimizer
     while opt is not None and len(chain) < 6:  # Accelerate wrapper -> DS wrapper -> ZeRO-3 -> DeepSpeedCPUAdam
         chain.append(f"{type(opt).__module__}.{type(opt).__name__}")
@@ -129,7 +105,7 @@ def run(spec: dict) -> dict[str, Any]:
     res.update(n_params=n_params, model_build_s=build_s, trainer_init_s=trainer_init_s,
                # DeepSpeed's engine/optimizer init (and the CPU Adam JIT build) happens inside train() before
                # the first step: setup = train() time up to on_train_begin.
-               setup_s=marks.get("train_begin", t) - t, train_s=train_s, train_loss=result.training_loss,
+               setup_s=run_["setup_in_train_s"], train_s=train_s, train_loss=result.training_loss,
                micro_batch=micro, grad_accum=ga, deepspeed_version=deepspeed.__version__,
                ds_config=config, ds_config_resolved=_resolved(trainer),
                optimizer=chain[-1] if chain else None, optimizer_chain=chain,

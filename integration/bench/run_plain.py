@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -21,16 +20,14 @@ sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 
 import torch  # noqa: E402
 
-from bench.common import (StepClock, TokenDataset, build_model, count_params, runner_main,  # noqa: E402
-                          throughput, token_rows)
+from bench.common import (StepClock, build_model, count_params, run_hf_trainer, runner_main,  # noqa: E402
+                          throughput)
 
 LR, MAX_GRAD_NORM = 1e-5, 1.0
 
 
 def run(spec: dict) -> dict[str, Any]:
-    from transformers import Trainer, TrainerCallback, TrainingArguments
-
-    warm, steps, batch = int(spec["warmup"]), int(spec["steps"]), int(spec["batch"])
+    batch = int(spec["batch"])
     micro, ga = int(spec.get("micro_batch") or batch), int(spec.get("grad_accum") or 1)
     if micro * ga != batch:
         raise ValueError(f"micro_batch {micro} x grad_accum {ga} != batch {batch}")
@@ -43,28 +40,9 @@ def run(spec: dict) -> dict[str, Any]:
 
     clock = StepClock(spec.get("clock_sync") == "stream")
 
-    class Timer(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kw):
-            clock.mark()
-
-        def on_step_end(self, args, state, control, **kw):
-            clock.mark()
-
-    args = TrainingArguments(
-        output_dir=tempfile.mkdtemp(prefix="bench_plain_"), per_device_train_batch_size=micro,
-        gradient_accumulation_steps=ga, max_steps=warm + steps, bf16=True, use_cpu=not cuda,
-        gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False},
-        optim="adamw_torch_fused", learning_rate=LR, weight_decay=0.0,
-        max_grad_norm=spec.get("max_grad_norm", MAX_GRAD_NORM), lr_scheduler_type="constant", warmup_steps=0,
-        logging_steps=10 ** 6, save_strategy="no", report_to=[], disable_tqdm=True, remove_unused_columns=False,
-        dataloader_num_workers=0, dataloader_pin_memory=cuda, seed=int(spec.get("seed", 0)))
-    t = time.perf_counter()
-    trainer = Trainer(model=model, args=args, train_dataset=TokenDataset(token_rows(spec, warm + steps)),
-                      callbacks=[Timer()])
-    trainer_init_s = time.perf_counter() - t
-    t = time.perf_counter()
-    result = trainer.train()
-    train_s = time.perf_counter() - t
+    run_ = run_hf_trainer(model, spec, micro=micro, ga=ga, clock=clock, prefix="bench_plain_", lr=LR,
+                          max_grad_norm=MAX_GRAD_NORM, optim="adamw_torch_fused")
+    trainer, result, trainer_init_s, train_s = (run_[k] for k in ("trainer", "result", "trainer_init_s", "train_s"))
     opt = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # under Accelerate's wrapper
     fused = bool(opt.defaults.get("fused")) if opt is not None else None
     res = throughput(spec, n_params, clock.periods)

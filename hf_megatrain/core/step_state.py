@@ -67,6 +67,10 @@ class StepState:
     def has_grad(self, i: int) -> bool:
         return self.phase[i] in _HAS_GRAD
 
+    def updating(self, i: int) -> bool:
+        """An optimizer worker owns unit ``i`` (a speculative update of the step's own gradient, still running)."""
+        return self.phase[i] is Phase.UPDATING
+
     def any_grad(self) -> bool:
         return any(p in _HAS_GRAD for p in self.phase)
 

@@ -117,9 +117,13 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         loss = closure() if closure is not None else None
-        self.step_state.wait_all()
+        self._join()
         self.step_state.land()  # (may hand the last units to the speculative worker)
-        self._sync_spec()
+        # Every update but this step's speculative ones is finished; those may still run: the norm needs only their
+        # landed gradients, which the updates leave untouched, and step() returns without waiting for them.
+        for i in range(len(self.store.units)):
+            if i not in self.policy.applied:
+                self.step_state.wait_ready(i)
         self._zero_missing()
         t0 = time.perf_counter()
         norm = self.grad_norm()
@@ -139,7 +143,8 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
         """Units no backward reached since the last step have a zero gradient, and no parameter of them is stepped
         (torch skips parameters whose .grad is None)."""
         for u in self.store.units:
-            if not self.step_state.has_grad(u.index) and u.plan.grad is not Where.NONE:
+            if not self.step_state.has_grad(u.index) and not self.step_state.updating(u.index) \
+                    and u.plan.grad is not Where.NONE:
                 u.grad.zero_()
                 self.step_state.accumulate(u.index, None)
                 self.step_state.landed(u.index)

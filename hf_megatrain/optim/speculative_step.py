@@ -39,8 +39,12 @@ class SpeculativeStep:
         # the one the next forward needs first. Gradients land in backward order (last layer first), so in the
         # backward it takes the newest landing, and once the backward is over the rest go in forward order: the
         # next forward starts after one update instead of all of them, and the CPU works through the forward too.
-        self._spec_queue: list[tuple[int, int, float]] = []
+        self._spec_queue: list[tuple[int, int, list[kernels.Hyper]]] = []
         self._spec_lock = threading.Lock()
+        # Speculative updates that finished before step() judged them (their gradient kept), and those judged
+        # right while still running (they finish as ready); both under ``_spec_lock``.
+        self._spec_done: set[int] = set()
+        self._spec_final: set[int] = set()
         self._forward_pos = {u: k for k, u in enumerate(self.unit_order)}
         self.speculated = 0  # units updated during a backward
         self.taken_back = 0  # speculative updates taken back and redone (steps that clipped after one that did not)
@@ -50,7 +54,8 @@ class SpeculativeStep:
 
     def _on_landed(self: Any, i: int, sq: float | None) -> None:
         """Main thread, the step's last backward: unit ``i``'s gradient is final. A HOST unit whose squared norm
-        is known (its first visit) goes to the speculative worker."""
+        is known (its first visit) goes to the speculative worker, with the hyper-parameters of this moment (the
+        LR scheduler may move them after ``step()`` returns, while the update still waits in the queue)."""
         if self.device_stepper is not None:  # (the GPU-stepped layers' state starts coming in: idempotent)
             self.device_stepper.prefetch()
         if sq is None or self.store.units[i].plan.stepper is not Stepper.HOST:
@@ -60,9 +65,12 @@ class SpeculativeStep:
         flags = self.grad_reach.peek(i) if self.grad_reach is not None else None
         if (flags is not None and not all(flags)) or i in self._missed:
             return
+        hyper = self._hyper()
+        if self.policy.first_pass(i, sq, self._key(hyper, None)) is not Act.UPDATE:
+            return  # (norm-first step, or a non-finite gradient: the unit waits for step())
         self.step_state.begin_update(i)
         with self._spec_lock:
-            heapq.heappush(self._spec_queue, (self._forward_pos[i], i, sq))
+            heapq.heappush(self._spec_queue, (self._forward_pos[i], i, hyper))
         if self._spec_pool is None:
             self._speculate_next()
         else:
@@ -71,23 +79,26 @@ class SpeculativeStep:
     def _speculate_next(self: Any) -> None:
         """One job per landing; each takes whichever queued unit the next forward needs first."""
         with self._spec_lock:
-            _, i, sq = heapq.heappop(self._spec_queue)
-        self._speculate(i, sq)
+            _, i, hyper = heapq.heappop(self._spec_queue)
+        self._speculate(i, hyper)
 
-    def _speculate(self: Any, i: int, sq: float) -> None:
-        changed = False
+    def _speculate(self: Any, i: int, hyper: list[kernels.Hyper]) -> None:
         try:
-            hyper = self._hyper()
             with torch.no_grad(), torch.profiler.record_function("megatrain.optimizer.speculative_unit"):
-                if self.policy.first_pass(i, sq, self._key(hyper, None)) is Act.UPDATE:
-                    u = self.store.units[i]
-                    self.update_(u, [u.master, u.grad, u.exp_avg, u.exp_avg_sq], hyper, None)
-                    changed = True
-                    self.speculated += 1
+                u = self.store.units[i]
+                self.update_(u, [u.master, u.grad, u.exp_avg, u.exp_avg_sq], hyper, None)
+            self.speculated += 1
         except BaseException as e:  # surfaced by the next wait
             self.step_state.fail(e)
         finally:
-            self.step_state.finish_update(i, changed, keep_grad=True)
+            with self._spec_lock:
+                # Judged right already (step() returned while this ran): the unit is ready for the next forward.
+                # Otherwise its gradient stays landed for step() to judge.
+                final = i in self._spec_final
+                self._spec_final.discard(i)
+                if not final:
+                    self._spec_done.add(i)
+                self.step_state.finish_update(i, changed=True, keep_grad=not final)
 
     def _sync_spec(self) -> None:
         jobs, self._spec_jobs = self._spec_jobs, []
@@ -99,16 +110,25 @@ class SpeculativeStep:
         return grad_scale, tuple(hyper)
 
     def _judge_speculation(self: Any, skip: bool, hyper: list[kernels.Hyper], grad_scale: float | None) -> set[int]:
-        """Take back the speculative updates the true norm proves wrong; returns the units already stepped right."""
+        """Take back the speculative updates the true norm proves wrong; returns the units already stepped right.
+        Updates judged right may still be running: ``step()`` does not wait for them (the next forward waits per
+        unit, so it starts after the first layer's update instead of all of them)."""
         if not self.speculate or not self.policy.seen:
             self.policy.end(None if skip else grad_scale is not None)
             return set()
         d = self.policy.decide(skip, self._key(hyper, grad_scale), self.skip_nonfinite)
+        if d.take_back:  # (rare: a step that clips after one that did not) the updates to undo must be finished
+            self._sync_spec()
         for i in d.take_back:
             self._take_back(i, self.policy.applied.pop(i))
         done = set(self.policy.applied)
-        for i in done:  # their update stands: the unit is ready for the next forward
-            self.step_state.finish_update(i, changed=False)
+        with self._spec_lock:
+            for i in done:  # their update stands: the unit is ready for the next forward once it has run
+                if i in self._spec_done:
+                    self.step_state.finish_update(i, changed=False)
+                else:
+                    self._spec_final.add(i)
+            self._spec_done.clear()
         self.policy.end(None if skip else grad_scale is not None)
         return done
 

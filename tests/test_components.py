@@ -187,3 +187,83 @@ def test_compiled_host_kernel_failure_says_what_to_do(monkeypatch):
     monkeypatch.setattr(kernels, "_compiled_adamw_", broken)
     with pytest.raises(RuntimeError, match="host_kernel='fused'"):
         kernels.warm_up(torch.bfloat16)
+
+
+CONCURRENT = RuntimeError("Detected that you are using FX to symbolically trace a dynamo-optimized function. "
+                          "This is not supported at the moment.")
+
+
+def test_host_kernel_refused_while_another_thread_compiles_runs_the_fused_kernel(monkeypatch):
+    """Dynamo refuses a compiled call while another thread traces (core/compiling.py): that span is updated by
+    torch's fused kernel instead, once, and the rest by the compiled kernel."""
+    n = 300
+    h = kernels.Hyper(1e-3, (0.9, 0.999), 1e-8, 0.1)
+    groups = [(h, [(0, 100)]), (kernels.Hyper(1e-3, (0.9, 0.999), 1e-8, 0.0), [(100, n)])]
+    calls = []
+
+    def flaky(p, g, m, v, out, c, small):  # refuses the first span, does the second like the real kernel would
+        calls.append(p.numel())
+        if len(calls) == 1:
+            raise CONCURRENT
+        kernels.adamw_(p, g, m, v, [(groups[1][0], [(0, p.numel())])], 1, None, out)
+
+    monkeypatch.setattr(kernels, "_kernel", lambda: flaky)
+    got, want = _flat_state(n, seed=4), _flat_state(n, seed=4)
+    copies = [torch.zeros(n, dtype=torch.bfloat16) for _ in range(2)]
+    kernels.adamw_(*got, groups, 1, None, copies[0], kernels.HostKernel.COMPILED)
+    kernels.adamw_(*want, groups, 1, None, copies[1], kernels.HostKernel.FUSED)
+    assert calls == [100, 200]
+    for a, b in zip(got + copies[:1], want + copies[1:]):
+        assert torch.equal(a, b)
+
+
+def test_layer_template_refused_while_another_thread_compiles_runs_eagerly_once():
+    """The layer template runs that call eagerly and keeps its compiled function; other compile failures make it
+    eager for good."""
+    from hf_megatrain.model.template import LayerTemplate
+
+    layer = torch.nn.Linear(4, 4)
+    t = LayerTemplate.__new__(LayerTemplate)
+    t.module = layer
+    calls = []
+
+    def refusing(tensors, args, kwargs):
+        calls.append(1)
+        raise CONCURRENT
+
+    t.compiled = refusing
+    params = dict(layer.named_parameters())
+    x = torch.randn(2, 4)
+    assert torch.equal(t(params, {}, True, (x,), {}), layer(x))
+    assert t.compiled is refusing and calls == [1]
+    t.compiled = lambda *a: (_ for _ in ()).throw(ValueError("unsupported op"))
+    assert torch.equal(t(params, {}, True, (x,), {}), layer(x))
+    assert t.compiled is None
+
+
+def test_step_state_published_copy_is_loadable_before_the_update_finishes():
+    """A GPU updater publishes the new weights before its copies to the host finish: the unit is loadable at the
+    coming version at once; the copy stays valid after the update finishes and is dropped by the next update or
+    an outside change of the master."""
+    import threading
+
+    from hf_megatrain.core.step_state import StepState
+
+    s = StepState(2)
+    s.begin_update(1)
+    t = threading.Thread(target=s.wait_loadable, args=(1,))
+    t.start()
+    t.join(0.05)
+    assert t.is_alive()  # neither published nor ready
+    s.publish_copy(1, "copy", "event")
+    t.join(1)
+    assert not t.is_alive()
+    assert s.wait_loadable(1) == ("copy", "event", 1) and s.updating(1)  # before the update has finished
+    s.finish_update(1)
+    assert s.early_copy(1) == ("copy", "event", 1) and s.version[1] == 1
+    s.touch(1)
+    assert s.early_copy(1) is None and s.wait_loadable(1) is None
+    s.begin_update(0)
+    s.publish_copy(0, "c0", None)
+    s.begin_update(0)  # a later update: the old copy is not its weights
+    assert s.early_copy(0) is None

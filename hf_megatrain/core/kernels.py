@@ -26,6 +26,8 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from .compiling import is_concurrent_trace
+
 logger = logging.getLogger(__name__)
 
 # Elements per piece of the undo passes: bounds their temporaries to a few MiB per thread.
@@ -164,7 +166,13 @@ def _compiled_adamw_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Te
     for lo, hi, h in _merged(groups):
         c, small = consts.get(h) or consts.setdefault(h, _constants(h, step, grad_scale))
         out = None if compute is None else compute[lo:hi]
-        kernel(master[lo:hi], grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], out, c, small)
+        try:
+            kernel(master[lo:hi], grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], out, c, small)
+        except RuntimeError as e:
+            if not is_concurrent_trace(e):
+                raise
+            # The main thread is compiling a layer (core/compiling.py): this span, untouched, with torch's kernel.
+            adamw_(master, grad, exp_avg, exp_avg_sq, [(h, [(lo, hi)])], step, grad_scale, compute)
 
 
 def undo_master_(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, groups: Groups,

@@ -47,7 +47,9 @@ class StepState:
         self.grad_sq: list[torch.Tensor | None] = [None] * num_units
         self.version = [0] * num_units
         self._ready = [threading.Event() for _ in range(num_units)]
-        for e in self._ready:
+        # Set when the unit's weights may be loaded: ready, or its new weights published on the GPU (below).
+        self._loadable = [threading.Event() for _ in range(num_units)]
+        for e in self._ready + self._loadable:
             e.set()
         self._error: BaseException | None = None
         self._landers: list[Callable[[], None]] = []
@@ -59,6 +61,11 @@ class StepState:
         # gradient that lands now is final, and ``on_landed`` (the optimizer) may update the unit right away.
         self.final_backward = False
         self.on_landed: Callable[[int, float | None], None] | None = None
+        # (compute copy, event, version) of a unit whose updater made the new compute-dtype weights on the GPU:
+        # the next forward may take them from there (event: they are written) instead of waiting for the update's
+        # copies back to host memory and loading them again. Valid while the unit is at, or on its way to, that
+        # version; dropped when another update begins or the master changes outside an update.
+        self._early: list[tuple[Any, Any, int] | None] = [None] * num_units
 
     def __len__(self) -> int:
         return len(self.phase)
@@ -118,7 +125,23 @@ class StepState:
     # -- updates -----------------------------------------------------------------------------------------------------
     def begin_update(self, i: int) -> None:
         self.phase[i] = Phase.UPDATING
+        self._early[i] = None
         self._ready[i].clear()
+        self._loadable[i].clear()
+
+    def publish_copy(self, i: int, copy: Any, event: Any) -> None:
+        """Unit ``i``'s update (not speculative: final) has made its new compute-dtype weights in ``copy`` once
+        ``event`` has completed; the rest of the update (copies back to host memory) may still run."""
+        self._early[i] = (copy, event, self.version[i] + 1)
+        self._loadable[i].set()
+
+    def early_copy(self, i: int) -> tuple[Any, Any, int] | None:
+        """(copy, event, version) of unit ``i``'s published weights while they are its current or coming version,
+        else None. Safe against the updater finishing concurrently: a torn read answers None."""
+        e = self._early[i]
+        if e is None:
+            return None
+        return e if e[2] == self.version[i] + (1 if self.phase[i] is Phase.UPDATING else 0) else None
 
     def finish_update(self, i: int, changed: bool = True, keep_grad: bool = False) -> None:
         """Unit ``i``'s state is final for this step; ``changed``: its master moved (weights must be reloaded).
@@ -129,11 +152,13 @@ class StepState:
         if changed:
             self.version[i] += 1
         self._ready[i].set()
+        self._loadable[i].set()
 
     def touch(self, i: int | None = None) -> None:
         """A master changed outside an update (checkpoint load, a lean take-back): cached copies are stale."""
         for j in range(len(self)) if i is None else (i,):
             self.version[j] += 1
+            self._early[j] = None
 
     def discard(self) -> None:
         """Drop every gradient of the step (``zero_grad``, a skipped step): units become READY, masters unchanged."""
@@ -147,12 +172,22 @@ class StepState:
     def fail(self, error: BaseException) -> None:
         """A worker failed: remember the error (raised by the next wait) and release every waiter."""
         self._error = error
-        for e in self._ready:
+        for e in self._ready + self._loadable:
             e.set()
 
     def wait_ready(self, i: int) -> None:
         self._ready[i].wait()
         self._raise()
+
+    def wait_loadable(self, i: int) -> tuple[Any, Any, int] | None:
+        """Block until unit ``i``'s weights may be loaded; returns its published GPU copy (``early_copy``) when
+        that is what made it loadable, else None once it is ready."""
+        self._loadable[i].wait()
+        self._raise()
+        early = self.early_copy(i)
+        if early is None:
+            self.wait_ready(i)
+        return early
 
     def wait_all(self) -> None:
         """Block until no update is in flight; re-raise a worker's failure."""

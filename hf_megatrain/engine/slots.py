@@ -9,7 +9,8 @@ Each unit's plan (core/plan.py) picks, once, at construction, how its weights co
                                           allocate a full FP32 temporary of the layer on the GPU)
 
 Before loading a unit the slots wait until the step state says it is ready (its update may still run on an
-optimizer thread); a slot is reused only while it holds the unit's current version, so nobody has to tell the
+optimizer thread), unless its updater published the new weights on the GPU (``StepState.early_copy``: a layer
+stepped on the GPU with its state in host memory), which are then copied device to device; a slot is reused only while it holds the unit's current version, so nobody has to tell the
 slots that weights changed. Slots are filled least-recently-used first, the ones the pass needs next protected.
 """
 
@@ -68,15 +69,25 @@ class WeightSlots:
         unit = self.units[index]
         t0 = time.perf_counter()
         with torch.profiler.record_function("megatrain.wait_optimizer"):
-            self.state.wait_ready(unit.index)
+            early = self.state.wait_loadable(unit.index)
+            if early is not None and unit.frozen is not None:  # (its frozen part comes from the host)
+                self.state.wait_ready(unit.index)
+                early = None
         self.wait_optimizer_s += time.perf_counter() - t0
-        held = (index, self.state.version[unit.index])
+        # ``early``: updated on the GPU, its new weights are there already (the copies to the host may still run)
+        held = (index, self.state.version[unit.index] if early is None else early[2])
         if held in self.held:
             return self.held.index(held)
         s = min((k for k in range(len(self.slots)) if k not in protect), key=lambda k: self.tick[k])
         st = self.streams
         self.held[s] = held
         slot = self.slots[s]
+        if early is not None:
+            st.wait(st.compute, self.free[s])
+            st.wait(st.compute, early[1])
+            slot[:unit.numel].copy_(early[0][:unit.numel])  # device to device, no PCIe
+            self.ready[s] = None
+            return s
         if self.from_device[index]:
             st.wait(st.compute, self.free[s])
             slot[:unit.numel].copy_(unit.master)  # device cast, no PCIe

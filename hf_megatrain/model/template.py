@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from ..core.compiling import is_concurrent_trace
 from ..core.store import ParamSlice
 from .seq_tiling import TilingReport, tile_positionwise
 
@@ -82,6 +83,8 @@ class LayerTemplate:
             try:
                 return self.compiled(tensors, args, kwargs)
             except Exception as e:  # noqa: BLE001 - any tracing/codegen failure: eager is always correct
+                if is_concurrent_trace(e):  # (an optimizer worker is compiling: this call eagerly, then again)
+                    return self._functional(tensors, args, kwargs)
                 logger.warning("hf_megatrain: torch.compile of %s failed (%s: %s); running it eagerly",
                                type(self.module).__name__, type(e).__name__, str(e).splitlines()[0][:200])
                 self.compiled = None

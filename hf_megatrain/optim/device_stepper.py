@@ -87,10 +87,16 @@ class DeviceStepper:
         self.loaded.clear()
 
     def run(self, order: list[Unit], step_fn: Callable[[Unit, list[torch.Tensor]], None],
-            done: Callable[[Unit], None]) -> None:
+            done: Callable[[Unit], None],
+            publish: Callable[[Unit, torch.Tensor, object], None] | None = None, after: object = None) -> None:
         """Step ``order``'s units; ``step_fn(unit, [master, grad, m, v])`` runs the kernel on device views;
-        ``done(unit)`` is called once the unit's new state (and compute copy) is back in host memory."""
+        ``done(unit)`` is called once the unit's new state (and compute copy) is back in host memory. Host state:
+        ``publish(unit, compute copy, event)`` as soon as the new weights are queued on the GPU (each layer's
+        buffers are its own until its next update, so the next forward may copy them from there). ``after``: an
+        event on the compute stream recorded by the caller (main thread) once the backward was queued: the
+        gradients, and the last forward's reads of the published copies, come before the kernels here."""
         st = self.streams
+        st.wait(self.compute_stream, after)
         position = {u.index: j for j, u in enumerate(self.units)}
         prev: tuple[Unit, object] | None = None
         self.prefetch()
@@ -112,6 +118,8 @@ class DeviceStepper:
                 step_fn(unit, [master, unit.grad, m, v])
                 comp.copy_(master)
                 stepped = st.record(self.compute_stream)
+            if self.host_state and publish is not None:
+                publish(unit, comp, stepped)
             with st.on(st.d2h):
                 st.wait(st.d2h, stepped)
                 if unit.compute is not None:  # first: the next forward reads it

@@ -420,7 +420,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="hf_megatrain's placement, comma list of " + ",".join(REGIMES) + ": streamed = every "
                          "decoder layer streamed, no per-parameter state of a streamed layer on the GPU (a model "
                          "many times the GPU's memory; the headline, vs the offload peers); streamed_gpu_step = "
-                         "the same with 2 layers stepped on the GPU, their state streamed each step; auto = the planner's "
+                         "the same with layer 0 stepped on the GPU, its state streamed each step; auto = the planner's "
                          "placement (the model fits; vs plain). The peers run once whatever the regime")
     ap.add_argument("--sizes", default="4,16", help="sequences per optimizer step (x seq tokens)")
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default 8; 2 with --tiny)")

@@ -51,7 +51,7 @@ GIB = 2 ** 30
 REGIMES: dict[str, dict[str, Any]] = {
     "auto": {},
     "streamed": {"device_layers": 0, "device_step_layers": 0},
-    "streamed_gpu_step": {"device_layers": 0, "device_step_layers": 2, "device_step_state": "host"},
+    "streamed_gpu_step": {"device_layers": 0, "device_step_layers": 1, "device_step_state": "host"},
 }
 
 

@@ -6,7 +6,8 @@ the GPU, so the global norm needs no pass over host memory), a ready event and a
 its master changes. Everyone asks this object instead of each other:
 
 - the executor reports gradients (``accumulate``, ``landed``) and, before it loads a unit's weights, waits for
-  it to be ready; its slot cache is keyed by ``version`` (no "invalidate" calls from outside);
+  it to be loadable: ready, or its new weights published on the GPU by a GPU updater (``publish_copy``: the
+  copies back to host memory may still run); its slot cache is keyed by ``version`` (no "invalidate" calls);
 - the optimizer moves units through ``begin_update`` / ``finish_update`` (from worker threads) and lands the
   step's gradients with ``land()``, which runs the landing functions the engine registered (the executor's
   in-flight D2H copies, the resident parameters' ``.grad``) -- the one place gradients land;

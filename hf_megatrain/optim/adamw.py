@@ -16,7 +16,8 @@ unit uses the same norm, hyper-parameters and kernel, so the math does not depen
 With ``speculate=True`` the CPU's work also overlaps the backward: in the step's last backward (the integration
 sets ``StepState.final_backward``), each HOST unit is updated on a worker as soon as its gradient lands, with no
 clip factor; ``step()`` then takes back and redoes only the updates the true global norm proves wrong (exact to
-rounding: optim/speculation.py), and launches the rest.
+rounding: optim/speculation.py), and launches the rest. It does not wait for speculative updates still running:
+those judged right finish as ready, so the next forward starts after layer 0's update, not after all of them.
 """
 
 from __future__ import annotations

@@ -246,3 +246,39 @@ def test_step_does_not_wait_for_the_speculative_updates(clip):
     got = {n: t.clone() for n, t in engine.named_master_tensors()}
     for n, w in want.items():
         assert torch.equal(got[n], w), n
+
+
+def test_zero_grad_without_step_leaves_no_stale_speculation():
+    """zero_grad() without step() takes the speculative updates back; the next step's updates, held on the worker
+    until after step() returns, must still be running then (not marked ready by what the dropped step left)."""
+    import threading
+
+    from hf_megatrain import MegaTrainEngine
+
+    torch.manual_seed(0)
+    engine = MegaTrainEngine(tiny("llama", num_hidden_layers=3),
+                             MegaTrainConfig(compute_dtype="float32", overlap_optimizer=True))
+    opt = engine.create_optimizer(lr=1e-3, max_grad_norm=None)
+    if opt._spec_pool is None:
+        pytest.skip("speculation needs overlap_optimizer")
+    ids = torch.randint(0, 64, (2, 10))
+    for k in range(2):
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.state.final_backward = True
+        gate = threading.Event()
+        if k == 1:
+            opt._spec_pool.submit(gate.wait)
+        try:
+            loss.backward()
+            engine.finish_backward()
+            if k == 0:
+                opt.zero_grad()  # the step is dropped: its speculative updates are taken back
+                assert opt.taken_back == 3
+                continue
+            opt.step()
+            held = [engine.state.updating(u.index) for u in engine.layer_units]
+        finally:
+            gate.set()
+        assert held == [True] * 3
+        opt.zero_grad()
+    engine.state.wait_all()

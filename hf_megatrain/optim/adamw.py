@@ -281,7 +281,7 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
             self.step_state.wait_all()
             for i, key in list(self.policy.applied.items()):
                 self._take_back(i, key)
-            self.policy.end(None)
+            self._end_speculation(None)
         self.step_state.discard()
         if self.grad_reach is not None:
             self.grad_reach.clear()

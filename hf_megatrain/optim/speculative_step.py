@@ -114,7 +114,7 @@ class SpeculativeStep:
         Updates judged right may still be running: ``step()`` does not wait for them (the next forward waits per
         unit, so it starts after the first layer's update instead of all of them)."""
         if not self.speculate or not self.policy.seen:
-            self.policy.end(None if skip else grad_scale is not None)
+            self._end_speculation(None if skip else grad_scale is not None)
             return set()
         d = self.policy.decide(skip, self._key(hyper, grad_scale), self.skip_nonfinite)
         if d.take_back:  # (rare: a step that clips after one that did not) the updates to undo must be finished
@@ -128,9 +128,15 @@ class SpeculativeStep:
                     self.step_state.finish_update(i, changed=False)
                 else:
                     self._spec_final.add(i)
-            self._spec_done.clear()
-        self.policy.end(None if skip else grad_scale is not None)
+        self._end_speculation(None if skip else grad_scale is not None)
         return done
+
+    def _end_speculation(self: Any, clipped: bool | None) -> None:
+        """The step's speculation is settled (judged, or taken back by ``zero_grad``): forget which updates
+        finished early, so a later step never mistakes a stale entry for its own finished update."""
+        with self._spec_lock:
+            self._spec_done.clear()
+        self.policy.end(clipped)
 
     def _take_back(self: Any, i: int, key: Key) -> None:
         """Undo unit ``i``'s speculative update (its gradient is still in its buffer: the kernel without a clip

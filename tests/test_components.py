@@ -224,7 +224,7 @@ def test_layer_template_refused_while_another_thread_compiles_runs_eagerly_once(
 
     layer = torch.nn.Linear(4, 4)
     t = LayerTemplate.__new__(LayerTemplate)
-    t.module = layer
+    t.module, t.stochastic = layer, False
     calls = []
 
     def refusing(tensors, args, kwargs):
@@ -267,3 +267,26 @@ def test_step_state_published_copy_is_loadable_before_the_update_finishes():
     s.publish_copy(0, "c0", None)
     s.begin_update(0)  # a later update: the old copy is not its weights
     assert s.early_copy(0) is None
+
+
+def test_layer_template_eager_rerun_starts_from_the_same_random_state():
+    """A compiled call that drew random numbers before failing: the eager rerun of a stochastic layer (dropout)
+    draws from the state the call started with, so the backward's recompute (which replays it) sees the same mask."""
+    from hf_megatrain.model.template import LayerTemplate
+
+    layer = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
+    t = LayerTemplate.__new__(LayerTemplate)
+    t.module, t.stochastic = layer, True
+
+    def draws_then_refuses(tensors, args, kwargs):
+        torch.rand(100)
+        raise CONCURRENT
+
+    t.compiled = draws_then_refuses
+    params = dict(layer.named_parameters())
+    x = torch.randn(8, 4)
+    torch.manual_seed(5)
+    got = t(params, {}, True, (x,), {})
+    torch.manual_seed(5)
+    want = layer(x)
+    assert torch.equal(got, want)

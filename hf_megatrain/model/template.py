@@ -80,15 +80,31 @@ class LayerTemplate:
             self.module.train(training)
         tensors = {**params, **buffers}
         if self.compiled is not None:
+            # A failure may come after part of the compiled call ran (a graph break) and drew random numbers: the
+            # eager rerun starts from the same RNG state, as the backward's recompute will.
+            rng = self._rng_state() if self.stochastic and training else None
             try:
                 return self.compiled(tensors, args, kwargs)
             except Exception as e:  # noqa: BLE001 - any tracing/codegen failure: eager is always correct
+                if rng is not None:
+                    self._set_rng_state(rng)
                 if is_concurrent_trace(e):  # (an optimizer worker is compiling: this call eagerly, then again)
                     return self._functional(tensors, args, kwargs)
                 logger.warning("hf_megatrain: torch.compile of %s failed (%s: %s); running it eagerly",
                                type(self.module).__name__, type(e).__name__, str(e).splitlines()[0][:200])
                 self.compiled = None
         return self._functional(tensors, args, kwargs)
+
+    @staticmethod
+    def _rng_state() -> tuple[torch.Tensor, torch.Tensor | None]:
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        return torch.get_rng_state(), (torch.cuda.get_rng_state() if cuda else None)
+
+    @staticmethod
+    def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1])
 
     def _functional(self, tensors: dict[str, torch.Tensor], args: tuple, kwargs: dict[str, Any]) -> Any:
         return functional_call(self.module, tensors, args, kwargs, tie_weights=False, strict=False)

@@ -290,3 +290,23 @@ def test_layer_template_eager_rerun_starts_from_the_same_random_state():
     torch.manual_seed(5)
     want = layer(x)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("grad_scale", [None, 2.0])
+def test_host_kernel_fallback_leaves_the_gradient_untouched(monkeypatch, grad_scale):
+    """Every span refused: the fused kernel steps them all, to the same values, and the gradient stays as the
+    compiled kernel leaves it (unscaled gradient not written back), so an undo from it stays exact."""
+    def refusing(*a):
+        raise CONCURRENT
+
+    monkeypatch.setattr(kernels, "_kernel", lambda: refusing)
+    n = 257
+    groups = [(kernels.Hyper(1e-3, (0.9, 0.999), 1e-8, 0.1), [(0, 100), (130, n)])]
+    got, want = _flat_state(n, seed=6), _flat_state(n, seed=6)
+    grad0 = got[1].clone()
+    copies = [torch.zeros(n, dtype=torch.bfloat16) for _ in range(2)]
+    kernels.adamw_(*got, groups, 2, grad_scale, copies[0], kernels.HostKernel.COMPILED)
+    kernels.adamw_(*want, groups, 2, grad_scale, copies[1], kernels.HostKernel.FUSED)
+    assert torch.equal(got[1], grad0)
+    for a, b in zip([got[0], got[2], got[3], copies[0]], [want[0], want[2], want[3], copies[1]]):
+        assert torch.equal(a, b)

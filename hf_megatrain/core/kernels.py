@@ -171,8 +171,12 @@ def _compiled_adamw_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Te
         except RuntimeError as e:
             if not is_concurrent_trace(e):
                 raise
-            # The main thread is compiling a layer (core/compiling.py): this span, untouched, with torch's kernel.
-            adamw_(master, grad, exp_avg, exp_avg_sq, [(h, [(lo, hi)])], step, grad_scale, compute)
+            # The main thread is compiling a layer (core/compiling.py): this span, untouched, with torch's kernel,
+            # on a copy of the gradient when clipping (that kernel writes the unscaled gradient back; this one's
+            # callers may undo the update from the gradient later).
+            g = grad[lo:hi].clone() if grad_scale is not None else grad[lo:hi]
+            adamw_(master[lo:hi], g, exp_avg[lo:hi], exp_avg_sq[lo:hi], [(h, [(0, hi - lo)])], step, grad_scale,
+                   None if compute is None else compute[lo:hi])
 
 
 def undo_master_(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, groups: Groups,

@@ -217,21 +217,26 @@ def test_host_kernel_refused_while_another_thread_compiles_runs_the_fused_kernel
         assert torch.equal(a, b)
 
 
+def _bare_template(layer: torch.nn.Module, stochastic: bool, compiled):
+    """A LayerTemplate around ``layer`` with ``compiled`` standing in for torch.compile's function."""
+    from hf_megatrain.model.template import LayerTemplate
+
+    t = LayerTemplate.__new__(LayerTemplate)
+    t.module, t.stochastic, t.compiled = layer, stochastic, compiled
+    return t
+
+
 def test_layer_template_refused_while_another_thread_compiles_runs_eagerly_once():
     """The layer template runs that call eagerly and keeps its compiled function; other compile failures make it
     eager for good."""
-    from hf_megatrain.model.template import LayerTemplate
-
-    layer = torch.nn.Linear(4, 4)
-    t = LayerTemplate.__new__(LayerTemplate)
-    t.module, t.stochastic = layer, False
     calls = []
 
     def refusing(tensors, args, kwargs):
         calls.append(1)
         raise CONCURRENT
 
-    t.compiled = refusing
+    layer = torch.nn.Linear(4, 4)
+    t = _bare_template(layer, False, refusing)
     params = dict(layer.named_parameters())
     x = torch.randn(2, 4)
     assert torch.equal(t(params, {}, True, (x,), {}), layer(x))
@@ -272,17 +277,12 @@ def test_step_state_published_copy_is_loadable_before_the_update_finishes():
 def test_layer_template_eager_rerun_starts_from_the_same_random_state():
     """A compiled call that drew random numbers before failing: the eager rerun of a stochastic layer (dropout)
     draws from the state the call started with, so the backward's recompute (which replays it) sees the same mask."""
-    from hf_megatrain.model.template import LayerTemplate
-
-    layer = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
-    t = LayerTemplate.__new__(LayerTemplate)
-    t.module, t.stochastic = layer, True
-
     def draws_then_refuses(tensors, args, kwargs):
         torch.rand(100)
         raise CONCURRENT
 
-    t.compiled = draws_then_refuses
+    layer = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
+    t = _bare_template(layer, True, draws_then_refuses)
     params = dict(layer.named_parameters())
     x = torch.randn(8, 4)
     torch.manual_seed(5)

@@ -10,8 +10,8 @@ Each unit's plan (core/plan.py) picks, once, at construction, how its weights co
 
 Before loading a unit the slots wait until the step state says it is ready (its update may still run on an
 optimizer thread), unless its updater published the new weights on the GPU (``StepState.early_copy``: a layer
-stepped on the GPU with its state in host memory), which are then copied device to device; a slot is reused only while it holds the unit's current version, so nobody has to tell the
-slots that weights changed. Slots are filled least-recently-used first, the ones the pass needs next protected.
+stepped on the GPU with its state in host memory), which are then copied device to device; a slot is reused only
+while it holds the unit's current version, so nobody has to tell the slots that weights changed. Slots are filled least-recently-used first, the ones the pass needs next protected.
 """
 
 from __future__ import annotations
@@ -70,9 +70,6 @@ class WeightSlots:
         t0 = time.perf_counter()
         with torch.profiler.record_function("megatrain.wait_optimizer"):
             early = self.state.wait_loadable(unit.index)
-            if early is not None and unit.frozen is not None:  # (its frozen part comes from the host)
-                self.state.wait_ready(unit.index)
-                early = None
         self.wait_optimizer_s += time.perf_counter() - t0
         # ``early``: updated on the GPU, its new weights are there already (the copies to the host may still run)
         held = (index, self.state.version[unit.index] if early is None else early[2])

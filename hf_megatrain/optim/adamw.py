@@ -22,6 +22,7 @@ those judged right finish as ready, so the next forward starts after layer 0's u
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
@@ -98,7 +99,6 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
         # each parameter's skipped steps (its own step count is the unit's minus that), only where it is not zero.
         self.grad_reach = grad_reach
         self._reached: dict[int, list[bool] | None] = {}
-        self._backward_queued: object = None  # (CUDA event, see _launch)
         self._missed: dict[int, list[int]] = {}
         self.skipped_steps = 0
         # Wall time of the last *finished* step's unit updates; published by wait(), so reading it right after
@@ -188,9 +188,10 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
         for i in here + on_gpu:
             self.step_state.begin_update(i)
             self._reached[i] = self.grad_reach.take(i) if self.grad_reach is not None else None
-        if on_gpu:  # (main thread: everything the backward queued comes before the GPU stepper's kernels)
-            self._backward_queued = self.device_stepper.streams.record(self.device_stepper.streams.compute)
-        jobs = [(self._run_here, here)] + ([(self._run_device_streamed, on_gpu)] if on_gpu else [])
+        jobs: list[tuple[Callable, list[int]]] = [(self._run_here, here)]
+        if on_gpu:  # (recorded here, on the main thread: everything the backward queued comes before its kernels)
+            after = self.device_stepper.streams.record(self.device_stepper.streams.compute)
+            jobs.append((functools.partial(self._run_device_streamed, after=after), on_gpu))
         t0 = time.perf_counter()
         self._running_seconds = 0.0
         if self.overlap:
@@ -221,13 +222,14 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
                 self.update_(u, [u.master, u.grad, u.exp_avg, u.exp_avg_sq], hyper, grad_scale)
             self.step_state.finish_update(i)
 
-    def _run_device_streamed(self, ids: list[int], hyper: list[kernels.Hyper], grad_scale: float | None) -> None:
+    def _run_device_streamed(self, ids: list[int], hyper: list[kernels.Hyper], grad_scale: float | None,
+                             after: object = None) -> None:
         assert self.device_stepper is not None
         self.device_stepper.run([self.store.units[i] for i in ids],
                                 lambda u, flats: self.update_(u, flats, hyper, grad_scale, refresh=False),
                                 lambda u: self.step_state.finish_update(u.index),
                                 lambda u, copy, event: self.step_state.publish_copy(u.index, copy, event),
-                                after=self._backward_queued)
+                                after=after)
 
     def update_(self, unit: Unit, flats: list[torch.Tensor], hyper: list[kernels.Hyper], grad_scale: float | None,
                 refresh: bool = True) -> None:

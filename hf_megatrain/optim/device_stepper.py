@@ -118,7 +118,7 @@ class DeviceStepper:
                 step_fn(unit, [master, unit.grad, m, v])
                 comp.copy_(master)
                 stepped = st.record(self.compute_stream)
-            if self.host_state and publish is not None:
+            if self.host_state and publish is not None and unit.frozen is None:  # (a frozen part loads from host)
                 publish(unit, comp, stepped)
             with st.on(st.d2h):
                 st.wait(st.d2h, stepped)

@@ -11,7 +11,8 @@ Each unit's plan (core/plan.py) picks, once, at construction, how its weights co
 Before loading a unit the slots wait until the step state says it is ready (its update may still run on an
 optimizer thread), unless its updater published the new weights on the GPU (``StepState.early_copy``: a layer
 stepped on the GPU with its state in host memory), which are then copied device to device; a slot is reused only
-while it holds the unit's current version, so nobody has to tell the slots that weights changed. Slots are filled least-recently-used first, the ones the pass needs next protected.
+while it holds the unit's current version, so nobody has to tell the slots that weights changed. Slots are
+filled least-recently-used first, the ones the pass needs next protected.
 """
 
 from __future__ import annotations

@@ -294,7 +294,8 @@ def estimate(shape: ModelShape, config: MegaTrainConfig, seq_len: int, batch_siz
         d[f"{len(kept)} layers kept on the GPU (fp32 master, grad, moments)"] = layer_dev[Stepper.DEVICE]
     if stepped:  # + the stepper's buffers
         host_state = config.device_step_state == "host"
-        what = "fp32 grads, master/moments/copy buffers" if host_state else "fp32 grads + moments, 2 master/copy buffers"
+        what = ("fp32 grads, master/moments/copy buffers" if host_state
+                else "fp32 grads + moments, 2 master/copy buffers")
         d[f"GPU AdamW: {len(stepped)} layers' {what}"] = layer_dev[Stepper.DEVICE_STREAMED] + stepper_buffer_bytes(
             len(stepped), max(shape.layer_numels[i] for i in stepped), cdt, host_state)
     lean = any(up.stepper is Stepper.LEAN for up in plans.units)

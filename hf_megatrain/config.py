@@ -129,6 +129,12 @@ class MegaTrainConfig:
         device_step_fraction: share of that free GPU memory the auto rules may give to GPU-kept and GPU-stepped
             layers together (the rest
             is for activations, the loss and the weight slots; lower it if large batches run out of memory).
+        placement_tokens: tokens per micro-batch (sequences x sequence length) the auto rules plan the GPU for.
+            When set, auto placement keeps as many layers on the GPU (then GPU-steps as many) as the planner's peak
+            for a step of that size leaves room for, instead of ``device_step_fraction`` of the memory: a model
+            that fits trains like plain GPU training, and a large batch gets fewer kept layers rather than an
+            out-of-memory error. 0: the fraction rule. (The Trainer cannot know the sequence length before the
+            first batch: set it to per_device_train_batch_size x your longest sequence.)
         optimizer_state_dir: disk tier: keep the AdamW moments (8 of the 18 host bytes per parameter) in
             memory-mapped files in this directory (a fast local NVMe) instead of host RAM, for models beyond RAM.
             Exact, slower (see README); with it, ``device_step_layers=-1`` steps every layer on the CPU.
@@ -183,6 +189,7 @@ class MegaTrainConfig:
     optimizer_state_dir: str | None = None
     resident_device_fraction: float = 0.5
     device_step_fraction: float = 0.5
+    placement_tokens: int = 0
     device_step_state: str = "device"
     lean_store: bool = False
     torch_compile: bool = False
@@ -230,6 +237,8 @@ class MegaTrainConfig:
         for frac in ("device_step_fraction", "resident_device_fraction"):
             if not 0.0 <= getattr(self, frac) <= 1.0:  # (nan fails too)
                 raise ValueError(f"{frac}={getattr(self, frac)} must be in [0, 1]")
+        if self.placement_tokens < 0:
+            raise ValueError(f"placement_tokens={self.placement_tokens} must be >= 0 (0: the fraction rule)")
         if self.resident_placement not in ("auto", "device", "host"):
             raise ValueError(f"resident_placement={self.resident_placement!r}; use 'auto', 'device' or 'host'")
         if self.lean_store and self.torch_grad_offload_dtype != torch.float32:

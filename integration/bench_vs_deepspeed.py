@@ -82,6 +82,8 @@ def attempts(system: str, batch: int, a: argparse.Namespace, regime: str = "stre
         # --megatrain-config that contradicts it).
         base = {"torch_compile": not a.tiny, **(json.loads(a.megatrain_config) if a.megatrain_config else {}),
                 **REGIMES[regime]}
+        if regime == "auto":  # as a user who knows the batch: auto placement plans the GPU for this step's tokens
+            base.setdefault("placement_tokens", batch * (a.seq or (TINY_SEQ if a.tiny else FULL_SEQ)))
         if a.megatrain_split == "auto":
             splits = [int(base.get("micro_batch_size", 0))] + ([4] if batch > 4 and not base.get(
                 "micro_batch_size") else [])

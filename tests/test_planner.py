@@ -79,6 +79,49 @@ def test_layer_placement_rule():
         MegaTrainConfig(lean_store=True, device_layers=1)
 
 
+def _wide_shape() -> "planner.ModelShape":
+    """A 14B-width Qwen2 of 8 layers (the benchmark's model) on meta: its layers are GiB-sized, like a real run's."""
+    cfg = transformers.Qwen2Config(hidden_size=5120, intermediate_size=13824, num_attention_heads=40,
+                                   num_key_value_heads=8, vocab_size=152064, num_hidden_layers=8,
+                                   tie_word_embeddings=False)
+    with torch.device("meta"):
+        return planner.ModelShape.from_model(transformers.AutoModelForCausalLM.from_config(cfg))
+
+
+def test_placement_tokens_fills_the_gpu_for_the_step_it_is_told():
+    """With placement_tokens the auto rules keep as many layers as the planner's peak for that many tokens allows:
+    more than the fraction rule for a small step, fewer for a large one, never a plan predicted not to fit while a
+    smaller one would."""
+    shape, free = _wide_shape(), 78 << 30
+    base = MegaTrainConfig(compute_dtype="bfloat16", torch_compile=True)
+
+    def kept(tokens: int) -> list[int]:
+        cfg = MegaTrainConfig(compute_dtype="bfloat16", torch_compile=True, placement_tokens=tokens)
+        plans = planner.unit_plans(shape, cfg, "cuda", free)
+        if plans.kept:  # the plan it chose fits a step of that size ...
+            assert planner.estimate(shape, cfg, tokens, 1, device_type="cuda", gpu_free=free, plans=plans,
+                                    offloaded_layers=0).device_total <= free
+        more = build_plans(PlanInputs(shape.layer_numels + [shape.resident_numel], [0] * 9, "cuda",
+                                      planner.placement_budget(shape, cfg, free)),
+                           MegaTrainConfig(compute_dtype="bfloat16", device_layers=len(plans.kept) + 1,
+                                           device_step_layers=0))
+        if len(plans.kept) < shape.num_layers:  # ... and one more kept layer would not
+            assert planner.estimate(shape, cfg, tokens, 1, device_type="cuda", gpu_free=free, plans=more,
+                                    offloaded_layers=0).device_total > free
+        return plans.kept
+
+    fraction_rule = planner.unit_plans(shape, base, "cuda", free).kept
+    counts = [len(kept(t)) for t in (4096, 8192, 32768, 65536, 1 << 20)]
+    assert counts == sorted(counts, reverse=True)  # more tokens, never more kept layers
+    assert counts[1] > len(fraction_rule) and counts[-1] == 0
+    # No GPU, or explicit placements: the option changes nothing.
+    cfg = MegaTrainConfig(placement_tokens=8192, device_layers=2, device_step_layers=0)
+    assert planner.unit_plans(shape, cfg, "cuda", free).kept == [0, 1]
+    assert planner.unit_plans(shape, MegaTrainConfig(placement_tokens=8192), "cpu", None).kept == []
+    with pytest.raises(ValueError, match="placement_tokens"):
+        MegaTrainConfig(placement_tokens=-1)
+
+
 @pytest.mark.slow  # subprocess (integration/measure_memory.py) forking one child per case
 def test_host_prediction_within_10_percent_of_measured(tmp_path):
     """Three Llama sizes x {fp32, bf16}: engine + one train step in forked children of one subprocess; peak RSS

@@ -11,6 +11,7 @@ calibrated on CPU against the allocator; CUDA context sizes are named constants 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -41,7 +42,14 @@ GPU_FRAGMENTATION_FRACTION = 0.10
 # CPU device only: glibc keeps freed allocations below its mmap threshold (at most 32 MiB each) in the heap, so
 # the transients of a step stay in RSS up to about this much.
 CPU_MALLOC_RETENTION = 32 * 1024 ** 2
+# placement_tokens: shares of the GPU the auto rules are tried with (1/50 steps: finer than one layer of any model
+# large enough to need streaming).
+PLACEMENT_STEPS = 50
 LOSS_CHUNK_FACTOR = 4.5  # live [chunk, V] fp32-sized blocks in one loss chunk (bf16/fp32 logits, log-softmax, grad)
+# ... when the chunk is compiled (one fused pass) or a fused loss never forms the logits: measured on the H100
+# (integration/results/bench_loss_h100.json, hidden 5120, vocab 152064, 8k tokens) 1.32 blocks beside the lm_head
+# gradient for the compiled chunk; Liger and CCE less.
+FUSED_LOSS_CHUNK_FACTOR = 1.5
 
 
 def sum_values(d: dict[str, int]) -> int:
@@ -195,10 +203,24 @@ def placement_budget(shape: ModelShape, config: MegaTrainConfig, gpu_free: int |
 
 
 def unit_plans(shape: ModelShape, config: MegaTrainConfig, device_type: str, gpu_free: int | None) -> Plans:
-    """The engine's plans for ``shape`` (core/plan.py ``build_plans``, same inputs as the engine's conversion)."""
-    return build_plans(PlanInputs(shape.layer_numels + [shape.resident_numel],
-                                  shape.layer_frozen + [shape.resident_frozen], device_type,
-                                  placement_budget(shape, config, gpu_free)), config)
+    """The engine's plans for ``shape`` (core/plan.py ``build_plans``, same inputs as the engine's conversion).
+
+    With ``placement_tokens`` the auto rules' share of the GPU is the largest ``device_step_fraction`` whose plan
+    this planner predicts to fit a step of that many tokens (every layer input kept on the device): the fraction
+    stands in for the activations the rule cannot see, so here they are counted instead of guessed."""
+    inputs = PlanInputs(shape.layer_numels + [shape.resident_numel], shape.layer_frozen + [shape.resident_frozen],
+                        device_type, placement_budget(shape, config, gpu_free))
+    auto = config.device_layers == -1 or config.device_step_layers == -1
+    if not (config.placement_tokens and auto and device_type == "cuda" and gpu_free is not None):
+        return build_plans(inputs, config)
+    plans = Plans()
+    for step in range(PLACEMENT_STEPS, -1, -1):  # largest share first; the rules give more layers to a larger one
+        plans = build_plans(inputs, dataclasses.replace(config, device_step_fraction=step / PLACEMENT_STEPS))
+        need = estimate(shape, config, config.placement_tokens, 1, device_type=device_type, gpu_free=gpu_free,
+                        plans=plans, offloaded_layers=0).device_total
+        if need <= gpu_free:
+            break
+    return plans  # (none fits: the smallest share; check_fits / activation offload speak for the step itself)
 
 
 _STORE_ROWS = ("master fp32", "grad fp32", "exp_avg fp32", "exp_avg_sq fp32", "compute copy",
@@ -334,11 +356,13 @@ def estimate(shape: ModelShape, config: MegaTrainConfig, seq_len: int, batch_siz
         if not n_off:  # (calibrated as before: the whole-model layout of the unchanged default)
             layer_acts["final norm + loss input/grad"] = final
         loss_chunk = min(config.loss_chunk_tokens, tokens)
+        fused = config.torch_compile or config.loss_impl in ("liger", "cce")  # ('auto' may still pick the eager one)
+        blocks = FUSED_LOSS_CHUNK_FACTOR if fused else LOSS_CHUNK_FACTOR
         attention = {"attention backward workspace (flash dq fp32)": attention_workspace_bytes(
             shape, chunk_seqs * seq_len)} if cuda else {}
         return {
             "loss forward": {**loss_acts,
-                             "loss chunk ([chunk, V] fp32 blocks)": int(LOSS_CHUNK_FACTOR * loss_chunk * V * 4),
+                             "loss chunk ([chunk, V] fp32 blocks)": int(blocks * loss_chunk * V * 4),
                              "lm_head grad fp32 + chunk grad": V * H * (4 + c)},
             "loss backward": {**loss_acts, "lm_head grad fp32, scaled, cast": V * H * (8 + cc)},
             "layer backward": {**layer_acts, "lm_head grad (compute dtype)": V * H * c,

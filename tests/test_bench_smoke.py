@@ -199,10 +199,12 @@ def test_failed_run_is_recorded_and_the_next_one_goes_on(tmp_path):
 def test_tiny_trainer_end_to_end(tmp_path):
     out = str(tmp_path)
     bench.main(["--tiny", "--systems", "megatrain", "--megatrain-mode", "trainer", "--sizes", "4", "--steps", "2",
-                "--warmup", "1", "--out", out, *FAST])
+                "--warmup", "1", "--timeline", "--out", out, *FAST])
     r = _load(out)["records"]["megatrain:streamed@4"]
     assert r["status"] == "ok", r.get("error")
     assert r["mode"] == "trainer" and len(r["step_times_s"]) == 2 and r["tokens_per_s"] > 0
+    # --timeline: the host spans of each step, the weight slots' wait per unit among them
+    assert all("wait" in s["spans_ms"] and "forward" in s["spans_ms"] for s in r["timeline"]["steps"])
     assert r["host_adamw"]["gparam_per_s"] > 0 and r["forward_wait_share"] is not None
 
 

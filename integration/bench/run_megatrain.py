@@ -156,8 +156,7 @@ def _find_executor(model: torch.nn.Module) -> Any:
 
 
 def _timeline(model: torch.nn.Module) -> HostTimeline:
-    """Host timestamps of the phases of every step (bench/timeline.py); the executor's per-unit wait is wrapped
-    once the Trainer has built it."""
+    """Host timestamps of the phases of every step (bench/timeline.py), the weight slots' wait per unit included."""
     from accelerate import Accelerator
 
     from bench import common
@@ -171,7 +170,8 @@ def _timeline(model: torch.nn.Module) -> HostTimeline:
     tl.wrap(MegaTrainEngine, "__call__", "forward")
     tl.wrap(Accelerator, "backward", "backward")
     tl.wrap(CPUAdamW, "step", "opt.step")
-    tl.wrap(StepState, "finish_update", "unit", lambda self, i, changed=True: f"[{i}]")
+    tl.wrap(StepState, "finish_update", "unit", lambda self, i, *a, **k: f"[{i}]")
+    tl.wrap(StepState, "wait_loadable", "wait", lambda self, i: f"[{i}]")  # the weight slots' wait per unit
     tl.wrap(StreamingExecutor, "finish", "executor.finish")
     tl.wrap(DeviceStepper, "run", "device_stepper")
     tl.wrap(common, "sync", "clock_sync")
@@ -196,8 +196,6 @@ def run_trainer(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str
             opt = kw.get("optimizer")
             state["opt"] = getattr(opt, "optimizer", opt)
             state["ex"] = _find_executor(kw.get("model") or model)
-            if timeline is not None and state["ex"] is not None:
-                timeline.wrap(state["ex"], "wait_for_unit", "wait", lambda i: f"[{i}]")
             clock.mark()
 
         def on_step_begin(self, args, st, control, **kw):

@@ -29,6 +29,8 @@ from ..config import MegaTrainConfig
 from ..core import kernels
 from ..core.plan import Stepper, Where
 from ..core.step_state import StepState
+from ..parallel.group import DataParallel
+from ..parallel.setup import convert_shared, data_parallel_config
 from ..model.families import ModelHead
 from ..model.loss import TokenStats
 from ..optim.adamw import UnitAdamW
@@ -52,13 +54,20 @@ class MegaTrainOutput:
 
 class MegaTrainEngine:
     def __init__(self, model: nn.Module, config: MegaTrainConfig | None = None,
-                 device: torch.device | str | None = None, decay_names: set[str] | None = None) -> None:
-        self.config = config = config or MegaTrainConfig()
+                 device: torch.device | str | None = None, decay_names: set[str] | None = None,
+                 dp: DataParallel | None = None) -> None:
+        """``dp``: the data-parallel ranks of this host training together (parallel/; None or one rank: alone)."""
+        config = config or MegaTrainConfig()
+        self.dp = dp if dp is not None and dp.world > 1 else None
+        if self.dp is not None:
+            config = data_parallel_config(config, self.dp)
+        self.config = config
         self.model = model
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
         self.compute_dtype = config.torch_compute_dtype
-        conv = convert(model, config, self.device, decay_names)
+        conv = convert(model, config, self.device, decay_names) if self.dp is None else \
+            convert_shared(model, config, self.device, decay_names, self.dp)
         self.stack, self.plans, self.store = conv.stack, conv.plans, conv.store
         self.layer_units = self.store.units[:-1]
         self.resident_unit = self.store.units[-1]
@@ -70,7 +79,8 @@ class MegaTrainEngine:
             self.layer_units, self.state, conv.kinds, conv.templates, conv.buffers, device=self.device,
             compute_dtype=self.compute_dtype, grad_offload_dtype=config.torch_grad_offload_dtype,
             num_slots=config.num_slots, micro_batch_size=config.micro_batch_size,
-            pin=config.pin_memory and self.device.type == "cuda", activation_prefetch=config.activation_prefetch)
+            pin=config.pin_memory and self.device.type == "cuda", activation_prefetch=config.activation_prefetch,
+            dp=self.dp)
         install_proxies(conv, self.executor)
         # Family extras of the HF head (soft-capping, logit scaling, MoE router aux loss): model/families.py.
         self.head_extras = ModelHead(model, self.stack, self.executor, loss_impl=config.loss_impl, device=self.device,
@@ -136,6 +146,8 @@ class MegaTrainEngine:
         self.store.refresh_all_compute_()
         self.state.touch()
         self.publish_resident()
+        if self.dp is not None:  # every rank loaded the same values into the shared store: all done before use
+            self.dp.barrier()
 
     def named_master_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF parameter name, FP32 master) for every trainable parameter, tied names once; waits for updates in
@@ -331,5 +343,6 @@ class MegaTrainEngine:
                              max_grad_norm=max_grad_norm, unit_order=order, skip_nonfinite=self.config.skip_nonfinite,
                              overlap=self.config.overlap_optimizer, grad_reach=self.executor.reach,
                              host_kernel=self._host_kernel(),
-                             **({} if cls is LeanAdamW else {"speculate": self.config.speculative_step}))
+                             **({} if cls is LeanAdamW else {"speculate": self.config.speculative_step,
+                                                             "dp": self.dp}))
         return self.optimizer

@@ -1,0 +1,137 @@
+"""Data-parallel training on the CPU (gloo), shared by tests/test_data_parallel.py and its spawned processes.
+
+Top-level functions only (``torch.multiprocessing.spawn`` pickles them by name). A global batch is split across
+the ranks by rows; each rank's loss is its tokens' summed loss over the *global* token count, times the number of
+processes (Trainer's ``average_tokens_across_devices`` scaling: the ranks' gradients are averaged, as DDP does),
+so the ranks together compute the single-process gradient of the global batch.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from hf_megatrain import MegaTrainConfig, MegaTrainEngine
+from hf_megatrain import checkpoint as ckpt
+from hf_megatrain.parallel import DataParallel
+from tests.models import tiny
+from tests.parity import random_batches
+
+STEPS, GA, BATCH, SEQ = 3, 2, 4, 12
+LR, WD, CLIP = 1e-2, 0.1, 0.5  # (clip small enough that every step clips)
+
+
+def batches() -> list:
+    return random_batches(STEPS, GA, BATCH, SEQ, vocab=96, seed=7)
+
+
+def make_engine(dp: DataParallel | None, shm: str) -> tuple[MegaTrainEngine, torch.optim.Optimizer]:
+    engine = MegaTrainEngine(tiny("llama"), MegaTrainConfig(compute_dtype="float32", shared_memory_dir=shm),
+                             device="cpu", dp=dp)
+    return engine, engine.create_optimizer(lr=LR, weight_decay=WD, max_grad_norm=CLIP)
+
+
+def run_steps(engine: MegaTrainEngine, opt, start: int, stop: int, rank: int = 0, world: int = 1) -> list[float]:
+    """Steps [start, stop) on this rank's rows of each global batch; the global gradient norm of each step."""
+    data = batches()
+    norms = []
+    for step in range(start, stop):
+        micro = data[step]
+        n_items = sum(int((labels != -100).sum()) for _, labels in micro)  # the global batch's tokens
+        for ids, labels in micro:
+            rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+            out = engine(input_ids=ids[rows], labels=labels[rows], num_items_in_batch=n_items)
+            (out.loss * world).backward()
+        opt.step()
+        norms.append(opt.last_grad_norm)
+        opt.zero_grad()
+    return norms
+
+
+def weights(engine: MegaTrainEngine) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for n, t in engine.named_master_tensors()}
+
+
+def save(engine: MegaTrainEngine, path: str, rank: int = 0) -> None:
+    """The main process writes (the standard master safetensors + optimizer state, unsharded); all wait for it."""
+    if rank == 0:
+        os.makedirs(path, exist_ok=True)
+        ckpt.save_training_state(engine, path, master=True)
+    if engine.dp is not None:
+        engine.dp.barrier()  # no rank's next update may touch the state while it is written
+
+
+def resume(engine: MegaTrainEngine, path: str) -> None:
+    ckpt.load_pretrained_into_engine(engine, path, prefix=ckpt.MASTER_PREFIX)
+    assert ckpt.load_training_state(engine, path)
+
+
+def mapped_run_files() -> set[tuple[str, str]]:
+    """(device:inode, name) of this process's mappings of shared-store files (deleted once every rank mapped them)."""
+    out = set()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 6 and "/megatrain-" in parts[5] and parts[5].endswith(".bin"):
+                out.add((f"{parts[3]}:{parts[4]}", os.path.basename(parts[5])))
+    return out
+
+
+def init(rank: int, world: int, tmp: str) -> DataParallel:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'rendezvous')}", rank=rank,
+                            world_size=world)
+    return DataParallel.from_process_group()
+
+
+def train_worker(rank: int, world: int, tmp: str) -> None:
+    """2 processes: (A) 3 steps from scratch, checkpoint after step 2; (B) resume a 1-process checkpoint."""
+    dp = init(rank, world, tmp)
+    try:
+        engine, opt = make_engine(dp, tmp)
+        files = dp.all_gather_object(sorted(mapped_run_files()))
+        if rank == 0:
+            torch.save(files, os.path.join(tmp, "mapped.pt"))
+        norms = run_steps(engine, opt, 0, 2, rank, world)
+        save(engine, os.path.join(tmp, "ckpt_2proc"), rank)
+        norms += run_steps(engine, opt, 2, STEPS, rank, world)
+        if rank == 0:
+            torch.save(weights(engine), os.path.join(tmp, "final_2proc.pt"))
+        torch.save(norms, os.path.join(tmp, f"norms_rank{rank}.pt"))
+        engine, opt = make_engine(dp, tmp)
+        resume(engine, os.path.join(tmp, "ckpt_1proc"))
+        run_steps(engine, opt, 2, STEPS, rank, world)
+        if rank == 0:
+            torch.save(weights(engine), os.path.join(tmp, "resumed_1to2.pt"))
+        dp.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def shared_store_worker(rank: int, world: int, tmp: str) -> None:
+    """One buffer of the shared allocator: a write by either rank is seen by the other; files gone after release."""
+    from hf_megatrain.parallel.shared_alloc import SharedHostAllocator, new_run_dir
+
+    dp = init(rank, world, tmp)
+    try:
+        run = dp.broadcast_object(new_run_dir(tmp) if dp.is_leader else None)
+        alloc = SharedHostAllocator(run)
+        t = alloc(1000, torch.float32, pin=False)
+        dp.barrier()
+        if rank == 0:
+            t.copy_(torch.arange(1000.0))
+        dp.barrier()
+        assert torch.equal(t, torch.arange(1000.0)), "rank 1 does not see rank 0's write"
+        dp.barrier()
+        if rank == 1:
+            t[7] = -1.0
+        dp.barrier()
+        if rank == 0:
+            alloc.release()
+        dp.barrier()
+        assert t[7] == -1.0 and not os.path.exists(run)
+        t[500] += 0  # (the mapping outlives the file)
+    finally:
+        dist.destroy_process_group()

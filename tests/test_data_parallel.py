@@ -129,3 +129,31 @@ def test_stale_run_dirs_removed(tmp_path):
     assert stale_run_dirs(str(tmp_path)) == [str(dead)]
     fresh = new_run_dir(str(tmp_path))
     assert not dead.exists() and os.path.isdir(fresh) and stale_run_dirs(str(tmp_path)) == []
+
+
+def test_trainer_two_processes_match_one_and_resume(tmp_path):
+    """MegaTrainTrainer under 2 gloo processes (accelerate's multi-CPU state; the model is not DDP-wrapped):
+    final weights equal one process on the same global batches, resume 1 -> 2 and 2 -> 1 included."""
+    import socket
+
+    tmp = str(tmp_path)
+    ref = W.trainer_run(tmp, 1, "trainer_1proc")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(W.trainer_worker, args=(2, tmp, port), nprocs=2, join=True)
+    _assert_close(torch.load(os.path.join(tmp, "trainer_final_2proc.pt")), ref, "Trainer: 2 processes vs 1")
+    _assert_close(torch.load(os.path.join(tmp, "trainer_resumed_1to2.pt")), ref, "Trainer: resumed 1 -> 2")
+    resumed = W.trainer_run(tmp, 1, "trainer_2to1", resume=os.path.join(tmp, "trainer_2proc", "checkpoint-2"))
+    _assert_close(resumed, ref, "Trainer: resumed 2 -> 1")
+
+
+def test_moved_model_refused_rather_than_trained_stale():
+    """A converted model moved with ``.to`` (accelerate's multi-process CPU device is "cpu:0": the copy leaves
+    the resident parameters apart from the engine's buffers) raises at the next forward instead of training on
+    weights the optimizer no longer updates."""
+    engine, _ = W.make_engine(None, "/tmp")
+    engine.model.to(torch.device("cpu", 0))
+    ids, labels = W.batches()[0][0]
+    with pytest.raises(RuntimeError, match="no longer shares"):
+        engine(input_ids=ids, labels=labels)

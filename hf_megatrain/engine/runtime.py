@@ -110,13 +110,27 @@ class MegaTrainEngine:
         unit's own buffers)."""
         u = self.resident_unit
         self.state.wait_ready(u.index)
-        if u.plan.master is Where.DEVICE or self._published == self.state.version[u.index]:
+        if u.plan.master is Where.DEVICE:
+            self._check_resident_views()
+            return
+        if self._published == self.state.version[u.index]:
             return
         for p in u.params:
             self.resident_params[p.name].data.copy_(u.view(u.source, p))
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         self._published = self.state.version[u.index]
+
+    def _check_resident_views(self) -> None:
+        """Resident parameters on the device are views of the unit's buffers (the optimizer updates them there):
+        refuse to run with parameters something replaced (``model.to(...)`` onto another device name copies them),
+        which would train on stale weights."""
+        u = self.resident_unit
+        for p in u.params:
+            if self.resident_params[p.name].data_ptr() != u.view(u.source, p).data_ptr():
+                raise RuntimeError(f"hf_megatrain: the parameter {p.name} no longer shares the engine's memory (was "
+                                   "the converted model moved with .to(...)?); the engine places the model itself: "
+                                   "do not move it after conversion")
 
     def _before_decoder(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         """Forward pre-hook of the module that owns the layer stack (runs for every forward, ours or HF's)."""

@@ -94,8 +94,10 @@ class Converted:
 
 
 def convert(model: nn.Module, config: MegaTrainConfig, device: torch.device, decay_names: set[str] | None,
-            host_alloc: Callable[[int, torch.dtype, bool], torch.Tensor] = alloc_host) -> Converted:
-    """``host_alloc``: the store's host allocator (shared memory for data-parallel ranks: parallel/setup.py)."""
+            host_alloc: Callable[[int, torch.dtype, bool], torch.Tensor] = alloc_host,
+            host_available: int | None = None) -> Converted:
+    """``host_alloc``: the store's host allocator (shared memory for data-parallel ranks: parallel/setup.py);
+    ``host_available``: the host RAM the fit check measures against (default: available now)."""
     compute_dtype = config.torch_compute_dtype
     if hasattr(model, "config"):
         model.config.use_cache = False
@@ -109,7 +111,7 @@ def convert(model: nn.Module, config: MegaTrainConfig, device: torch.device, dec
     plans = planner.unit_plans(shape, config, device.type, gpu_budget(device))
     logger.info("hf_megatrain: %s", plans.summary())
     planner.check_fits(shape, config, device_type=device.type, gpu_available=gpu_budget(device),
-                       baseline_paid=True, plans=plans)
+                       baseline_paid=True, plans=plans, host_available=host_available)
     chunk = planner.seq_chunk(shape, config)  # sequence tiling of the position-wise modules (0: off)
     store = UnitStore(plans, ul.layouts, ul.frozen, compute_dtype=compute_dtype, device=device,
                       pin=config.pin_memory and device.type == "cuda", state_dir=config.optimizer_state_dir,

@@ -6,6 +6,8 @@ change: every decoder layer is host-stepped (sharded over the ranks), the reside
 (local ranks > 0) convert first, then local rank 0, so whatever each rank's copy of the model held, the store ends
 up with rank 0's weights (what DDP's initial broadcast guarantees); the replicated device state is broadcast from
 rank 0 too. Every rank must have mapped the same buffers in the same order (checked), then the files are removed.
+The host-RAM fit check of every rank measures against what was available before any rank allocated the store (it
+counts the one store once; the ranks' private buffers, a few layers each, are not multiplied by the ranks).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from torch import nn
 
 from ..config import MegaTrainConfig
+from ..core.memory import available_host_bytes
 from ..core.plan import Plans, Stepper, Where
 from ..engine.convert import Converted, convert
 from .group import DataParallel
@@ -57,14 +60,15 @@ def check_plans(plans: Plans) -> None:
 def convert_shared(model: nn.Module, config: MegaTrainConfig, device: torch.device, decay_names: set[str] | None,
                    dp: DataParallel) -> Converted:
     """``convert`` on every rank of ``dp`` into one store in shared memory under ``config.shared_memory_dir``."""
-    run_dir = dp.broadcast_object(new_run_dir(config.shared_memory_dir) if dp.is_leader else None)
+    run_dir, avail = dp.broadcast_object((new_run_dir(config.shared_memory_dir), available_host_bytes())
+                                         if dp.is_leader else None)
     alloc = SharedHostAllocator(run_dir)
     try:
         if not dp.is_leader:
-            conv = convert(model, config, device, decay_names, host_alloc=alloc)
+            conv = convert(model, config, device, decay_names, host_alloc=alloc, host_available=avail)
         dp.barrier()  # the followers have mapped (and written) every buffer
         if dp.is_leader:
-            conv = convert(model, config, device, decay_names, host_alloc=alloc)
+            conv = convert(model, config, device, decay_names, host_alloc=alloc, host_available=avail)
     finally:
         if dp.is_leader:
             alloc.release()

@@ -138,22 +138,26 @@ def shared_store_worker(rank: int, world: int, tmp: str) -> None:
 
 
 # -- through MegaTrainTrainer (accelerate, gloo) ------------------------------------------------------------------------
-def trainer_run(tmp: str, world: int, run: str, resume: str | None = None) -> dict[str, torch.Tensor]:
+def trainer_run(tmp: str, world: int, run: str, resume: str | None = None,
+                pretrained: str | None = None) -> dict[str, torch.Tensor]:
     """3 steps of MegaTrainTrainer on a global batch of 4 rows x 2 accumulation steps (4 // world rows per
-    process), in-order samples, a checkpoint at step 2 in ``tmp/run``; the final FP32 masters."""
+    process), in-order samples, a checkpoint at step 2 in ``tmp/run``; the final FP32 masters. ``pretrained``: the
+    model comes from ``from_pretrained_streamed`` of that folder (its data-parallel ranks found by itself)."""
     from torch.utils.data import SequentialSampler
 
-    from hf_megatrain import MegaTrainTrainer
+    from hf_megatrain import MegaTrainTrainer, from_pretrained_streamed
     from tests.test_trainer import dataset, mt_args
 
     class InOrder(MegaTrainTrainer):  # (the same rows make each global batch, whatever the process count)
         def _get_train_sampler(self, *args, **kwargs):
             return SequentialSampler(self.train_dataset)
 
-    args = mt_args(os.path.join(tmp, run), config=dict(compute_dtype="float32", shared_memory_dir=tmp),
+    config = dict(compute_dtype="float32", shared_memory_dir=tmp)
+    args = mt_args(os.path.join(tmp, run), config=config,
                    per_device_train_batch_size=4 // world, ddp_backend="gloo" if world > 1 else None,
                    save_strategy="steps", save_steps=2, max_grad_norm=0.5)
-    trainer = InOrder(model=tiny("llama"), args=args, train_dataset=dataset())
+    model = tiny("llama") if pretrained is None else from_pretrained_streamed(pretrained, config, device="cpu").model
+    trainer = InOrder(model=model, args=args, train_dataset=dataset())
     assert trainer.model is trainer.engine.model  # (not wrapped)
     trainer.train(resume_from_checkpoint=resume)
     assert not isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
@@ -168,7 +172,8 @@ def trainer_worker(rank: int, world: int, tmp: str, port: int) -> None:
         final = trainer_run(tmp, world, "trainer_2proc")
         if rank == 0:
             torch.save(final, os.path.join(tmp, "trainer_final_2proc.pt"))
-        final = trainer_run(tmp, world, "trainer_1to2", resume=os.path.join(tmp, "trainer_1proc", "checkpoint-2"))
+        final = trainer_run(tmp, world, "trainer_1to2", resume=os.path.join(tmp, "trainer_1proc", "checkpoint-2"),
+                            pretrained=os.path.join(tmp, "init_model"))
         if rank == 0:
             torch.save(final, os.path.join(tmp, "trainer_resumed_1to2.pt"))
     finally:

@@ -133,10 +133,12 @@ def test_stale_run_dirs_removed(tmp_path):
 
 def test_trainer_two_processes_match_one_and_resume(tmp_path):
     """MegaTrainTrainer under 2 gloo processes (accelerate's multi-CPU state; the model is not DDP-wrapped):
-    final weights equal one process on the same global batches, resume 1 -> 2 and 2 -> 1 included."""
+    final weights equal one process on the same global batches, resume 1 -> 2 (the model from
+    ``from_pretrained_streamed``, which finds the launch's ranks) and 2 -> 1 included."""
     import socket
 
     tmp = str(tmp_path)
+    W.tiny("llama").save_pretrained(os.path.join(tmp, "init_model"))  # (for from_pretrained_streamed, resume 1 -> 2)
     ref = W.trainer_run(tmp, 1, "trainer_1proc")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

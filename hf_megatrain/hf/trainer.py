@@ -134,7 +134,8 @@ class MegaTrainTrainer(Trainer):
             raise ValueError(f"the model was converted with compute_dtype={engine.config.compute_dtype!r}, but these "
                              f"arguments ask for {want!r} ({why}). Build the engine with the same compute_dtype, "
                              "or pass the unconverted model.")
-        if engine.device != args.device:
+        cpu = engine.device.type == args.device.type == "cpu"  # ("cpu:0" in a multi-process CPU launch)
+        if engine.device != args.device and not cpu:
             raise ValueError(f"the engine runs on {engine.device} but TrainingArguments.device is {args.device}")
         if args.world_size > 1 and (engine.dp is None or engine.dp.world != args.world_size):
             raise ValueError(f"this run has {args.world_size} processes but the engine was built for "

@@ -50,6 +50,13 @@ class DataParallel:
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         return cls(rank, world, rank, device, group, cpu_group)
 
+    @classmethod
+    def current(cls) -> "DataParallel | None":
+        """The ranks of the initialised default process group when it has several processes, else None."""
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            return cls.from_process_group()
+        return None
+
     @property
     def is_leader(self) -> bool:
         """Local rank 0: creates and removes the host's shared files, writes checkpoints."""

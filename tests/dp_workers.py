@@ -27,9 +27,10 @@ def batches() -> list:
     return random_batches(STEPS, GA, BATCH, SEQ, vocab=96, seed=7)
 
 
-def make_engine(dp: DataParallel | None, shm: str) -> tuple[MegaTrainEngine, torch.optim.Optimizer]:
-    engine = MegaTrainEngine(tiny("llama"), MegaTrainConfig(compute_dtype="float32", shared_memory_dir=shm),
-                             device="cpu", dp=dp)
+def make_engine(dp: DataParallel | None, shm: str, compute_dtype: str = "float32",
+                micro_batch_size: int = 0) -> tuple[MegaTrainEngine, torch.optim.Optimizer]:
+    config = MegaTrainConfig(compute_dtype=compute_dtype, shared_memory_dir=shm, micro_batch_size=micro_batch_size)
+    engine = MegaTrainEngine(tiny("llama"), config, device="cpu", dp=dp)
     return engine, engine.create_optimizer(lr=LR, weight_decay=WD, max_grad_norm=CLIP)
 
 
@@ -105,6 +106,13 @@ def train_worker(rank: int, world: int, tmp: str) -> None:
         run_steps(engine, opt, 2, STEPS, rank, world)
         if rank == 0:
             torch.save(weights(engine), os.path.join(tmp, "resumed_1to2.pt"))
+        # bf16 compute: each rank refreshes the shared compute copy over its shard only.
+        engine, opt = make_engine(dp, tmp, "bfloat16")
+        run_steps(engine, opt, 0, 2, rank, world)
+        if rank == 0:
+            torch.save(weights(engine), os.path.join(tmp, "bf16_2proc.pt"))
+            for u in engine.layer_units:
+                assert torch.equal(u.compute, u.master.to(torch.bfloat16)), f"layer {u.index}: stale compute copy"
         dp.barrier()
     finally:
         dist.destroy_process_group()

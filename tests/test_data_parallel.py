@@ -32,7 +32,7 @@ def _assert_close(a: dict, b: dict, what: str, tol: float = 1e-5) -> None:
 def test_two_processes_match_one_and_resume_across_counts(tmp_path):
     """fp32, 3 steps (2 micro-batches each), every step clipped, weight decay: 2 gloo processes end where one
     process on the same global batch ends (1e-5 relative per tensor); a checkpoint of 2 processes resumed in 1, and
-    of 1 resumed in 2, end there too."""
+    of 1 resumed in 2, end there too. bf16 compute: the shared compute copies equal the masters' rounding."""
     tmp = str(tmp_path)
     engine, opt = W.make_engine(None, tmp)
     start = W.weights(engine)
@@ -50,6 +50,17 @@ def test_two_processes_match_one_and_resume_across_counts(tmp_path):
         assert max(abs(a / b - 1) for a, b in zip(dp_norms, norms)) < 1e-5, (dp_norms, norms)
     _assert_close(torch.load(os.path.join(tmp, "final_2proc.pt")), ref, "2 processes vs 1")
     _assert_close(torch.load(os.path.join(tmp, "resumed_1to2.pt")), ref, "1-process checkpoint resumed in 2")
+
+    # bf16: rounding depends on how rows are grouped (2-row chunks vs 4 rows moves weights by ~2e-2 relative after
+    # two steps at this LR, in one process). The 2 processes must stay within that noise of one process; the exact
+    # part (each rank refreshes the shared compute copy over its shard) is checked in rank 0.
+    runs = {}
+    for mb in (0, 2):
+        bf16, opt = W.make_engine(None, tmp, "bfloat16", micro_batch_size=mb)
+        W.run_steps(bf16, opt, 0, 2)
+        runs[mb] = W.weights(bf16)
+    noise = max(rel(runs[2][n], runs[0][n]) for n in runs[0])
+    _assert_close(torch.load(os.path.join(tmp, "bf16_2proc.pt")), runs[2], "bf16 compute", tol=noise)
 
     engine, opt = W.make_engine(None, tmp)
     W.resume(engine, os.path.join(tmp, "ckpt_2proc"))

@@ -302,7 +302,7 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
             kernels.adamw_(*flats, groups, step, grad_scale, compute, self.host_kernel)
         if flats[0].device.type == "cpu":  # (GPU updates are asynchronous launches: not timed here)
             self.host_update_seconds += time.perf_counter() - t0
-            self.host_update_params += unit.numel
+            self.host_update_params += hi - lo
 
     def _groups_by_step(self, unit: Unit, hyper: list[kernels.Hyper],
                         reached: list[bool] | None) -> list[tuple[int, kernels.Groups]]:

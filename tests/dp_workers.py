@@ -149,7 +149,8 @@ def shared_store_worker(rank: int, world: int, tmp: str) -> None:
 def trainer_run(tmp: str, world: int, run: str, resume: str | None = None,
                 pretrained: str | None = None) -> dict[str, torch.Tensor]:
     """3 steps of MegaTrainTrainer on a global batch of 4 rows x 2 accumulation steps (4 // world rows per
-    process), in-order samples, a checkpoint at step 2 in ``tmp/run``; the final FP32 masters. ``pretrained``: the
+    process), in-order samples, a checkpoint at step 2 in ``tmp/run``; the final FP32 masters and, as "eval_loss",
+    ``evaluate()`` on 8 more rows (4 per evaluation batch, split over the processes). ``pretrained``: the
     model comes from ``from_pretrained_streamed`` of that folder (its data-parallel ranks found by itself)."""
     from torch.utils.data import SequentialSampler
 
@@ -163,13 +164,15 @@ def trainer_run(tmp: str, world: int, run: str, resume: str | None = None,
     config = dict(compute_dtype="float32", shared_memory_dir=tmp)
     args = mt_args(os.path.join(tmp, run), config=config,
                    per_device_train_batch_size=4 // world, ddp_backend="gloo" if world > 1 else None,
-                   save_strategy="steps", save_steps=2, max_grad_norm=0.5)
+                   save_strategy="steps", save_steps=2, max_grad_norm=0.5, per_device_eval_batch_size=4 // world)
     model = tiny("llama") if pretrained is None else from_pretrained_streamed(pretrained, config, device="cpu").model
     trainer = InOrder(model=model, args=args, train_dataset=dataset())
     assert trainer.model is trainer.engine.model  # (not wrapped)
     trainer.train(resume_from_checkpoint=resume)
     assert not isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
-    return weights(trainer.engine)
+    out = weights(trainer.engine)
+    out["eval_loss"] = torch.tensor(trainer.evaluate(dataset(8, seed=1))["eval_loss"])
+    return out
 
 
 def trainer_worker(rank: int, world: int, tmp: str, port: int) -> None:

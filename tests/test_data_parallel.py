@@ -145,7 +145,8 @@ def test_stale_run_dirs_removed(tmp_path):
 def test_trainer_two_processes_match_one_and_resume(tmp_path):
     """MegaTrainTrainer under 2 gloo processes (accelerate's multi-CPU state; the model is not DDP-wrapped):
     final weights equal one process on the same global batches, resume 1 -> 2 (the model from
-    ``from_pretrained_streamed``, which finds the launch's ranks) and 2 -> 1 included."""
+    ``from_pretrained_streamed``, which finds the launch's ranks) and 2 -> 1 included; so does ``evaluate()``'s
+    loss (the eval batches split over the processes, their losses gathered by Trainer)."""
     import socket
 
     tmp = str(tmp_path)

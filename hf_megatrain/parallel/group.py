@@ -39,7 +39,8 @@ class DataParallel:
             raise RuntimeError("hf_megatrain data parallel needs torch.distributed initialised (accelerate launch / "
                                "torchrun do it; or call torch.distributed.init_process_group)")
         backend = dist.get_backend(group)
-        cpu_group = group if backend == "gloo" else dist.new_group(backend="gloo")
+        ranks = None if group is None else dist.get_process_group_ranks(group)
+        cpu_group = group if backend == "gloo" else dist.new_group(ranks=ranks, backend="gloo")
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         hosts: list[Any] = [None] * world
         dist.all_gather_object(hosts, socket.gethostname(), group=cpu_group)

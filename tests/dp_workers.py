@@ -190,3 +190,22 @@ def trainer_worker(rank: int, world: int, tmp: str, port: int) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def failing_conversion_worker(rank: int, world: int, tmp: str) -> None:
+    """A conversion that fails on rank 1 only: both ranks raise (none waits forever), rank 0 naming rank 1."""
+    import hf_megatrain.parallel.setup as setup
+
+    dp = init(rank, world, tmp)
+    try:
+        if rank == 1:
+            def broken(*args, **kwargs):
+                raise MemoryError("rank 1 out of memory")
+            setup.convert = broken
+        try:
+            make_engine(dp, tmp)
+        except (MemoryError, RuntimeError) as e:
+            torch.save(str(e), os.path.join(tmp, f"error_rank{rank}.pt"))
+        dp.barrier()
+    finally:
+        dist.destroy_process_group()

@@ -171,3 +171,11 @@ def test_moved_model_refused_rather_than_trained_stale():
     ids, labels = W.batches()[0][0]
     with pytest.raises(RuntimeError, match="no longer shares"):
         engine(input_ids=ids, labels=labels)
+
+
+def test_conversion_failing_on_one_rank_fails_on_all(tmp_path):
+    tmp = str(tmp_path)
+    _spawn(W.failing_conversion_worker, tmp)
+    assert "rank 1 out of memory" in torch.load(os.path.join(tmp, "error_rank1.pt"))
+    assert "failed on rank(s) [1]" in torch.load(os.path.join(tmp, "error_rank0.pt"))
+    assert not [d for d in os.listdir(tmp) if d.startswith("megatrain-")]

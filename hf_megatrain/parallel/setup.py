@@ -13,6 +13,7 @@ counts the one store once; the ranks' private buffers, a few layers each, are no
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import torch
 from torch import nn
@@ -57,18 +58,33 @@ def check_plans(plans: Plans) -> None:
                          "resident_placement='device' or raise resident_device_fraction")
 
 
+def _in_turn(dp: DataParallel, fn: Callable[[], Converted], mine: bool) -> Converted | None:
+    """``fn()`` on the ranks where ``mine``, then every rank learns whether it failed anywhere (a rank that failed
+    alone would leave the others waiting at the next collective)."""
+    out, error = None, None
+    if mine:
+        try:
+            out = fn()
+        except Exception as e:  # (re-raised below, after the others heard of it)
+            error = e
+    failed = [r for r, ok in enumerate(dp.all_gather_object(error is None)) if not ok]
+    if error is not None:
+        raise error
+    if failed:
+        raise RuntimeError(f"data parallel: conversion failed on rank(s) {failed} (their error is in their log)")
+    return out
+
+
 def convert_shared(model: nn.Module, config: MegaTrainConfig, device: torch.device, decay_names: set[str] | None,
                    dp: DataParallel) -> Converted:
     """``convert`` on every rank of ``dp`` into one store in shared memory under ``config.shared_memory_dir``."""
     run_dir, avail = dp.broadcast_object((new_run_dir(config.shared_memory_dir), available_host_bytes())
                                          if dp.is_leader else None)
     alloc = SharedHostAllocator(run_dir)
+    run = lambda: convert(model, config, device, decay_names, host_alloc=alloc, host_available=avail)  # noqa: E731
     try:
-        if not dp.is_leader:
-            conv = convert(model, config, device, decay_names, host_alloc=alloc, host_available=avail)
-        dp.barrier()  # the followers have mapped (and written) every buffer
-        if dp.is_leader:
-            conv = convert(model, config, device, decay_names, host_alloc=alloc, host_available=avail)
+        conv = _in_turn(dp, run, not dp.is_leader)  # the followers map (and write) every buffer first
+        conv = _in_turn(dp, run, dp.is_leader) or conv
     finally:
         if dp.is_leader:
             alloc.release()

@@ -145,7 +145,7 @@ def shared_store_worker(rank: int, world: int, tmp: str) -> None:
         dist.destroy_process_group()
 
 
-# -- through MegaTrainTrainer (accelerate, gloo) ------------------------------------------------------------------------
+# -- through MegaTrainTrainer (accelerate, gloo) -----------------------------------------------------------------------
 def trainer_run(tmp: str, world: int, run: str, resume: str | None = None,
                 pretrained: str | None = None) -> dict[str, torch.Tensor]:
     """3 steps of MegaTrainTrainer on a global batch of 4 rows x 2 accumulation steps (4 // world rows per

@@ -139,8 +139,8 @@ class MegaTrainTrainer(Trainer):
             raise ValueError(f"the engine runs on {engine.device} but TrainingArguments.device is {args.device}")
         if args.world_size > 1 and (engine.dp is None or engine.dp.world != args.world_size):
             raise ValueError(f"this run has {args.world_size} processes but the engine was built for "
-                             f"{1 if engine.dp is None else engine.dp.world}: build it with "
-                             "dp=hf_megatrain.parallel.DataParallel.from_process_group(), or pass the unconverted model")
+                             f"{1 if engine.dp is None else engine.dp.world}: build it with dp=hf_megatrain."
+                             "parallel.DataParallel.from_process_group(), or pass the unconverted model")
         self.engine = engine
         return engine.model
 

@@ -13,6 +13,8 @@ counts the one store once; the ranks' private buffers, a few layers each, are no
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 from typing import Callable
 
 import torch
@@ -24,6 +26,8 @@ from ..core.plan import Plans, Stepper, Where
 from ..engine.convert import Converted, convert
 from .group import DataParallel
 from .shared_alloc import SharedHostAllocator, new_run_dir
+
+logger = logging.getLogger(__name__)
 
 
 def data_parallel_config(config: MegaTrainConfig, dp: DataParallel) -> MegaTrainConfig:
@@ -105,4 +109,16 @@ def convert_shared(model: nn.Module, config: MegaTrainConfig, device: torch.devi
                 if b.is_floating_point():
                     dp.broadcast_(b)
     dp.barrier()
+    _warn_threads(dp)
     return conv
+
+
+def _warn_threads(dp: DataParallel) -> None:
+    """Launchers often set OMP_NUM_THREADS=1 per process (torchrun does): each rank's share of the host AdamW, which
+    is memory-bound and wants many threads, would then run on one core."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    fair = max(cores // dp.world, 1)
+    if dp.is_leader and torch.get_num_threads() < fair // 2:
+        logger.warning("hf_megatrain: %d processes step the host AdamW with %d CPU thread(s) each on %d cores; set "
+                       "OMP_NUM_THREADS=%d (or torch.set_num_threads) for the optimizer's share of each process",
+                       dp.world, torch.get_num_threads(), cores, fair)

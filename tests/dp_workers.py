@@ -27,10 +27,15 @@ def batches() -> list:
     return random_batches(STEPS, GA, BATCH, SEQ, vocab=96, seed=7)
 
 
-def make_engine(dp: DataParallel | None, shm: str, compute_dtype: str = "float32",
-                micro_batch_size: int = 0) -> tuple[MegaTrainEngine, torch.optim.Optimizer]:
+def make_engine(dp: DataParallel | None, shm: str, compute_dtype: str = "float32", micro_batch_size: int = 0,
+                peft: bool = False) -> tuple[MegaTrainEngine, torch.optim.Optimizer]:
+    """The tiny llama (``peft``: with LoRA adapters; its frozen base streams from the shared store)."""
     config = MegaTrainConfig(compute_dtype=compute_dtype, shared_memory_dir=shm, micro_batch_size=micro_batch_size)
-    engine = MegaTrainEngine(tiny("llama"), config, device="cpu", dp=dp)
+    model = tiny("llama")
+    if peft:
+        from tests.test_peft import lora
+        model = lora(model)
+    engine = MegaTrainEngine(model, config, device="cpu", dp=dp)
     return engine, engine.create_optimizer(lr=LR, weight_decay=WD, max_grad_norm=CLIP)
 
 
@@ -113,6 +118,10 @@ def train_worker(rank: int, world: int, tmp: str) -> None:
             torch.save(weights(engine), os.path.join(tmp, "bf16_2proc.pt"))
             for u in engine.layer_units:
                 assert torch.equal(u.compute, u.master.to(torch.bfloat16)), f"layer {u.index}: stale compute copy"
+        engine, opt = make_engine(dp, tmp, peft=True)
+        run_steps(engine, opt, 0, STEPS, rank, world)
+        if rank == 0:
+            torch.save(weights(engine), os.path.join(tmp, "lora_2proc.pt"))
         dp.barrier()
     finally:
         dist.destroy_process_group()

@@ -32,7 +32,8 @@ def _assert_close(a: dict, b: dict, what: str, tol: float = 1e-5) -> None:
 def test_two_processes_match_one_and_resume_across_counts(tmp_path):
     """fp32, 3 steps (2 micro-batches each), every step clipped, weight decay: 2 gloo processes end where one
     process on the same global batch ends (1e-5 relative per tensor); a checkpoint of 2 processes resumed in 1, and
-    of 1 resumed in 2, end there too. bf16 compute: the shared compute copies equal the masters' rounding."""
+    of 1 resumed in 2, end there too. bf16 compute: the shared compute copies equal the masters' rounding. LoRA
+    (the frozen base in the shared store) matches too."""
     tmp = str(tmp_path)
     engine, opt = W.make_engine(None, tmp)
     start = W.weights(engine)
@@ -61,6 +62,10 @@ def test_two_processes_match_one_and_resume_across_counts(tmp_path):
         runs[mb] = W.weights(bf16)
     noise = max(rel(runs[2][n], runs[0][n]) for n in runs[0])
     _assert_close(torch.load(os.path.join(tmp, "bf16_2proc.pt")), runs[2], "bf16 compute", tol=noise)
+
+    lora, opt = W.make_engine(None, tmp, peft=True)
+    W.run_steps(lora, opt, 0, W.STEPS)
+    _assert_close(torch.load(os.path.join(tmp, "lora_2proc.pt")), W.weights(lora), "LoRA (frozen base shared)")
 
     engine, opt = W.make_engine(None, tmp)
     W.resume(engine, os.path.join(tmp, "ckpt_2proc"))

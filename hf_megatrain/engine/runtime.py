@@ -157,11 +157,24 @@ class MegaTrainEngine:
     def sync_device_(self) -> None:
         """After masters changed outside the optimizer (loading a checkpoint): every copy is stale."""
         self.state.wait_all()
-        self.store.refresh_all_compute_()
+        if self.dp is None:
+            self.store.refresh_all_compute_()
+        else:  # the shared masters are written (by local rank 0): each rank refreshes the compute copy it owns
+            self.dp.barrier()
+            for u in self.store.units:
+                if u.compute is not None:
+                    lo, hi = self.dp.owns(u)
+                    u.compute[lo:hi].copy_(u.master[lo:hi])
         self.state.touch()
         self.publish_resident()
-        if self.dp is not None:  # every rank loaded the same values into the shared store: all done before use
+        if self.dp is not None:  # every rank's part done before any rank reads the weights
             self.dp.barrier()
+
+    def writes_master(self, name: str) -> bool:
+        """Whether this process fills parameter ``name``'s FP32 master on a load (checkpoint/folders.py): the
+        data-parallel ranks of a host share the host units' masters, which local rank 0 alone writes
+        (``sync_device_`` then waits for it); every process fills its own device units."""
+        return self.dp is None or self.dp.writes_shared(self.store.by_name[name][0])
 
     def named_master_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF parameter name, FP32 master) for every trainable parameter, tied names once; waits for updates in

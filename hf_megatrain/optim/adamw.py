@@ -159,9 +159,7 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
     def own(self, u: Unit) -> tuple[int, int]:
         """The range of ``u``'s flat buffers this process steps: its shard of a HOST unit shared by data-parallel
         ranks, else all of it."""
-        if self.dp is not None and u.plan.stepper is Stepper.HOST:
-            return self.dp.shard(u.numel)
-        return 0, u.numel
+        return (0, u.numel) if self.dp is None else self.dp.owns(u)
 
     def _reduce_replicated(self) -> None:
         """Data parallel: the mean over ranks of each replicated (device-stepped) unit's gradient."""

@@ -19,6 +19,8 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from ..core.plan import Stepper
+from ..core.store import Unit
 from .shards import shard_range, shard_size
 
 
@@ -69,6 +71,15 @@ class DataParallel:
 
     def shard_size(self, n: int) -> int:
         return shard_size(n, self.world)
+
+    def owns(self, unit: Unit) -> tuple[int, int]:
+        """The range of ``unit``'s flat buffers this rank writes: its shard of a host-stepped unit (shared by the
+        ranks), all of a replicated one (its own copy on its device)."""
+        return self.shard(unit.numel) if unit.plan.stepper is Stepper.HOST else (0, unit.numel)
+
+    def writes_shared(self, unit: Unit) -> bool:
+        """Whether this rank fills ``unit``'s masters on a load: local rank 0 the shared ones, every rank its own."""
+        return self.is_leader or unit.plan.stepper is not Stepper.HOST
 
     # -- collectives ---------------------------------------------------------------------------------------------------
     def barrier(self) -> None:

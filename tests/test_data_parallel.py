@@ -41,7 +41,7 @@ def test_two_processes_match_one_and_resume_across_counts(tmp_path):
     W.save(engine, os.path.join(tmp, "ckpt_1proc"))
     norms += W.run_steps(engine, opt, 2, W.STEPS)
     ref = W.weights(engine)
-    assert opt.last_grad_norm > W.CLIP  # (the steps clipped)
+    assert min(norms) > W.CLIP  # (every step clipped)
     assert all(rel(ref[n], start[n]) > 1e-4 for n in ref)  # (every tensor moved)
 
     _spawn(W.train_worker, tmp)

@@ -169,6 +169,8 @@ class MegaTrainConfig:
             for the backward), "auto" (the planner keeps the last layers' inputs on the GPU while they fit its
             budget for the step's sequence length and offloads the first ones; nothing is offloaded on a CPU).
         activation_prefetch: offloaded layer inputs copied back this many layers ahead of the backward (>= 1).
+        shared_memory_dir: several processes of one host (data parallel, parallel/): the directory on a RAM file system
+            where the host's one copy of the FP32 store is created (files removed once every rank mapped them).
     """
 
     compute_dtype: str = "bfloat16"
@@ -198,6 +200,7 @@ class MegaTrainConfig:
     seq_chunk_tokens: int = 0
     activation_offload: str = "auto"
     activation_prefetch: int = 2
+    shared_memory_dir: str = "/dev/shm"
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:

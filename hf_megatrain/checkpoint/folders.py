@@ -267,21 +267,24 @@ def load_pretrained_into_engine(engine: Any, path: str, *, prefix: str | None = 
         raise CheckpointError(f"{path} lacks {len(missing)} parameters of the model, e.g. {sorted(missing)[:5]}")
     unused: list[str] = []
     converted = plan.converted_keys
+    writes = getattr(engine, "writes_master", lambda name: True)  # (data parallel: local rank 0 fills shared ones)
     for fname, names in shards.items():
         fpath = os.path.join(path, fname)
         with open_safetensors(fpath) as f:
             for key in names:
                 name = plan.direct.get(key)
                 if name is not None and name in store.by_name:
-                    copy_tensor_into(store.master_tensor(name), f, key, fpath)
+                    if writes(name):
+                        copy_tensor_into(store.master_tensor(name), f, key, fpath)
                 elif key not in converted:
                     if extra_sink is None or not extra_sink(name or key, f.get_tensor(key)):
                         unused.append(key)
     for g in plan.groups:  # one target's sources in memory at a time
         for name, t in read_group(g, lambda f, key: f.get_tensor(key)).items():
             if name in store.by_name:
-                with torch.no_grad():
-                    store.master_tensor(name).copy_(t)
+                if writes(name):
+                    with torch.no_grad():
+                        store.master_tensor(name).copy_(t)
             elif extra_sink is None or not extra_sink(name, t):
                 unused.append(name)
     engine.sync_device_()

@@ -79,10 +79,17 @@ def alloc_host(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     two (up to 2x waste on multi-GB buffers); registering a plain allocation pins exactly what we use.
     """
     t = torch.empty(numel, dtype=dtype)
-    if pin and numel > 0 and torch.cuda.is_available():
-        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-        if int(err) != 0:  # fall back to the caching allocator rather than failing
-            return torch.empty(numel, dtype=dtype, pin_memory=True)
-        # Unregister before the memory is freed (weakref callbacks run at the start of the tensor's dealloc).
-        weakref.finalize(t, torch.cuda.cudart().cudaHostUnregister, t.data_ptr())
+    if pin and numel > 0 and torch.cuda.is_available() and not pin_in_place(t):
+        return torch.empty(numel, dtype=dtype, pin_memory=True)  # the caching allocator rather than failing
     return t
+
+
+def pin_in_place(t: torch.Tensor) -> bool:
+    """Page-lock ``t``'s memory where it is (a plain allocation, a shared mapping) until ``t`` is freed; False
+    when CUDA refuses."""
+    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+    if int(err) != 0:
+        return False
+    # Unregister before the memory is freed (weakref callbacks run at the start of the tensor's dealloc).
+    weakref.finalize(t, torch.cuda.cudart().cudaHostUnregister, t.data_ptr())
+    return True

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -102,7 +103,10 @@ class UnitStore:
     or shard by shard from a checkpoint without ever holding a second full copy."""
 
     def __init__(self, plans: Plans, layouts: list[Layout], frozen_layouts: list[FrozenLayout], *,
-                 compute_dtype: torch.dtype, device: torch.device, pin: bool, state_dir: str | None = None) -> None:
+                 compute_dtype: torch.dtype, device: torch.device, pin: bool, state_dir: str | None = None,
+                 host_alloc: Callable[[int, torch.dtype, bool], torch.Tensor] = alloc_host) -> None:
+        # ``host_alloc(numel, dtype, pin)`` makes every host buffer: private memory, or memory shared by the
+        # data-parallel ranks of a host (parallel/shared_alloc.py).
         self.compute_dtype = compute_dtype
         self.plans = plans
         disk = sum(4 * p.numel * 2 for p in plans.units if p.moments is Where.DISK)
@@ -118,7 +122,7 @@ class UnitStore:
             if where is Where.DEVICE:
                 t = torch.empty(n, dtype=dtype, device=device)
             else:  # moments cross PCIe only for GPU-stepped layers: pinning others would only cost time and RAM
-                t = alloc_host(n, dtype, pin and (not moment or streams))
+                t = host_alloc(n, dtype, pin and (not moment or streams))
             return t.zero_() if moment else t
 
         self.units: list[Unit] = []
@@ -137,7 +141,7 @@ class UnitStore:
                 unit.frozen_params, nf = _slices(frozen_layout)
                 self.frozen_by_name.update({p.name: (unit, p) for p in unit.frozen_params})
                 if nf:
-                    unit.frozen = alloc_host(nf, compute_dtype, pin)
+                    unit.frozen = host_alloc(nf, compute_dtype, pin)
             self.units.append(unit)
         self.numel = sum(u.numel for u in self.units)
         self.frozen_numel = sum(u.frozen_numel for u in self.units)

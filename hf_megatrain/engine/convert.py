@@ -17,13 +17,14 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
 
 from .. import planner
 from ..config import MegaTrainConfig
-from ..core.memory import gpu_budget
+from ..core.memory import alloc_host, gpu_budget
 from ..core.plan import Plans, Where
 from ..core.store import UnitStore
 from ..model.families import check_supported
@@ -92,7 +93,11 @@ class Converted:
     frozen_resident: dict[str, nn.Parameter]  # frozen ones (device, compute dtype)
 
 
-def convert(model: nn.Module, config: MegaTrainConfig, device: torch.device, decay_names: set[str] | None) -> Converted:
+def convert(model: nn.Module, config: MegaTrainConfig, device: torch.device, decay_names: set[str] | None,
+            host_alloc: Callable[[int, torch.dtype, bool], torch.Tensor] = alloc_host,
+            host_available: int | None = None) -> Converted:
+    """``host_alloc``: the store's host allocator (shared memory for data-parallel ranks: parallel/setup.py);
+    ``host_available``: the host RAM the fit check measures against (default: available now)."""
     compute_dtype = config.torch_compute_dtype
     if hasattr(model, "config"):
         model.config.use_cache = False
@@ -106,10 +111,11 @@ def convert(model: nn.Module, config: MegaTrainConfig, device: torch.device, dec
     plans = planner.unit_plans(shape, config, device.type, gpu_budget(device))
     logger.info("hf_megatrain: %s", plans.summary())
     planner.check_fits(shape, config, device_type=device.type, gpu_available=gpu_budget(device),
-                       baseline_paid=True, plans=plans)
+                       baseline_paid=True, plans=plans, host_available=host_available)
     chunk = planner.seq_chunk(shape, config)  # sequence tiling of the position-wise modules (0: off)
     store = UnitStore(plans, ul.layouts, ul.frozen, compute_dtype=compute_dtype, device=device,
-                      pin=config.pin_memory and device.type == "cuda", state_dir=config.optimizer_state_dir)
+                      pin=config.pin_memory and device.type == "cuda", state_dir=config.optimizer_state_dir,
+                      host_alloc=host_alloc)
 
     # Layers -> store + templates. One layer at a time, so peak memory grows by one layer.
     layers = stack.layers

@@ -20,7 +20,7 @@ backward differentiates exactly the function the forward computed (as ``torch.ut
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 from torch.utils import _pytree as pytree
@@ -37,12 +37,15 @@ from .offload import GradientOffload
 from .reach import GradReach
 from .slots import WeightSlots
 
+if TYPE_CHECKING:
+    from ..parallel.group import DataParallel
+
 
 class StreamingExecutor:
     def __init__(self, units: list[Unit], state: StepState, kinds: list[int], templates: list[LayerTemplate],
                  buffers: list[dict[str, torch.Tensor]], *, device: torch.device, compute_dtype: torch.dtype,
                  grad_offload_dtype: torch.dtype, num_slots: int, micro_batch_size: int, pin: bool,
-                 activation_prefetch: int = 2) -> None:
+                 activation_prefetch: int = 2, dp: DataParallel | None = None) -> None:
         self.units, self.kinds, self.templates, self.buffers = units, kinds, templates, buffers
         self.device = device
         self.state = state
@@ -54,7 +57,7 @@ class StreamingExecutor:
         self.weights = WeightSlots(units, state, self.streams, device=device, compute_dtype=compute_dtype,
                                    num_slots=num_slots)
         self.grads = GradientOffload(units, state, self.streams, device=device, compute_dtype=compute_dtype,
-                                     offload_dtype=grad_offload_dtype, pin=pin)
+                                     offload_dtype=grad_offload_dtype, pin=pin, dp=dp)
         # The layers' saved inputs, on the device or offloaded to host (the engine sets which per step shape).
         self.activations = ActivationStore(device, prefetch=activation_prefetch, pin=pin)
         self.training = True

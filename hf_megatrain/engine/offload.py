@@ -13,11 +13,16 @@ two offload buffers (``buffer()``); ``send`` hands it to the sink the unit's pla
 
 The two offload buffers alternate, so layer i's D2H overlaps layer i-1's recompute. ``finish`` (a lander of the
 step state) lands whatever is in flight.
+
+Data parallel (``dp``, parallel/group.py): a host gradient is first ``reduce_scatter``ed over the ranks (on the compute
+stream; the buffer padded to ``world`` equal shards), and only this rank's shard -- the mean over ranks of that
+range, with its squared norm -- goes the host way above, into the shared host gradient at the shard's range. Every
+rank writes a disjoint range, so accumulation needs no coordination beyond each visit's collective.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -27,22 +32,32 @@ from ..core.step_state import StepState
 from ..core.store import Unit
 from ..core.streams import StreamSet
 
+if TYPE_CHECKING:
+    from ..parallel.group import DataParallel
+
 
 class GradientOffload:
     def __init__(self, units: list[Unit], state: StepState, streams: StreamSet, *, device: torch.device,
-                 compute_dtype: torch.dtype, offload_dtype: torch.dtype, pin: bool) -> None:
+                 compute_dtype: torch.dtype, offload_dtype: torch.dtype, pin: bool,
+                 dp: DataParallel | None = None) -> None:
         self.units, self.state, self.streams = units, state, streams
+        self.dp = dp
         n = max(u.numel for u in units)
         # Weight gradients of one layer visit (autograd accumulates into views of it in place).
         self.grad_param = torch.zeros(n, dtype=compute_dtype, device=device)
-        self.offload = [torch.empty(n, dtype=offload_dtype, device=device) for _ in range(2)]
+        padded = n if dp is None else max(dp.shard_size(u.numel) * dp.world for u in units)
+        self.offload = [torch.empty(padded, dtype=offload_dtype, device=device) for _ in range(2)]
+        # This rank's reduced shard, per offload buffer (its D2H may still read it when the other one is filled).
+        self.reduced = [] if dp is None else [torch.empty(padded // dp.world, dtype=offload_dtype, device=device)
+                                              for _ in range(2)]
         self.staging = [alloc_host(n, offload_dtype, pin) for _ in range(2)]
         self.done: list[Any] = [None, None]  # event: offload buffer k drained
-        # In flight per buffer: (unit, what landing does with the staging buffer: "", "copy", "add").
-        self.pending: list[tuple[Unit, str] | None] = [None, None]
+        # In flight per buffer: (unit, what landing does with the staging buffer: "", "copy", "add", at which
+        # element of the unit's gradient, how many).
+        self.pending: list[tuple[Unit, str, int, int] | None] = [None, None]
         self.lean_wait: list[Callable[[], None] | None] = [None, None]  # the consumer's wait() per slab
         sinks = {Where.DEVICE: self._to_device, Where.HOST: self._to_host, Where.NONE: self._to_consumer}
-        self.sink = [sinks[u.plan.grad] for u in units]  # the strategy, per layer
+        self.sink = [sinks[u.plan.grad] for u in units]  # the strategy, per layer (data parallel: see send)
         lean = any(u.plan.grad is Where.NONE for u in units)
         self.sq_host = [alloc_host(1, torch.float32, pin) for _ in range(2)] if lean else []
         # Host units: each first visit's squared norm lands beside its gradient (read by a speculative step).
@@ -64,8 +79,23 @@ class GradientOffload:
         # The gradient-norm reduction rides along with the gradient's departure (first visit of the step only; a
         # lean unit's every gradient is a whole step's, a re-run's included).
         first = unit.plan.grad is Where.NONE or not self.state.has_grad(unit.index)
+        if self.dp is not None and unit.plan.grad is Where.HOST:
+            self._to_shard(k, unit, first)
+            return
         sq = torch.linalg.vector_norm(off, dtype=torch.float32).square() if first else None
         self.sink[index](k, unit, off, sq)
+
+    def _to_shard(self, k: int, unit: Unit, first: bool) -> None:
+        dp = self.dp
+        size = dp.shard_size(unit.numel)
+        full = self.offload[k][:size * dp.world]
+        full[unit.numel:].zero_()  # (padding: left over from a larger unit)
+        out = self.reduced[k][:size]
+        dp.reduce_scatter_mean_(out, full)
+        lo, hi = dp.shard(unit.numel)
+        part = out[:hi - lo]
+        sq = torch.linalg.vector_norm(part, dtype=torch.float32).square() if first else None
+        self._to_host(k, unit, part, sq, lo)
 
     def _to_device(self, k: int, unit: Unit, off: torch.Tensor, sq: torch.Tensor | None) -> None:
         if self.state.accumulate(unit.index, sq):
@@ -75,12 +105,14 @@ class GradientOffload:
         self.state.landed(unit.index)
         self.done[k] = self.streams.record(self.streams.compute)
 
-    def _to_host(self, k: int, unit: Unit, off: torch.Tensor, sq: torch.Tensor | None) -> None:
+    def _to_host(self, k: int, unit: Unit, off: torch.Tensor, sq: torch.Tensor | None, at: int = 0) -> None:
+        """``off`` -> the unit's host gradient from element ``at`` (a data-parallel shard; else all of it)."""
         ready = self.streams.record(self.streams.compute)
         self._drain(k)
         first = self.state.accumulate(unit.index, sq)
         direct = first and off.dtype == unit.grad.dtype
-        dst = unit.grad if direct else self.staging[k][:unit.numel]
+        n = off.numel()
+        dst = unit.grad[at:at + n] if direct else self.staging[k][:n]
         st = self.streams
         with st.on(st.d2h):
             st.wait(st.d2h, ready)
@@ -89,7 +121,7 @@ class GradientOffload:
                 self.sq_cells[unit.index:unit.index + 1].copy_(sq.reshape(1), non_blocking=True)
             self.done[k] = st.record(st.d2h)
         self.d2h_bytes += off.numel() * off.element_size()
-        self.pending[k] = (unit, "" if direct else "copy" if first else "add")
+        self.pending[k] = (unit, "" if direct else "copy" if first else "add", at, n)
 
     def _to_consumer(self, k: int, unit: Unit, off: torch.Tensor, sq: torch.Tensor | None) -> None:
         ready = self.streams.record(self.streams.compute)
@@ -102,7 +134,7 @@ class GradientOffload:
             sq_host.copy_(sq, non_blocking=True)
             self.done[k] = st.record(st.d2h)
         self.d2h_bytes += unit.numel * slab.element_size()
-        self.pending[k] = (unit, "")
+        self.pending[k] = (unit, "", 0, unit.numel)
         self.state.accumulate(unit.index, sq)  # (keeps the device scalar alive until its copy is done)
         self.lean_wait[k] = self.state.consume(unit.index, slab, sq_host, self.done[k])
 
@@ -117,11 +149,11 @@ class GradientOffload:
         if item is None:
             return
         self.streams.synchronize(self.done[k])
-        unit, action = item
+        unit, action, at, n = item
         if action == "add":
-            unit.grad.add_(self.staging[k][:unit.numel])
+            unit.grad[at:at + n].add_(self.staging[k][:n])
         elif action == "copy":
-            unit.grad.copy_(self.staging[k][:unit.numel])
+            unit.grad[at:at + n].copy_(self.staging[k][:n])
         self.pending[k] = None
         sq = self.state.grad_sq[unit.index]
         self.state.landed(unit.index, None if sq is None else float(self.sq_cells[unit.index]))

@@ -29,6 +29,8 @@ from ..config import MegaTrainConfig
 from ..core import kernels
 from ..core.plan import Stepper, Where
 from ..core.step_state import StepState
+from ..parallel.group import DataParallel
+from ..parallel.setup import convert_shared, data_parallel_config
 from ..model.families import ModelHead
 from ..model.loss import TokenStats
 from ..optim.adamw import UnitAdamW
@@ -52,13 +54,20 @@ class MegaTrainOutput:
 
 class MegaTrainEngine:
     def __init__(self, model: nn.Module, config: MegaTrainConfig | None = None,
-                 device: torch.device | str | None = None, decay_names: set[str] | None = None) -> None:
-        self.config = config = config or MegaTrainConfig()
+                 device: torch.device | str | None = None, decay_names: set[str] | None = None,
+                 dp: DataParallel | None = None) -> None:
+        """``dp``: the data-parallel ranks of this host training together (parallel/; None or one rank: alone)."""
+        config = config or MegaTrainConfig()
+        self.dp = dp if dp is not None and dp.world > 1 else None
+        if self.dp is not None:
+            config = data_parallel_config(config, self.dp)
+        self.config = config
         self.model = model
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
         self.compute_dtype = config.torch_compute_dtype
-        conv = convert(model, config, self.device, decay_names)
+        conv = convert(model, config, self.device, decay_names) if self.dp is None else \
+            convert_shared(model, config, self.device, decay_names, self.dp)
         self.stack, self.plans, self.store = conv.stack, conv.plans, conv.store
         self.layer_units = self.store.units[:-1]
         self.resident_unit = self.store.units[-1]
@@ -70,7 +79,8 @@ class MegaTrainEngine:
             self.layer_units, self.state, conv.kinds, conv.templates, conv.buffers, device=self.device,
             compute_dtype=self.compute_dtype, grad_offload_dtype=config.torch_grad_offload_dtype,
             num_slots=config.num_slots, micro_batch_size=config.micro_batch_size,
-            pin=config.pin_memory and self.device.type == "cuda", activation_prefetch=config.activation_prefetch)
+            pin=config.pin_memory and self.device.type == "cuda", activation_prefetch=config.activation_prefetch,
+            dp=self.dp)
         install_proxies(conv, self.executor)
         # Family extras of the HF head (soft-capping, logit scaling, MoE router aux loss): model/families.py.
         self.head_extras = ModelHead(model, self.stack, self.executor, loss_impl=config.loss_impl, device=self.device,
@@ -100,13 +110,27 @@ class MegaTrainEngine:
         unit's own buffers)."""
         u = self.resident_unit
         self.state.wait_ready(u.index)
-        if u.plan.master is Where.DEVICE or self._published == self.state.version[u.index]:
+        if u.plan.master is Where.DEVICE:
+            self._check_resident_views()
+            return
+        if self._published == self.state.version[u.index]:
             return
         for p in u.params:
             self.resident_params[p.name].data.copy_(u.view(u.source, p))
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         self._published = self.state.version[u.index]
+
+    def _check_resident_views(self) -> None:
+        """Resident parameters on the device are views of the unit's buffers (the optimizer updates them there):
+        refuse to run with parameters something replaced (``model.to(...)`` onto another device name copies them),
+        which would train on stale weights."""
+        u = self.resident_unit
+        for p in u.params:
+            if self.resident_params[p.name].data_ptr() != u.view(u.source, p).data_ptr():
+                raise RuntimeError(f"hf_megatrain: the parameter {p.name} no longer shares the engine's memory (was "
+                                   "the converted model moved with .to(...)?); the engine places the model itself: "
+                                   "do not move it after conversion")
 
     def _before_decoder(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         """Forward pre-hook of the module that owns the layer stack (runs for every forward, ours or HF's)."""
@@ -133,9 +157,24 @@ class MegaTrainEngine:
     def sync_device_(self) -> None:
         """After masters changed outside the optimizer (loading a checkpoint): every copy is stale."""
         self.state.wait_all()
-        self.store.refresh_all_compute_()
+        if self.dp is None:
+            self.store.refresh_all_compute_()
+        else:  # the shared masters are written (by local rank 0): each rank refreshes the compute copy it owns
+            self.dp.barrier()
+            for u in self.store.units:
+                if u.compute is not None:
+                    lo, hi = self.dp.owns(u)
+                    u.compute[lo:hi].copy_(u.master[lo:hi])
         self.state.touch()
         self.publish_resident()
+        if self.dp is not None:  # every rank's part done before any rank reads the weights
+            self.dp.barrier()
+
+    def writes_master(self, name: str) -> bool:
+        """Whether this process fills parameter ``name``'s FP32 master on a load (checkpoint/folders.py): the
+        data-parallel ranks of a host share the host units' masters, which local rank 0 alone writes
+        (``sync_device_`` then waits for it); every process fills its own device units."""
+        return self.dp is None or self.dp.writes_shared(self.store.by_name[name][0])
 
     def named_master_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF parameter name, FP32 master) for every trainable parameter, tied names once; waits for updates in
@@ -331,5 +370,6 @@ class MegaTrainEngine:
                              max_grad_norm=max_grad_norm, unit_order=order, skip_nonfinite=self.config.skip_nonfinite,
                              overlap=self.config.overlap_optimizer, grad_reach=self.executor.reach,
                              host_kernel=self._host_kernel(),
-                             **({} if cls is LeanAdamW else {"speculate": self.config.speculative_step}))
+                             **({} if cls is LeanAdamW else {"speculate": self.config.speculative_step,
+                                                             "dp": self.dp}))
         return self.optimizer

@@ -81,6 +81,14 @@ class MegaTrainPlugin:
         """
         if self.engine is not None:
             raise RuntimeError("MegaTrainPlugin.prepare was already called; create one plugin per model")
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # (its saves are called by the main process alone, while the others may go on updating the host's
+            # shared state: a torn checkpoint)
+            raise NotImplementedError(
+                f"MegaTrainPlugin runs one process; this launch has {dist.get_world_size()}. For several processes "
+                "of one host use MegaTrainTrainer (data parallel), or MegaTrainEngine(model, config, "
+                "dp=hf_megatrain.parallel.DataParallel.from_process_group()) in your own loop (hf_megatrain/parallel/)")
         if "compute_dtype" not in self.config.explicit_keys and model_param_dtype(model) == torch.float32 \
                 and self.config.torch_compute_dtype != torch.float32:
             logger.warning("hf_megatrain: the model is float32 and no compute_dtype was given: layers compute in %s "

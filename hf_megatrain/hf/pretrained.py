@@ -23,6 +23,7 @@ from .. import checkpoint as ckpt
 from ..config import MegaTrainConfig, resolve_config
 from ..engine.runtime import MegaTrainEngine
 from ..model.layers import find_layer_stack
+from ..parallel import DataParallel
 
 logger = logging.getLogger(__name__)
 
@@ -106,15 +107,25 @@ def _skeleton(cfg, **kwargs) -> nn.Module:
         raise
 
 
+def launched_data_parallel() -> DataParallel | None:
+    """The data-parallel ranks of this launch (``accelerate launch`` / torchrun with several processes: accelerate's
+    state initialises torch.distributed from the launcher), or None for a single process."""
+    from accelerate import PartialState
+
+    PartialState()
+    return DataParallel.current()
+
+
 def from_pretrained_streamed(model_id_or_path: str, config: MegaTrainConfig | dict | str | None = None,
                              device: torch.device | str | None = None, decay_names: set[str] | None = None,
-                             **hf_kwargs: Any) -> MegaTrainEngine:
+                             dp: DataParallel | None | str = "auto", **hf_kwargs: Any) -> MegaTrainEngine:
     """Build a ``MegaTrainEngine`` for a pretrained causal LM without ever materialising the model in RAM.
 
     The HF skeleton is built with parameters on the meta device (buffers such as rotary tables are computed for
     real), the engine allocates its host store, and the masters are filled shard by shard from the safetensors
     files (memory-mapped). Peak host memory is the store plus one chunk of one tensor. ``config`` is resolved by
-    ``config.resolve_config`` (default: env MEGATRAIN_CONFIG; MEGATRAIN_<KEY> env vars override keys)."""
+    ``config.resolve_config`` (default: env MEGATRAIN_CONFIG; MEGATRAIN_<KEY> env vars override keys). ``dp``: the
+    data-parallel ranks (hf_megatrain/parallel/); "auto": those of a multi-process launch."""
     from accelerate import init_empty_weights
 
     config = resolve_config(config)
@@ -134,7 +145,9 @@ def from_pretrained_streamed(model_id_or_path: str, config: MegaTrainConfig | di
         model.generation_config = transformers.GenerationConfig.from_pretrained(path)
     _materialize_resident(model, config.layers_path)
     mapping = conversion_mapping(model)  # from the HF skeleton, before its layers become proxies
-    engine = MegaTrainEngine(model, config, device=device, decay_names=decay_names)
+    if dp == "auto":
+        dp = launched_data_parallel()
+    engine = MegaTrainEngine(model, config, device=device, decay_names=decay_names, dp=dp)
     unused = load_weights(engine, path, prefix=ckpt.WEIGHTS_PREFIX, mapping=mapping)
     if unused:
         logger.warning("hf_megatrain: %d checkpoint tensors not used by the model, e.g. %s", len(unused), unused[:5])

@@ -15,6 +15,11 @@ than GPU memory cannot be treated like a module:
   ``state_dict``; checkpoints are committed atomically (``checkpoint``); resuming restores masters, AdamW moments
   and step counts exactly.
 
+Several processes of one host (``accelerate launch --multi_gpu`` / torchrun, ``world_size > 1``): data parallel
+(hf_megatrain/parallel/): one FP32 store per host in shared memory, each rank steps its shard; the model is never
+wrapped in DDP (the engine reduces gradients itself); checkpoints are written once, by the main process, in the
+same format, and resume with any number of processes.
+
 PEFT: pass a ``peft.get_peft_model(...)`` model (wrap it *before* handing it over). The base is frozen (streamed in
 compute dtype, no optimizer state), saves write the standard adapter folder (checkpoints add the adapters' FP32
 master for exact resume), and ``save_merged_model`` exports base + merged adapters as a plain HF checkpoint.
@@ -39,6 +44,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from .. import checkpoint as ckpt
 from . import peft_support
 from ..engine.runtime import ENGINE_ATTR, MegaTrainEngine
+from ..parallel import DataParallel
 from .export import export_model
 from .pretrained import from_pretrained_streamed, load_weights
 from ..config import parse_dtype, resolve_config
@@ -72,9 +78,6 @@ class MegaTrainTrainer(Trainer):
         self._mt = args is not None and args.megatrain
         self.engine = None
         if self._mt:
-            if args.world_size > 1:
-                raise ValueError(f"hf_megatrain trains on one GPU; this run has world_size={args.world_size}. "
-                                 "Launch a single process (no torchrun/accelerate multi-process).")
             self._mt_config = args.megatrain_resolved_config()
             check_lean_accumulation(self._mt_config, args.gradient_accumulation_steps)
             optimizers = kwargs.get("optimizers", (None, None))
@@ -93,6 +96,20 @@ class MegaTrainTrainer(Trainer):
     def _mt_after_init(self) -> None:
         if self._mt and self.args.n_gpu > 1:
             self.args._n_gpu = 1  # one GPU; never DataParallel
+        if self._mt and self.args.world_size > 1:
+            # Never DDP: the engine reduces the gradients itself (reduce-scatter into the shared store); DDP's hooks
+            # would reduce the resident ones a second time. Accelerate's model preparation minus the wrapping.
+            prepare_model = self.accelerator.prepare_model
+
+            def prepare_unwrapped(model: nn.Module, device_placement: bool | None = None,
+                                  evaluation_mode: bool = False) -> nn.Module:
+                ours = self.engine is not None and model is self.engine.model
+                # (and no placement: accelerate's multi-process CPU device is "cpu:0", and ``.to`` of it would copy
+                # the resident parameters away from the engine's buffers)
+                return prepare_model(model, device_placement=False if ours else device_placement,
+                                     evaluation_mode=evaluation_mode or ours)
+
+            self.accelerator.prepare_model = prepare_unwrapped
 
     def _mt_log_token_stats(self, stats: Any, inputs: dict[str, Any]) -> None:
         raise NotImplementedError(f"{type(self).__name__} sets _mt_token_stats but does not log them")
@@ -107,7 +124,9 @@ class MegaTrainTrainer(Trainer):
             # Precision as in Trainer: explicit compute_dtype, else bf16=True, else the model's own dtype.
             self._mt_config = args.megatrain_resolved_config(model_dtype=model_param_dtype(model))
             decay = set(self.get_decay_parameter_names(model))  # Trainer's rule, on the unconverted model
-            engine = MegaTrainEngine(model, self._mt_config, device=args.device, decay_names=decay)
+            device = args.device  # (initialises torch.distributed in a multi-process launch)
+            dp = DataParallel.from_process_group() if args.world_size > 1 else None
+            engine = MegaTrainEngine(model, self._mt_config, device=device, decay_names=decay, dp=dp)
         given = resolve_config(args.megatrain_config)  # what the user set (explicit_keys), before the flags
         want = args.megatrain_compute_dtype(given)  # (None: left to the model, i.e. to the engine's builder)
         if want is not None and parse_dtype(want, "compute_dtype") != engine.compute_dtype:
@@ -115,8 +134,13 @@ class MegaTrainTrainer(Trainer):
             raise ValueError(f"the model was converted with compute_dtype={engine.config.compute_dtype!r}, but these "
                              f"arguments ask for {want!r} ({why}). Build the engine with the same compute_dtype, "
                              "or pass the unconverted model.")
-        if engine.device != args.device:
+        cpu = engine.device.type == args.device.type == "cpu"  # ("cpu:0" in a multi-process CPU launch)
+        if engine.device != args.device and not cpu:
             raise ValueError(f"the engine runs on {engine.device} but TrainingArguments.device is {args.device}")
+        if args.world_size > 1 and (engine.dp is None or engine.dp.world != args.world_size):
+            raise ValueError(f"this run has {args.world_size} processes but the engine was built for "
+                             f"{1 if engine.dp is None else engine.dp.world}: build it with dp=hf_megatrain."
+                             "parallel.DataParallel.from_process_group(), or pass the unconverted model")
         self.engine = engine
         return engine.model
 
@@ -199,7 +223,9 @@ class MegaTrainTrainer(Trainer):
             loss = out.loss
         if self.args.average_tokens_across_devices and num_items_in_batch is not None and (
                 self.model_accepts_loss_kwargs or self.compute_loss_func):
-            loss = loss * self.accelerator.num_processes  # as Trainer does (1 here)
+            # As Trainer does: each rank's loss is over the global token count, and the ranks' gradients are averaged
+            # (parallel/group.py), so the mean of the scaled ones is the global batch's gradient.
+            loss = loss * self.accelerator.num_processes
         return (loss, outputs) if return_outputs else loss
 
     def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
@@ -290,6 +316,8 @@ class MegaTrainTrainer(Trainer):
                         self.state.stateful_callbacks[name] = cb.state()
                 self.state.save_to_json(os.path.join(tmp, TRAINER_STATE_NAME))
                 ckpt.write_manifest(tmp)
+        if self.engine.dp is not None:  # no rank updates the shared state before the main process has written it
+            self.engine.dp.barrier()
         if self.args.push_to_hub:
             self._push_from_checkpoint(output_dir)
         if self.args.should_save:

@@ -18,6 +18,13 @@ sets ``StepState.final_backward``), each HOST unit is updated on a worker as soo
 clip factor; ``step()`` then takes back and redoes only the updates the true global norm proves wrong (exact to
 rounding: optim/speculation.py), and launches the rest. It does not wait for speculative updates still running:
 those judged right finish as ready, so the next forward starts after layer 0's update, not after all of them.
+
+Data parallel (``dp``, parallel/group.py; first version): each rank steps only its shard of every HOST unit (in the
+host's shared store) and every rank the whole of the replicated DEVICE units, whose gradients it all-reduces after
+``land``; the norm sums every rank's shard squared norms (one all-reduce). The step is synchronous: no
+speculation, and ``step()`` returns after every rank's shards are written (a barrier), so the next forward on any
+rank loads complete weights. Speculative / overlapped updates across processes are designed in
+integration/MULTI_GPU_DESIGN.md, not built.
 """
 
 from __future__ import annotations
@@ -35,10 +42,12 @@ from ..core import kernels
 from ..core.plan import Stepper, Where
 from ..core.step_state import StepState
 from ..core.store import Unit, UnitStore
+from ..parallel.shards import clip_spans
 from .device_stepper import DeviceStepper
 from .speculative_step import SpeculativeStep
 
 if TYPE_CHECKING:
+    from ..parallel.group import DataParallel
     from ..engine.reach import GradReach
 
 logger = logging.getLogger(__name__)
@@ -49,11 +58,12 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
                  eps: float = 1e-8, weight_decay: float = 0.0, max_grad_norm: float | None = None,
                  unit_order: list[int] | None = None, skip_nonfinite: bool = True, overlap: bool = False,
                  host_kernel: kernels.HostKernel = kernels.HostKernel.FUSED, speculate: bool = False,
-                 grad_reach: GradReach | None = None) -> None:
+                 grad_reach: GradReach | None = None, dp: DataParallel | None = None) -> None:
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"invalid AdamW hyper-parameters lr={lr} betas={betas} eps={eps} "
                              f"weight_decay={weight_decay}")
         self.store, self.step_state = store, state
+        self.dp = dp if dp is not None and dp.world > 1 else None
         decay, no_decay = [], []
         # unit index -> [(0 = decayed | 1 = not, spans)]: the kernel runs on whichever flat buffers hold the state.
         self._unit_groups: dict[int, list[tuple[int, list[tuple[int, int]]]]] = {}
@@ -113,7 +123,7 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
         self.last_grad_norm: float | None = None
         self._workers: list[threading.Thread] = []
         state.add_joiner(self._join)
-        self._init_speculation(speculate)  # (speculative_step.py)
+        self._init_speculation(speculate and self.dp is None)  # (speculative_step.py)
 
     # -- phases ------------------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -127,6 +137,8 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
             if i not in self.policy.applied:
                 self.step_state.wait_ready(i)
         self._zero_missing()
+        if self.dp is not None:
+            self._reduce_replicated()
         t0 = time.perf_counter()
         norm = self.grad_norm()
         self.last_norm_seconds = time.perf_counter() - t0
@@ -137,9 +149,24 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
         done = self._judge_speculation(skip, hyper, grad_scale)
         if skip:
             self._skip(norm)
-            return loss
-        self._launch(hyper, grad_scale, [i for i in self.unit_order if i not in done])
+        else:
+            self._launch(hyper, grad_scale, [i for i in self.unit_order if i not in done])
+        if self.dp is not None:  # every rank's shards written before any rank's next forward reads them
+            self.step_state.wait_all()
+            self.dp.barrier()
         return loss
+
+    def own(self, u: Unit) -> tuple[int, int]:
+        """The range of ``u``'s flat buffers this process steps: its shard of a HOST unit shared by data-parallel
+        ranks, else all of it."""
+        return (0, u.numel) if self.dp is None else self.dp.owns(u)
+
+    def _reduce_replicated(self) -> None:
+        """Data parallel: the mean over ranks of each replicated (device-stepped) unit's gradient."""
+        for u in self.store.units:
+            if u.plan.stepper is Stepper.DEVICE and u.numel and self.step_state.has_grad(u.index):
+                self.dp.all_reduce_mean_(u.grad)
+                self.step_state.grad_sq[u.index] = None
 
     def _zero_missing(self) -> None:
         """Units no backward reached since the last step have a zero gradient, and no parameter of them is stepped
@@ -147,7 +174,8 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
         for u in self.store.units:
             if not self.step_state.has_grad(u.index) and not self.step_state.updating(u.index) \
                     and u.plan.grad is not Where.NONE:
-                u.grad.zero_()
+                lo, hi = self.own(u)
+                u.grad[lo:hi].zero_()
                 self.step_state.accumulate(u.index, None)
                 self.step_state.landed(u.index)
                 if self.grad_reach is not None:
@@ -155,12 +183,29 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
 
     def grad_norm(self) -> float:
         """Global L2 norm of all gradients (per-unit norms, then the norm of norms, like clip_grad_norm_)."""
+        if self.dp is not None:
+            return self._dp_grad_norm()
         norms = [self._unit_norm(u) for u in self.store.units]
         return float(torch.linalg.vector_norm(torch.stack(norms)))
 
     def _unit_norm(self, u: Unit) -> torch.Tensor:
         sq = self.step_state.grad_sq[u.index]
         return (sq.sqrt() if sq is not None else torch.linalg.vector_norm(u.grad)).cpu()
+
+    def _dp_grad_norm(self) -> float:
+        """Each unit's squared norm summed over the ranks' shards (a replicated unit counted once: rank 0's)."""
+        sq = []
+        for u in self.store.units:
+            lo, hi = self.own(u)
+            s = self.step_state.grad_sq[u.index]
+            if s is None:
+                s = torch.linalg.vector_norm(u.grad[lo:hi], dtype=torch.float32).square()
+            if u.plan.stepper is not Stepper.HOST and self.dp.rank != 0:  # (replicated: identical on every rank)
+                s = torch.zeros(())
+            sq.append(s.reshape(()).float().cpu())
+        total = torch.stack(sq)
+        self.dp.all_reduce_sum_(total)
+        return float(torch.linalg.vector_norm(total.sqrt()))
 
     def _grad_scale(self, norm: float) -> float | None:
         """The kernel's ``grad_scale`` for global-norm clipping at ``norm`` (None: no clipping applies)."""
@@ -188,6 +233,8 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
         for i in here + on_gpu:
             self.step_state.begin_update(i)
             self._reached[i] = self.grad_reach.take(i) if self.grad_reach is not None else None
+        if self.dp is not None:
+            self._agree_reached(here + on_gpu)
         jobs: list[tuple[Callable, list[int]]] = [(self._run_here, here)]
         if on_gpu:  # (recorded here, on the main thread: everything the backward queued comes before its kernels)
             after = self.device_stepper.streams.record(self.device_stepper.streams.compute)
@@ -204,6 +251,15 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
             for fn, ids in jobs:
                 self._guard(fn, ids, hyper, grad_scale, t0)
             self.step_state.wait_all()
+
+    def _agree_reached(self, ids: list[int]) -> None:
+        """Data parallel: a parameter some rank's backward reached is stepped on every rank (the others
+        contributed zeros to its mean gradient), as one process over the whole batch would."""
+        sizes = [len(self.store.units[i].params) for i in ids]
+        flags = [f for i, n in zip(ids, sizes) for f in (self._reached[i] or [True] * n)]
+        merged = self.dp.any_flags(flags)
+        for i, n in zip(ids, sizes):
+            self._reached[i], merged = merged[:n], merged[n:]
 
     def _guard(self, fn: Callable, ids: list[int], hyper: list[kernels.Hyper], grad_scale: float | None,
                t0: float) -> None:
@@ -237,11 +293,14 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
         self._counts[unit.index] += 1
         compute = unit.compute if refresh else None
         t0 = time.perf_counter()
+        lo, hi = self.own(unit)
         for step, groups in self._groups_by_step(unit, hyper, self._reached.pop(unit.index, None)):
+            if (lo, hi) != (0, unit.numel):  # (data parallel: this rank's shard)
+                groups = [(h, clip_spans(spans, lo, hi)) for h, spans in groups]
             kernels.adamw_(*flats, groups, step, grad_scale, compute, self.host_kernel)
         if flats[0].device.type == "cpu":  # (GPU updates are asynchronous launches: not timed here)
             self.host_update_seconds += time.perf_counter() - t0
-            self.host_update_params += unit.numel
+            self.host_update_params += hi - lo
 
     def _groups_by_step(self, unit: Unit, hyper: list[kernels.Hyper],
                         reached: list[bool] | None) -> list[tuple[int, kernels.Groups]]:
@@ -312,11 +371,14 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
         self._missed = {u.index: [int(v) for v in tensors[f"missed_steps.{u.index}"].tolist()]
                         for u in self.store.units if f"missed_steps.{u.index}" in tensors}
         for u in self.store.units:
+            lo, hi = self.own(u)  # (data parallel: each rank fills its shard of the shared state)
             for key, dst in ((f"exp_avg.{u.index}", u.exp_avg), (f"exp_avg_sq.{u.index}", u.exp_avg_sq)):
                 src = tensors[key]
                 if src.shape != dst.shape:
                     raise ValueError(f"optimizer state {key}: shape {tuple(src.shape)} != {tuple(dst.shape)}")
-                dst.copy_(src)
+                dst[lo:hi].copy_(src[lo:hi])
+        if self.dp is not None:
+            self.dp.barrier()
 
     def hyper_state(self) -> dict:
         """Scheduler-visible state (LRs etc.) and the speculation mode, JSON-serialisable."""

@@ -1,0 +1,91 @@
+"""Host buffers shared by the data-parallel ranks of one host: one copy of the FP32 store per host, not per rank.
+
+Each buffer is a file in a run directory on a RAM file system (``/dev/shm``), mapped ``MAP_SHARED`` by every rank
+(``torch.from_file(shared=True)``): a write by one rank is the same memory every other rank reads. Every rank
+builds the same ``UnitStore`` from the same plans, so the buffers are requested in the same order; the n-th request
+maps the file ``<n>-<numel>-<dtype>.bin`` (whoever comes first creates it at its size; the others find it there),
+and ``signature()`` lets the ranks check afterwards that they asked for the same sequence. Pinned for fast
+transfers with ``cudaHostRegister`` on each rank's mapping (CUDA only).
+
+The files need to exist only until every rank has mapped them: ``release()`` (local rank 0, after a barrier)
+removes the run directory, the mappings stay valid, and the memory goes back to the system when the last rank
+exits, however it exits. Directories of runs whose leader died before releasing are removed at the next start
+(``stale_run_dirs``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+
+import torch
+
+from ..core.memory import pin_in_place
+
+RUN_PREFIX = "megatrain-"
+
+
+def new_run_dir(root: str) -> str:
+    """A fresh run directory under ``root`` named after this (leader) process, after removing stale ones."""
+    for stale in stale_run_dirs(root):
+        shutil.rmtree(stale, ignore_errors=True)
+    path = os.path.join(root, f"{RUN_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
+    os.makedirs(path, mode=0o700)
+    return path
+
+
+def stale_run_dirs(root: str) -> list[str]:
+    """Run directories under ``root`` whose leader process is gone."""
+    out = []
+    for name in os.listdir(root) if os.path.isdir(root) else []:
+        if not name.startswith(RUN_PREFIX):
+            continue
+        pid = name[len(RUN_PREFIX):].split("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            out.append(os.path.join(root, name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class SharedHostAllocator:
+    """``alloc(numel, dtype, pin)`` -> a host tensor backed by a shared file of the run directory (the store's
+    ``host_alloc``)."""
+
+    def __init__(self, run_dir: str) -> None:
+        self.run_dir = run_dir
+        self._names: list[str] = []
+
+    def __call__(self, numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+        name = f"{len(self._names):06d}-{numel}-{str(dtype).replace('torch.', '')}.bin"
+        self._names.append(name)
+        path = os.path.join(self.run_dir, name)
+        size = max(numel, 1)
+        nbytes = size * torch.empty((), dtype=dtype).element_size()
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(fd).st_size != nbytes:  # (the first rank here sizes it; same size: no-op, data kept)
+                os.ftruncate(fd, nbytes)
+        finally:
+            os.close(fd)
+        t = torch.from_file(path, shared=True, size=size, dtype=dtype)
+        if pin and torch.cuda.is_available():
+            pin_in_place(t)  # (unpinned on refusal: slower transfers, same results)
+        return t[:numel]
+
+    def signature(self) -> list[str]:
+        """The buffers requested so far, in order (equal on every rank of a correct run)."""
+        return list(self._names)
+
+    def release(self) -> None:
+        """Remove the run directory (every rank has mapped its files: the mappings outlive the names)."""
+        shutil.rmtree(self.run_dir, ignore_errors=True)

@@ -1,0 +1,220 @@
+"""Data-parallel training on the CPU (gloo), shared by tests/test_data_parallel.py and its spawned processes.
+
+Top-level functions only (``torch.multiprocessing.spawn`` pickles them by name). A global batch is split across
+the ranks by rows; each rank's loss is its tokens' summed loss over the *global* token count, times the number of
+processes (Trainer's ``average_tokens_across_devices`` scaling: the ranks' gradients are averaged, as DDP does),
+so the ranks together compute the single-process gradient of the global batch.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from hf_megatrain import MegaTrainConfig, MegaTrainEngine
+from hf_megatrain import checkpoint as ckpt
+from hf_megatrain.parallel import DataParallel
+from tests.models import tiny
+from tests.parity import random_batches
+
+STEPS, GA, BATCH, SEQ = 3, 2, 4, 12
+LR, WD, CLIP = 1e-2, 0.1, 0.5  # (clip small enough that every step clips)
+
+
+def batches() -> list:
+    return random_batches(STEPS, GA, BATCH, SEQ, vocab=96, seed=7)
+
+
+def make_engine(dp: DataParallel | None, shm: str, compute_dtype: str = "float32", micro_batch_size: int = 0,
+                peft: bool = False) -> tuple[MegaTrainEngine, torch.optim.Optimizer]:
+    """The tiny llama (``peft``: with LoRA adapters; its frozen base streams from the shared store)."""
+    config = MegaTrainConfig(compute_dtype=compute_dtype, shared_memory_dir=shm, micro_batch_size=micro_batch_size)
+    model = tiny("llama")
+    if peft:
+        from tests.test_peft import lora
+        model = lora(model)
+    engine = MegaTrainEngine(model, config, device="cpu", dp=dp)
+    return engine, engine.create_optimizer(lr=LR, weight_decay=WD, max_grad_norm=CLIP)
+
+
+def run_steps(engine: MegaTrainEngine, opt, start: int, stop: int, rank: int = 0, world: int = 1) -> list[float]:
+    """Steps [start, stop) on this rank's rows of each global batch; the global gradient norm of each step."""
+    data = batches()
+    norms = []
+    for step in range(start, stop):
+        micro = data[step]
+        n_items = sum(int((labels != -100).sum()) for _, labels in micro)  # the global batch's tokens
+        for ids, labels in micro:
+            rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+            out = engine(input_ids=ids[rows], labels=labels[rows], num_items_in_batch=n_items)
+            (out.loss * world).backward()
+        opt.step()
+        norms.append(opt.last_grad_norm)
+        opt.zero_grad()
+    return norms
+
+
+def weights(engine: MegaTrainEngine) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for n, t in engine.named_master_tensors()}
+
+
+def save(engine: MegaTrainEngine, path: str, rank: int = 0) -> None:
+    """The main process writes (the standard master safetensors + optimizer state, unsharded); all wait for it."""
+    if rank == 0:
+        os.makedirs(path, exist_ok=True)
+        ckpt.save_training_state(engine, path, master=True)
+    if engine.dp is not None:
+        engine.dp.barrier()  # no rank's next update may touch the state while it is written
+
+
+def resume(engine: MegaTrainEngine, path: str) -> None:
+    ckpt.load_pretrained_into_engine(engine, path, prefix=ckpt.MASTER_PREFIX)
+    assert ckpt.load_training_state(engine, path)
+
+
+def mapped_run_files() -> set[tuple[str, str]]:
+    """(device:inode, name) of this process's mappings of shared-store files (deleted once every rank mapped them)."""
+    out = set()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 6 and "/megatrain-" in parts[5] and parts[5].endswith(".bin"):
+                out.add((f"{parts[3]}:{parts[4]}", os.path.basename(parts[5])))
+    return out
+
+
+def init(rank: int, world: int, tmp: str) -> DataParallel:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'rendezvous')}", rank=rank,
+                            world_size=world)
+    return DataParallel.from_process_group()
+
+
+def train_worker(rank: int, world: int, tmp: str) -> None:
+    """2 processes: (A) 3 steps from scratch, checkpoint after step 2; (B) resume a 1-process checkpoint."""
+    dp = init(rank, world, tmp)
+    try:
+        engine, opt = make_engine(dp, tmp)
+        files = dp.all_gather_object(sorted(mapped_run_files()))
+        if rank == 0:
+            torch.save(files, os.path.join(tmp, "mapped.pt"))
+        norms = run_steps(engine, opt, 0, 2, rank, world)
+        save(engine, os.path.join(tmp, "ckpt_2proc"), rank)
+        norms += run_steps(engine, opt, 2, STEPS, rank, world)
+        if rank == 0:
+            torch.save(weights(engine), os.path.join(tmp, "final_2proc.pt"))
+        torch.save(norms, os.path.join(tmp, f"norms_rank{rank}.pt"))
+        engine, opt = make_engine(dp, tmp)
+        resume(engine, os.path.join(tmp, "ckpt_1proc"))
+        run_steps(engine, opt, 2, STEPS, rank, world)
+        if rank == 0:
+            torch.save(weights(engine), os.path.join(tmp, "resumed_1to2.pt"))
+        # bf16 compute: each rank refreshes the shared compute copy over its shard only.
+        engine, opt = make_engine(dp, tmp, "bfloat16")
+        run_steps(engine, opt, 0, 2, rank, world)
+        if rank == 0:
+            torch.save(weights(engine), os.path.join(tmp, "bf16_2proc.pt"))
+            for u in engine.layer_units:
+                assert torch.equal(u.compute, u.master.to(torch.bfloat16)), f"layer {u.index}: stale compute copy"
+        engine, opt = make_engine(dp, tmp, peft=True)
+        run_steps(engine, opt, 0, STEPS, rank, world)
+        if rank == 0:
+            torch.save(weights(engine), os.path.join(tmp, "lora_2proc.pt"))
+        dp.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def shared_store_worker(rank: int, world: int, tmp: str) -> None:
+    """One buffer of the shared allocator: a write by either rank is seen by the other; files gone after release."""
+    from hf_megatrain.parallel.shared_alloc import SharedHostAllocator, new_run_dir
+
+    dp = init(rank, world, tmp)
+    try:
+        run = dp.broadcast_object(new_run_dir(tmp) if dp.is_leader else None)
+        alloc = SharedHostAllocator(run)
+        t = alloc(1000, torch.float32, pin=False)
+        dp.barrier()
+        if rank == 0:
+            t.copy_(torch.arange(1000.0))
+        dp.barrier()
+        assert torch.equal(t, torch.arange(1000.0)), "rank 1 does not see rank 0's write"
+        dp.barrier()
+        if rank == 1:
+            t[7] = -1.0
+        dp.barrier()
+        if rank == 0:
+            alloc.release()
+        dp.barrier()
+        assert t[7] == -1.0 and not os.path.exists(run)
+        t[500] += 0  # (the mapping outlives the file)
+    finally:
+        dist.destroy_process_group()
+
+
+# -- through MegaTrainTrainer (accelerate, gloo) -----------------------------------------------------------------------
+def trainer_run(tmp: str, world: int, run: str, resume: str | None = None,
+                pretrained: str | None = None) -> dict[str, torch.Tensor]:
+    """3 steps of MegaTrainTrainer on a global batch of 4 rows x 2 accumulation steps (4 // world rows per
+    process), in-order samples, a checkpoint at step 2 in ``tmp/run``; the final FP32 masters and, as "eval_loss",
+    ``evaluate()`` on 8 more rows (4 per evaluation batch, split over the processes). ``pretrained``: the
+    model comes from ``from_pretrained_streamed`` of that folder (its data-parallel ranks found by itself)."""
+    from torch.utils.data import SequentialSampler
+
+    from hf_megatrain import MegaTrainTrainer, from_pretrained_streamed
+    from tests.test_trainer import dataset, mt_args
+
+    class InOrder(MegaTrainTrainer):  # (the same rows make each global batch, whatever the process count)
+        def _get_train_sampler(self, *args, **kwargs):
+            return SequentialSampler(self.train_dataset)
+
+    config = dict(compute_dtype="float32", shared_memory_dir=tmp)
+    args = mt_args(os.path.join(tmp, run), config=config,
+                   per_device_train_batch_size=4 // world, ddp_backend="gloo" if world > 1 else None,
+                   save_strategy="steps", save_steps=2, max_grad_norm=0.5, per_device_eval_batch_size=4 // world)
+    model = tiny("llama") if pretrained is None else from_pretrained_streamed(pretrained, config, device="cpu").model
+    trainer = InOrder(model=model, args=args, train_dataset=dataset())
+    assert trainer.model is trainer.engine.model  # (not wrapped)
+    trainer.train(resume_from_checkpoint=resume)
+    assert not isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
+    out = weights(trainer.engine)
+    out["eval_loss"] = torch.tensor(trainer.evaluate(dataset(8, seed=1))["eval_loss"])
+    return out
+
+
+def trainer_worker(rank: int, world: int, tmp: str, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    try:
+        final = trainer_run(tmp, world, "trainer_2proc")
+        if rank == 0:
+            torch.save(final, os.path.join(tmp, "trainer_final_2proc.pt"))
+        final = trainer_run(tmp, world, "trainer_1to2", resume=os.path.join(tmp, "trainer_1proc", "checkpoint-2"),
+                            pretrained=os.path.join(tmp, "init_model"))
+        if rank == 0:
+            torch.save(final, os.path.join(tmp, "trainer_resumed_1to2.pt"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def failing_conversion_worker(rank: int, world: int, tmp: str) -> None:
+    """A conversion that fails on rank 1 only: both ranks raise (none waits forever), rank 0 naming rank 1."""
+    import hf_megatrain.parallel.setup as setup
+
+    dp = init(rank, world, tmp)
+    try:
+        if rank == 1:
+            def broken(*args, **kwargs):
+                raise MemoryError("rank 1 out of memory")
+            setup.convert = broken
+        try:
+            make_engine(dp, tmp)
+        except (MemoryError, RuntimeError) as e:
+            torch.save(str(e), os.path.join(tmp, f"error_rank{rank}.pt"))
+        dp.barrier()
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,242 @@
+"""Data parallel over the GPUs of one host (issue 19): parity and scaling of N processes against one.
+
+Two measurements, each in freshly spawned processes (``torch.multiprocessing``; NCCL for the gradients, gloo for
+barriers, one shared FP32 store per host in /dev/shm):
+
+- **parity**: a small Qwen2 (benchmark shape scaled down) trained 3 steps, clipped, on the same global batch by one
+  process and by N; every FP32 master compared, ``max ‖a−b‖/‖b‖`` over tensors. FP32 compute (TF32 off) is held to
+  the single-GPU parity tolerance of tests/test_gpu.py (1e-4); bf16 compute is reported beside it.
+- **scaling**: the benchmark model (Qwen2 14B width, ``--layers``) in the streamed regime (every layer streamed),
+  ``--batch`` sequences of ``--seq`` tokens *per process*: one process, then N. Tokens/s, the ratio, the host memory
+  the run added (MemTotal − MemAvailable, sampled; the shared store counts once however many processes map it) and
+  each rank's peak GPU memory.
+
+    python integration/multi_gpu.py --out $OUT                    # GPU host with >= 2 GPUs
+    python integration/multi_gpu.py --tiny --gpus 2 --out /tmp/mg  # CPU (gloo) smoke of the same code
+
+Writes ``multi_gpu_<gpu>.json`` (and ``.md``) under ``--out``. Engine API in a plain loop, as bench/run_megatrain.py's
+engine mode: a step is the interval between device-synchronised step ends, medians after warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import threading
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from bench.common import FULL_WIDTH, PEAK_TFLOPS, build_model, count_params, token_rows  # noqa: E402
+
+PARITY_WIDTH = dict(hidden_size=512, intermediate_size=1408, num_attention_heads=8, num_key_value_heads=2,
+                    vocab_size=4096)
+LR, CLIP = 1e-4, 1.0
+GIB = 1024 ** 3
+
+
+def _host_used() -> int:
+    info = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            k, v = line.split(":")
+            info[k] = int(v.split()[0]) * 1024
+    return info["MemTotal"] - info["MemAvailable"]
+
+
+class HostPeak:
+    """Peak of MemTotal − MemAvailable while it runs (every process of the host counted once, shared pages too)."""
+
+    def __init__(self) -> None:
+        self.peak, self._stop = _host_used(), threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            self.peak = max(self.peak, _host_used())
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._t.join()
+        return self.peak
+
+
+def _spec(kind: str, a: argparse.Namespace) -> dict[str, Any]:
+    if kind == "parity":
+        return {"tiny": a.tiny, "layers": 4, "seq": 256 if not a.tiny else 32, "batch": 4, "seed": 0}
+    return {"tiny": a.tiny, "layers": a.layers, "seq": a.seq, "batch": a.batch, "seed": 0}
+
+
+def worker(rank: int, world: int, kind: str, a: argparse.Namespace, port: int, compute: str, out: str) -> None:
+    cuda = torch.cuda.is_available() and not a.tiny
+    if world > 1:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        if cuda:
+            torch.cuda.set_device(rank)
+        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
+                                device_id=torch.device("cuda", rank) if cuda else None)
+    elif cuda:
+        torch.cuda.set_device(0)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    from bench import common
+    from hf_megatrain import MegaTrainConfig, MegaTrainEngine
+    from hf_megatrain.parallel import DataParallel
+
+    spec = _spec(kind, a)
+    if kind == "parity" and not a.tiny:
+        common.FULL_WIDTH = {**FULL_WIDTH, **PARITY_WIDTH}  # (this process only)
+    dtype = torch.float32 if compute == "float32" else torch.bfloat16
+    model = build_model(spec, dtype)
+    n_params = count_params(model)
+    config = MegaTrainConfig(compute_dtype=compute, device_layers=0, device_step_layers=0,
+                             torch_compile=kind == "scaling" and cuda and a.compile, shared_memory_dir=a.shm)
+    dp = DataParallel.from_process_group() if world > 1 else None
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    engine = MegaTrainEngine(model, config, device=device, dp=dp)
+    opt = engine.create_optimizer(lr=LR, weight_decay=0.01, max_grad_norm=CLIP if kind == "parity" else 1e4)
+    steps = 3 if kind == "parity" else a.warmup + a.steps
+    per_rank = int(spec["batch"]) if kind == "scaling" else int(spec["batch"]) // world
+    global_batch = per_rank * world
+    rows = token_rows({**spec, "batch": global_batch}, steps)
+    seq = int(spec["seq"])
+    times, t_last = [], None
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    for s in range(steps):
+        g = rows[s * global_batch:(s + 1) * global_batch]
+        ids = g[rank * per_rank:(rank + 1) * per_rank].to(device)
+        items = global_batch * (seq - 1)
+        loss = engine(input_ids=ids, labels=ids, num_items_in_batch=items).loss
+        (loss * world).backward()  # (Trainer's scaling with average_tokens_across_devices; dp averages gradients)
+        opt.step()
+        opt.zero_grad()
+        if cuda:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        if t_last is not None:
+            times.append(t - t_last)
+        t_last = t
+    opt.wait()
+    res: dict[str, Any] = {"rank": rank, "n_params": n_params, "step_times_s": times,
+                           "peak_gpu_alloc_gib": torch.cuda.max_memory_allocated() / GIB if cuda else None,
+                           "peak_gpu_reserved_gib": torch.cuda.max_memory_reserved() / GIB if cuda else None}
+    if kind == "parity" and rank == 0:
+        torch.save({n: t.detach().float().cpu() for n, t in engine.named_master_tensors()},
+                   os.path.join(out, f"parity_{compute}_{world}.pt"))
+    with open(os.path.join(out, f"{kind}_{compute}_{world}_rank{rank}.json"), "w") as f:
+        json.dump(res, f)
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(kind: str, world: int, a: argparse.Namespace, compute: str) -> dict[str, Any]:
+    base, peak, t0 = _host_used(), HostPeak(), time.perf_counter()
+    mp.spawn(worker, args=(world, kind, a, _free_port(), compute, a.out), nprocs=world, join=True)
+    used = peak.stop() - base
+    ranks = [json.load(open(os.path.join(a.out, f"{kind}_{compute}_{world}_rank{r}.json"))) for r in range(world)]
+    out: dict[str, Any] = {"processes": world, "compute_dtype": compute, "wall_s": time.perf_counter() - t0,
+                           "host_added_gib": used / GIB, "ranks": ranks}
+    if kind == "scaling":
+        times = [max(ts) for ts in zip(*(r["step_times_s"] for r in ranks))][a.warmup - 1:]  # slowest rank per step
+        step = statistics.median(times)
+        tokens = a.batch * a.seq * world
+        n = ranks[0]["n_params"]
+        out.update(step_time_s=step, tokens_per_step=tokens, tokens_per_s=tokens / step,
+                   model_tflops=6 * n * tokens / step / 1e12, mfu_per_gpu=6 * n * tokens / step / 1e12 / world
+                   / PEAK_TFLOPS)
+    return out
+
+
+def parity(world: int, a: argparse.Namespace, compute: str) -> dict[str, Any]:
+    one, many = run("parity", 1, a, compute), run("parity", world, a, compute)
+    ref = torch.load(os.path.join(a.out, f"parity_{compute}_1.pt"))
+    got = torch.load(os.path.join(a.out, f"parity_{compute}_{world}.pt"))
+    def worst(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, str]:
+        rel = {n: float((a[n] - t).norm() / t.norm().clamp_min(1e-30)) for n, t in b.items()}
+        name = max(rel, key=rel.get)
+        return rel[name], name
+
+    out = {"compute_dtype": compute, "tensors": len(ref), "one": one, "many": many}
+    out["max_rel"], out["worst_tensor"] = worst(got, ref)
+    fp32 = os.path.join(a.out, "parity_float32_1.pt")
+    if compute != "float32" and os.path.exists(fp32):  # the single-GPU bf16 tolerance: distance to FP32 training
+        exact = torch.load(fp32)
+        out["one_vs_fp32_max_rel"], _ = worst(ref, exact)
+        out["many_vs_fp32_max_rel"], _ = worst(got, exact)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gpus", type=int, default=None, help="processes (default: every visible GPU; --tiny: 2)")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=16, help="sequences per process per step (scaling)")
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--compile", action="store_true", help="torch_compile the layers (scaling runs)")
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: parity, scaling")
+    ap.add_argument("--tiny", action="store_true", help="tiny width on the CPU with gloo (smoke test)")
+    ap.add_argument("--shm", default="/dev/shm", help="where the shared host store's files live")
+    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    a = ap.parse_args(argv)
+    if a.tiny:
+        a.layers, a.seq, a.batch, a.steps, a.warmup = 2, 32, 2, 2, 1
+    world = a.gpus or (2 if a.tiny or not torch.cuda.is_available() else torch.cuda.device_count())
+    if world < 2:
+        print("multi_gpu: needs 2 or more GPUs (or --tiny)", file=sys.stderr)
+        return 2
+    os.makedirs(a.out, exist_ok=True)
+    gpu = "cpu" if a.tiny or not torch.cuda.is_available() else torch.cuda.get_device_name(0)
+    res: dict[str, Any] = {"gpu": gpu, "processes": world, "command": "python " + " ".join(sys.argv),
+                           "date": time.strftime("%Y-%m-%d %H:%M:%S"), "torch": torch.__version__}
+    path = os.path.join(a.out, f"multi_gpu_{gpu.lower().replace(' ', '_')}.json")
+
+    def save() -> None:
+        with open(path, "w") as f:
+            json.dump(res, f, indent=1)
+
+    skip = set(a.skip.split(","))
+    if "parity" not in skip:
+        res["parity"] = [parity(world, a, c) for c in ("float32", "bfloat16")]
+        save()
+        for p in res["parity"]:
+            vs = (f"; vs FP32 training: 1 process {p['one_vs_fp32_max_rel']:.2e}, {world}: "
+                  f"{p['many_vs_fp32_max_rel']:.2e}") if "one_vs_fp32_max_rel" in p else ""
+            print(f"[multi_gpu] parity {p['compute_dtype']}: max rel {p['max_rel']:.2e} ({p['worst_tensor']}){vs}")
+    if "scaling" not in skip:
+        one = run("scaling", 1, a, "float32" if a.tiny else "bfloat16")
+        save()
+        many = run("scaling", world, a, "float32" if a.tiny else "bfloat16")
+        res["scaling"] = {"one": one, "many": many, "speedup": many["tokens_per_s"] / one["tokens_per_s"],
+                          "host_ratio": many["host_added_gib"] / max(one["host_added_gib"], 1e-9)}
+        save()
+        s = res["scaling"]
+        print(f"[multi_gpu] 1 process {one['tokens_per_s']:,.0f} tok/s, {world}: {many['tokens_per_s']:,.0f} "
+              f"({s['speedup']:.2f}x); host added {one['host_added_gib']:.1f} -> {many['host_added_gib']:.1f} GiB "
+              f"({s['host_ratio']:.2f}x)")
+    print(f"[multi_gpu] -> {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -13,7 +13,9 @@ its master changes. Everyone asks this object instead of each other:
   in-flight D2H copies, the resident parameters' ``.grad``) -- the one place gradients land;
 - readers of the masters (checkpoints, exports, PEFT saves) call ``wait_all()``;
 - a lean store's gradients go to the one ``consumer`` registered here (the lean optimizer); the recorded forward
-  of the step being computed (``replay``) lives here until the step ends.
+  of the step being computed (``replay``) lives here until the step ends;
+- with data-parallel ranks sharing the host's store (each writes its shard of every update), ``peers`` hears of
+  each finished update and makes loads and ``wait_all`` wait for every rank's shard (parallel/peer_cells.py).
 
 Mechanism only: no torch ops besides holding tensors, so it is tested with plain integers and fakes.
 """
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import enum
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -40,6 +42,14 @@ _HAS_GRAD = (Phase.ACCUMULATING, Phase.LANDED)
 # A lean store's consumer: (unit index, host slab, host squared-norm cell, D2H event) -> wait() that returns once
 # the slab may be reused.
 Consumer = Callable[[int, torch.Tensor, torch.Tensor, Any], Callable[[], None]]
+
+
+class Peers(Protocol):
+    """Other processes writing shards of the same units (parallel/peer_cells.py)."""
+
+    def publish(self, unit: int, count: int) -> None: ...  # this process's updates of ``unit`` so far
+
+    def wait(self, unit: int, count: int) -> None: ...  # until every process has made ``count`` updates of it
 
 
 class StepState:
@@ -67,6 +77,9 @@ class StepState:
         # copies back to host memory and loading them again. Valid while the unit is at, or on its way to, that
         # version; dropped when another update begins or the master changes outside an update.
         self._early: list[tuple[Any, Any, int] | None] = [None] * num_units
+        # Finished updates per unit (not ``version``, which a checkpoint load also moves): what ``peers`` compares.
+        self.updates = [0] * num_units
+        self.peers: Peers | None = None
 
     def __len__(self) -> int:
         return len(self.phase)
@@ -152,6 +165,9 @@ class StepState:
             self.grad_sq[i] = None
         if changed:
             self.version[i] += 1
+            self.updates[i] += 1
+            if self.peers is not None:
+                self.peers.publish(i, self.updates[i])
         self._ready[i].set()
         self._loadable[i].set()
 
@@ -188,6 +204,8 @@ class StepState:
         early = self.early_copy(i)
         if early is None:
             self.wait_ready(i)
+        if self.peers is not None:  # (a shared unit: the other ranks' shards of the same update)
+            self.peers.wait(i, self.updates[i])
         return early
 
     def wait_all(self) -> None:
@@ -197,6 +215,9 @@ class StepState:
         for e in self._ready:
             e.wait()
         self._raise()
+        if self.peers is not None:
+            for i, n in enumerate(self.updates):
+                self.peers.wait(i, n)
 
     def _raise(self) -> None:
         if self._error is not None:

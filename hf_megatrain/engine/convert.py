@@ -91,6 +91,7 @@ class Converted:
     originals: list[nn.Module]  # the HF layers (weights freed: meta), for the proxies' plain attributes
     resident_params: dict[str, nn.Parameter]  # trainable parameters outside the layers (device working copies)
     frozen_resident: dict[str, nn.Parameter]  # frozen ones (device, compute dtype)
+    peer_cells: torch.Tensor | None = None  # data parallel: [ranks, units] update counts in shared memory
 
 
 def convert(model: nn.Module, config: MegaTrainConfig, device: torch.device, decay_names: set[str] | None,

@@ -30,6 +30,7 @@ from ..core import kernels
 from ..core.plan import Stepper, Where
 from ..core.step_state import StepState
 from ..parallel.group import DataParallel
+from ..parallel.peer_cells import PeerCells
 from ..parallel.setup import convert_shared, data_parallel_config
 from ..model.families import ModelHead
 from ..model.loss import TokenStats
@@ -75,6 +76,8 @@ class MegaTrainEngine:
         self.frozen_resident = conv.frozen_resident
         self.layer_buffer_names = conv.persistent_buffers
         self.state = StepState(len(self.store.units))
+        if self.dp is not None:  # loads wait for every rank's shard of an update, not for a barrier per step
+            self.state.peers = PeerCells(conv.peer_cells, self.dp.rank)
         self.executor = StreamingExecutor(
             self.layer_units, self.state, conv.kinds, conv.templates, conv.buffers, device=self.device,
             compute_dtype=self.compute_dtype, grad_offload_dtype=config.torch_grad_offload_dtype,

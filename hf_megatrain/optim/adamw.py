@@ -21,10 +21,10 @@ those judged right finish as ready, so the next forward starts after layer 0's u
 
 Data parallel (``dp``, parallel/group.py; first version): each rank steps only its shard of every HOST unit (in the
 host's shared store) and every rank the whole of the replicated DEVICE units, whose gradients it all-reduces after
-``land``; the norm sums every rank's shard squared norms (one all-reduce). The step is synchronous: no
-speculation, and ``step()`` returns after every rank's shards are written (a barrier), so the next forward on any
-rank loads complete weights. Speculative / overlapped updates across processes are designed in
-integration/MULTI_GPU_DESIGN.md, not built.
+``land``; the norm sums every rank's shard squared norms (one all-reduce). The updates overlap the next forward as
+in one process: ``step()`` does not wait for them, and a rank's load of a unit waits until every rank's shard of its
+update is written (StepState.peers, parallel/peer_cells.py). No speculation (updates during the backward) across
+processes yet.
 """
 
 from __future__ import annotations
@@ -150,10 +150,9 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
         if skip:
             self._skip(norm)
         else:
+            # (data parallel: no barrier; a rank's next load of a unit waits for every rank's shard of this update,
+            # StepState.peers, so each rank's AdamW overlaps its next forward as in one process)
             self._launch(hyper, grad_scale, [i for i in self.unit_order if i not in done])
-        if self.dp is not None:  # every rank's shards written before any rank's next forward reads them
-            self.step_state.wait_all()
-            self.dp.barrier()
         return loss
 
     def own(self, u: Unit) -> tuple[int, int]:

@@ -89,6 +89,10 @@ def convert_shared(model: nn.Module, config: MegaTrainConfig, device: torch.devi
     try:
         conv = _in_turn(dp, run, not dp.is_leader)  # the followers map (and write) every buffer first
         conv = _in_turn(dp, run, dp.is_leader) or conv
+        # Each rank's count of finished updates per unit (parallel/peer_cells.py): zeros, as the files start.
+        units = len(conv.store.units)
+        conv.peer_cells = alloc(dp.world * units, torch.int64, False).view(dp.world, units)
+        dp.barrier()  # (every rank has mapped the cells before their file goes)
     finally:
         if dp.is_leader:
             alloc.release()

@@ -1,0 +1,46 @@
+"""PeerCells: when every data-parallel rank of the host has written its shard of a unit's update.
+
+Each rank steps only its shard of a host unit, in shared memory, on its own optimizer threads; a rank's next
+forward may load the unit (its compute-dtype copy, all shards) only once every rank's shard of that update is
+written. Instead of a barrier at the end of each step (which would keep every rank's AdamW off the next forward),
+each rank counts its finished updates per unit and stores the count in its own cell of a shared ``[world, units]``
+int64 tensor; a reader waits until every rank's cell for the unit has reached its own count.
+
+Why this is safe without atomics: each cell has one writer (an aligned 8-byte store), counts only grow, and a rank
+cannot run ahead of the others by a whole update: its next update of a unit needs the gradient the others'
+backward of that unit contributes (a collective), which comes after their loads of the unit for that step. The
+shard's data is written before the count (program order on the updating thread; x86 stores are not reordered with
+older stores), so a reader that sees the count sees the data.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+# Between polls of a cell that has not caught up: short, since the forward rarely waits (updates run ahead of it).
+POLL_SECONDS = 50e-6
+
+
+class PeerCells:
+    """StepState's ``peers``: ``publish`` a unit's update count for this rank, ``wait`` for every rank's."""
+
+    def __init__(self, cells: torch.Tensor, rank: int, *, poll_s: float = POLL_SECONDS) -> None:
+        if cells.dim() != 2 or cells.dtype != torch.int64 or not 0 <= rank < cells.shape[0]:
+            raise ValueError(f"peer cells: need an int64 [world, units] tensor and a rank in it, got "
+                             f"{tuple(cells.shape)} {cells.dtype}, rank {rank}")
+        self.cells, self.rank, self.poll_s = cells, rank, poll_s
+        self.waited_s = 0.0  # time readers spent waiting for other ranks (diagnostics)
+
+    def publish(self, unit: int, count: int) -> None:
+        self.cells[self.rank, unit] = count
+
+    def wait(self, unit: int, count: int) -> None:
+        column = self.cells[:, unit]
+        if bool((column >= count).all()):
+            return
+        t0 = time.perf_counter()
+        while not bool((column >= count).all()):
+            time.sleep(self.poll_s)
+        self.waited_s += time.perf_counter() - t0

@@ -236,3 +236,23 @@ def test_multi_gpu_script_tiny(tmp_path):
     fp32 = next(p for p in res["parity"] if p["compute_dtype"] == "float32")
     assert fp32["max_rel"] < 1e-4
     assert res["scaling"]["many"]["processes"] == 2 and res["scaling"]["speedup"] > 0
+
+
+def test_planner_counts_the_shared_store_once():
+    """``estimate(gpus=N)``: the placement the data-parallel path runs (every layer on the host), the store once,
+    each process's own host buffers N times; an option the path refuses is refused by the planner too."""
+    from hf_megatrain import planner
+    from tests.models import tiny
+
+    shape = planner.ModelShape.from_model(tiny("llama"))
+    cfg = MegaTrainConfig(compute_dtype="bfloat16")
+    one = planner.estimate(shape, cfg, 64, 2, device_type="cuda", gpu_free=80 << 30)
+    two = planner.estimate(shape, cfg, 64, 2, device_type="cuda", gpu_free=80 << 30, gpus=2)
+    alone = planner.estimate(shape, MegaTrainConfig(compute_dtype="bfloat16", device_layers=0, device_step_layers=0),
+                             64, 2, device_type="cuda", gpu_free=80 << 30)
+    assert one.store_host_bytes == 0  # (one process keeps this tiny model on the GPU) ...
+    assert two.store_host_bytes == alone.store_host_bytes > 0  # ... N processes step every layer on the host, once
+    for key, v in alone.host.items():
+        assert two.host[key] == (v if key in planner.predict._STORE_ROWS else 2 * v), key
+    with pytest.raises(ValueError, match="lean_store"):
+        planner.estimate(shape, MegaTrainConfig(lean_store=True), 64, 2, device_type="cuda", gpus=2)

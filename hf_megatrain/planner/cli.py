@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--batch-size", type=int, default=1, help="sequences per optimizer micro-step")
     p.add_argument("--micro-batch-size", type=int, default=None, help="split inside a layer visit (0 = none)")
-    p.add_argument("--gpus", type=int, default=1)
+    p.add_argument("--gpus", type=int, default=1, help="data-parallel processes of one host (one shared store)")
     p.add_argument("--compute-dtype", default=None, choices=["bfloat16", "float32"])
     p.add_argument("--num-slots", type=int, default=None)
     p.add_argument("--grad-accum", type=int, default=1)

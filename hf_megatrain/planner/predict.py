@@ -285,7 +285,11 @@ def estimate(shape: ModelShape, config: MegaTrainConfig, seq_len: int, batch_siz
     unit plans an engine already built (else built here from ``gpu_free``, as the engine would);
     ``offloaded_layers``: layers whose saved input is offloaded (default: ``activation_offload``'s rule, from
     ``gpu_free``: long_context.py). The store's bytes
-    are sums of ``UnitPlan.buffers`` over the plans: one formula for the engine and the planner."""
+    are sums of ``UnitPlan.buffers`` over the plans: one formula for the engine and the planner. ``gpus`` > 1:
+    that many data-parallel processes of one host (parallel/), the placement they run and one shared store."""
+    if gpus > 1:
+        from ..parallel.setup import data_parallel_config  # (lazy: parallel/ imports the engine, which imports us)
+        config = data_parallel_config(config, SimpleNamespace(world=gpus))
     cdt, odt = config.torch_compute_dtype, config.torch_grad_offload_dtype
     c, o, cuda = _elt(cdt), _elt(odt), device_type == "cuda"
     plan = MemoryPlan(device_type=device_type, construction_extra=source_bytes, pinned=cuda and config.pin_memory)
@@ -402,10 +406,13 @@ def estimate(shape: ModelShape, config: MegaTrainConfig, seq_len: int, batch_siz
         plan.notes.append(f"lean_store refuses gradient accumulation ({grad_accum} steps): put the sequences in one "
                           "batch and set micro_batch_size (in-layer split, same math)")
     if gpus > 1:
-        plan.notes.append(f"hf_megatrain trains on one GPU (the Trainer refuses world_size > 1); the host numbers "
-                          f"are for one process: {gpus} independent processes would need {gpus}x.")
+        plan.notes.append(f"{gpus} data-parallel processes of one host: the store is in shared memory, once; each "
+                          "process adds its own baseline, staging and offloaded activations (the device rows are "
+                          "per GPU)")
         for key in list(h):
-            h[key] *= gpus
+            if key not in _STORE_ROWS:
+                h[key] *= gpus
+        plan.construction_extra *= gpus  # (every process holds its copy of the model while it converts)
     return plan
 
 

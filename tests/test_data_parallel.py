@@ -218,6 +218,9 @@ def test_a_unit_loads_only_once_every_rank_wrote_its_shard():
     state.wait_all()
     with pytest.raises(ValueError, match="int64"):
         PeerCells(torch.zeros(2, 3), 0)
+    stuck = PeerCells(torch.zeros(2, 1, dtype=torch.int64), 0, poll_s=1e-4, timeout_s=0.02)
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[0, 1\] have not written"):
+        stuck.wait(0, 1)
 
 
 @pytest.mark.slow  # spawns 4 + 2 processes (~30 s on 2 cores)

@@ -21,16 +21,20 @@ import torch
 
 # Between polls of a cell that has not caught up: short, since the forward rarely waits (updates run ahead of it).
 POLL_SECONDS = 50e-6
+# A shard update takes seconds at most; a rank this far behind has died or hangs (outside any collective, so no
+# NCCL timeout would ever end the wait).
+TIMEOUT_SECONDS = 1800.0
 
 
 class PeerCells:
     """StepState's ``peers``: ``publish`` a unit's update count for this rank, ``wait`` for every rank's."""
 
-    def __init__(self, cells: torch.Tensor, rank: int, *, poll_s: float = POLL_SECONDS) -> None:
+    def __init__(self, cells: torch.Tensor, rank: int, *, poll_s: float = POLL_SECONDS,
+                 timeout_s: float = TIMEOUT_SECONDS) -> None:
         if cells.dim() != 2 or cells.dtype != torch.int64 or not 0 <= rank < cells.shape[0]:
             raise ValueError(f"peer cells: need an int64 [world, units] tensor and a rank in it, got "
                              f"{tuple(cells.shape)} {cells.dtype}, rank {rank}")
-        self.cells, self.rank, self.poll_s = cells, rank, poll_s
+        self.cells, self.rank, self.poll_s, self.timeout_s = cells, rank, poll_s, timeout_s
         self.waited_s = 0.0  # time readers spent waiting for other ranks (diagnostics)
 
     def publish(self, unit: int, count: int) -> None:
@@ -42,5 +46,11 @@ class PeerCells:
             return
         t0 = time.perf_counter()
         while not bool((column >= count).all()):
+            if time.perf_counter() - t0 > self.timeout_s:
+                behind = [r for r, n in enumerate(column.tolist()) if n < count]
+                raise RuntimeError(f"hf_megatrain data parallel: rank(s) {behind} have not written their shard of "
+                                   f"update {count} of unit {unit} after {self.timeout_s:.0f} s; a process died or "
+                                   "hangs (see its log). The other ranks stop here rather than train on a partial "
+                                   "update.")
             time.sleep(self.poll_s)
         self.waited_s += time.perf_counter() - t0

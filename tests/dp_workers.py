@@ -181,6 +181,7 @@ def trainer_run(tmp: str, world: int, run: str, resume: str | None = None,
     assert not isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
     out = weights(trainer.engine)
     out["eval_loss"] = torch.tensor(trainer.evaluate(dataset(8, seed=1))["eval_loss"])
+    trainer.save_model(os.path.join(tmp, run, "final"))  # (every process calls it; the main one writes)
     return out
 
 

@@ -163,6 +163,11 @@ def test_trainer_two_processes_match_one_and_resume(tmp_path):
     mp.spawn(W.trainer_worker, args=(2, tmp, port), nprocs=2, join=True)
     _assert_close(torch.load(os.path.join(tmp, "trainer_final_2proc.pt")), ref, "Trainer: 2 processes vs 1")
     _assert_close(torch.load(os.path.join(tmp, "trainer_resumed_1to2.pt")), ref, "Trainer: resumed 1 -> 2")
+    # save_model on both processes: one standard checkpoint, written once, that plain transformers loads
+    import transformers
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(tmp, "trainer_2proc", "final"))
+    for name, p in loaded.named_parameters():
+        assert rel(p.detach(), ref[name]) < 1e-5, name
     resumed = W.trainer_run(tmp, 1, "trainer_2to1", resume=os.path.join(tmp, "trainer_2proc", "checkpoint-2"))
     _assert_close(resumed, ref, "Trainer: resumed 2 -> 1")
 

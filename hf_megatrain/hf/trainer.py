@@ -255,9 +255,19 @@ class MegaTrainTrainer(Trainer):
         return loss, nested_detach(logits), labels
 
     # -- saving -------------------------------------------------------------------------------------------------------
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """``Trainer.save_model`` (call it on every process, as with FSDP / DeepSpeed): the main process writes the
+        standard checkpoint; with several processes the others wait until it is written, so none updates the
+        shared store while it is read."""
+        super().save_model(output_dir, _internal_call)
+        if self._mt and self.engine is not None and self.engine.dp is not None:
+            self.engine.dp.barrier()
+
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         if not self._mt:
             return super()._save(output_dir, state_dict)
+        if not self.args.should_save:  # (Trainer.save_model calls this on every process: the main one writes)
+            return
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         logger.info("Saving model checkpoint to %s", output_dir)
         export_model(self.engine, output_dir, dtype=self._mt_config.save_dtype,
@@ -278,10 +288,14 @@ class MegaTrainTrainer(Trainer):
         if not self._mt:
             raise ValueError("save_merged_model needs megatrain=True and a PEFT model")
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        files = export_model(self.engine, output_dir, dtype=dtype if dtype is not None else self._mt_config.save_dtype,
-                             max_shard_size=self.args.megatrain_max_shard_size, merged=True)
-        if self.processing_class is not None:
-            self.processing_class.save_pretrained(output_dir)
+        files: list[str] = []
+        if self.args.should_save:  # (like save_model: call it on every process; the main one writes)
+            files = export_model(self.engine, output_dir, merged=True, max_shard_size=self.args.megatrain_max_shard_size,
+                                 dtype=dtype if dtype is not None else self._mt_config.save_dtype)
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+        if self.engine.dp is not None:
+            self.engine.dp.barrier()
         return files
 
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:

@@ -56,6 +56,27 @@ def run_steps(engine: MegaTrainEngine, opt, start: int, stop: int, rank: int = 0
     return norms
 
 
+def run_speculative_steps(engine: MegaTrainEngine, opt, rank: int = 0, world: int = 1) -> tuple[int, int]:
+    """4 steps of one backward each, marked final (the optimizer speculates once a step has not clipped): steps
+    1-2 speculate and stand, step 3's clip threshold drops so its speculative updates are taken back and redone.
+    Returns (units speculated, updates taken back)."""
+    micro = [mb for step in batches() for mb in step]
+    opt.max_grad_norm = 1e4
+    for step in range(4):
+        ids, labels = micro[step]
+        n_items = int((labels != -100).sum())
+        rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+        engine.state.final_backward = True
+        out = engine(input_ids=ids[rows], labels=labels[rows], num_items_in_batch=n_items)
+        (out.loss * world).backward()
+        if step == 3:
+            opt.max_grad_norm = 1e-3
+        opt.step()
+        opt.zero_grad()
+    opt.wait()
+    return opt.speculated, opt.taken_back
+
+
 def weights(engine: MegaTrainEngine) -> dict[str, torch.Tensor]:
     return {n: t.clone() for n, t in engine.named_master_tensors()}
 
@@ -122,6 +143,20 @@ def train_worker(rank: int, world: int, tmp: str) -> None:
         run_steps(engine, opt, 0, STEPS, rank, world)
         if rank == 0:
             torch.save(weights(engine), os.path.join(tmp, "lora_2proc.pt"))
+        dp.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def speculative_worker(rank: int, world: int, tmp: str) -> None:
+    """2 processes, speculative updates of each rank's shards (see ``run_speculative_steps``)."""
+    dp = init(rank, world, tmp)
+    try:
+        engine, opt = make_engine(dp, tmp)
+        counts = run_speculative_steps(engine, opt, rank, world)
+        torch.save(counts, os.path.join(tmp, f"spec_counts_rank{rank}.pt"))
+        if rank == 0:
+            torch.save(weights(engine), os.path.join(tmp, "spec_2proc.pt"))
         dp.barrier()
     finally:
         dist.destroy_process_group()

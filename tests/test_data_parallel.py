@@ -223,6 +223,18 @@ def test_a_unit_loads_only_once_every_rank_wrote_its_shard():
     state.wait_all()
     with pytest.raises(ValueError, match="int64"):
         PeerCells(torch.zeros(2, 3), 0)
+    # A speculative update counts for the other ranks only once judged right; one taken back never counts.
+    state.begin_update(2)
+    state.finish_update(2, changed=True, keep_grad=True)  # speculative, not judged yet
+    assert cells[0, 2] == 0 and state.updates[2] == 0
+    state.finish_update(2, changed=False)  # judged right
+    assert cells[0, 2] == 1
+    state.begin_update(2)
+    state.finish_update(2, changed=True, keep_grad=True)
+    state.touch(2)  # taken back (the step clipped) ...
+    state.begin_update(2)
+    state.finish_update(2)  # ... and redone with the true factor: one update
+    assert cells[0, 2] == 2 and state.updates[2] == 2
     stuck = PeerCells(torch.zeros(2, 1, dtype=torch.int64), 0, poll_s=1e-4, timeout_s=0.02)
     with pytest.raises(RuntimeError, match=r"rank\(s\) \[0, 1\] have not written"):
         stuck.wait(0, 1)
@@ -264,3 +276,18 @@ def test_planner_counts_the_shared_store_once():
         assert two.host[key] == (v if key in planner.predict._STORE_ROWS else 2 * v), key
     with pytest.raises(ValueError, match="lean_store"):
         planner.estimate(shape, MegaTrainConfig(lean_store=True), 64, 2, device_type="cuda", gpus=2)
+
+
+def test_speculative_shard_updates_match_one_process(tmp_path):
+    """Speculation across processes: each rank updates its shard as the reduce-scattered gradient lands, the global
+    norm judges it at step(); updates that stand count for the other ranks' loads only once judged, a clipping step
+    takes back and redoes each rank's shard. 2 processes end where one process ends (1e-5)."""
+    tmp = str(tmp_path)
+    engine, opt = W.make_engine(None, tmp)
+    spec, back = W.run_speculative_steps(engine, opt)
+    assert spec > 0 and back > 0  # (both paths ran in the reference)
+    ref = W.weights(engine)
+    _spawn(W.speculative_worker, tmp)
+    for rank in (0, 1):
+        assert torch.load(os.path.join(tmp, f"spec_counts_rank{rank}.pt")) == (spec, back)
+    _assert_close(torch.load(os.path.join(tmp, "spec_2proc.pt")), ref, "speculative, 2 processes vs 1")

@@ -77,8 +77,10 @@ class StepState:
         # copies back to host memory and loading them again. Valid while the unit is at, or on its way to, that
         # version; dropped when another update begins or the master changes outside an update.
         self._early: list[tuple[Any, Any, int] | None] = [None] * num_units
-        # Finished updates per unit (not ``version``, which a checkpoint load also moves): what ``peers`` compares.
+        # Final updates per unit (not ``version``, which a checkpoint load also moves): what ``peers`` compares. A
+        # speculative update counts once judged right (it may still be taken back until then).
         self.updates = [0] * num_units
+        self._unjudged = [False] * num_units
         self.peers: Peers | None = None
 
     def __len__(self) -> int:
@@ -165,6 +167,10 @@ class StepState:
             self.grad_sq[i] = None
         if changed:
             self.version[i] += 1
+        if keep_grad:
+            self._unjudged[i] = self._unjudged[i] or changed
+        elif changed or self._unjudged[i]:  # final: a plain update, or a speculative one judged right
+            self._unjudged[i] = False
             self.updates[i] += 1
             if self.peers is not None:
                 self.peers.publish(i, self.updates[i])
@@ -176,6 +182,7 @@ class StepState:
         for j in range(len(self)) if i is None else (i,):
             self.version[j] += 1
             self._early[j] = None
+            self._unjudged[j] = False  # (a speculative update taken back never counts)
 
     def discard(self) -> None:
         """Drop every gradient of the step (``zero_grad``, a skipped step): units become READY, masters unchanged."""

@@ -69,10 +69,12 @@ class Unit:
     def view(self, flat: torch.Tensor, p: ParamSlice) -> torch.Tensor:
         return flat[p.offset:p.offset + p.numel].view(p.shape)
 
-    def refresh_compute_(self) -> None:
-        """Copy the master into the compute copy (after the master changed)."""
+    def refresh_compute_(self, span: tuple[int, int] | None = None) -> None:
+        """Copy the master into the compute copy (after the master changed); ``span``: only that range of the flat
+        buffers (a data-parallel rank's shard: the other ranks write theirs)."""
         if self.compute is not None:
-            self.compute.copy_(self.master)
+            lo, hi = span if span is not None else (0, self.numel)
+            self.compute[lo:hi].copy_(self.master[lo:hi])
 
 
 def bytes_per_param(compute_dtype: torch.dtype, lean: bool = False) -> int:

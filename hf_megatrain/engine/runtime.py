@@ -165,9 +165,7 @@ class MegaTrainEngine:
         else:  # the shared masters are written (by local rank 0): each rank refreshes the compute copy it owns
             self.dp.barrier()
             for u in self.store.units:
-                if u.compute is not None:
-                    lo, hi = self.dp.owns(u)
-                    u.compute[lo:hi].copy_(u.master[lo:hi])
+                u.refresh_compute_(self.dp.owns(u))
         self.state.touch()
         self.publish_resident()
         if self.dp is not None:  # every rank's part done before any rank reads the weights

@@ -23,8 +23,10 @@ Data parallel (``dp``, parallel/group.py; first version): each rank steps only i
 host's shared store) and every rank the whole of the replicated DEVICE units, whose gradients it all-reduces after
 ``land``; the norm sums every rank's shard squared norms (one all-reduce). The updates overlap the next forward as
 in one process: ``step()`` does not wait for them, and a rank's load of a unit waits until every rank's shard of its
-update is written (StepState.peers, parallel/peer_cells.py). No speculation (updates during the backward) across
-processes yet.
+update is written (StepState.peers, parallel/peer_cells.py). Speculation works per shard: each rank updates its
+shard as the reduce-scattered gradient lands; the global norm judges it at ``step()``, a take-back undoes the shard
+only, and the other ranks count an update only once it is judged (a take-back may still be running on this rank when
+another rank, past the norm's all-reduce, loads the unit).
 """
 
 from __future__ import annotations
@@ -123,7 +125,8 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
         self.last_grad_norm: float | None = None
         self._workers: list[threading.Thread] = []
         state.add_joiner(self._join)
-        self._init_speculation(speculate and self.dp is None)  # (speculative_step.py)
+        self._dp_reached: dict[int, list[bool]] = {}  # data parallel: each unit's flags OR-ed over the ranks
+        self._init_speculation(speculate)  # (speculative_step.py)
 
     # -- phases ------------------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -139,6 +142,7 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
         self._zero_missing()
         if self.dp is not None:
             self._reduce_replicated()
+            self._agree_reached()
         t0 = time.perf_counter()
         norm = self.grad_norm()
         self.last_norm_seconds = time.perf_counter() - t0
@@ -159,6 +163,11 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
         """The range of ``u``'s flat buffers this process steps: its shard of a HOST unit shared by data-parallel
         ranks, else all of it."""
         return (0, u.numel) if self.dp is None else self.dp.owns(u)
+
+    def owned(self, u: Unit, groups: kernels.Groups) -> kernels.Groups:
+        """``groups``' spans within the range of ``u`` this process steps (``own``)."""
+        lo, hi = self.own(u)
+        return groups if (lo, hi) == (0, u.numel) else [(h, clip_spans(spans, lo, hi)) for h, spans in groups]
 
     def _reduce_replicated(self) -> None:
         """Data parallel: the mean over ranks of each replicated (device-stepped) unit's gradient."""
@@ -231,9 +240,9 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
         here = [i for i, p in zip(order, plans) if p.stepper in (Stepper.HOST, Stepper.DEVICE)]
         for i in here + on_gpu:
             self.step_state.begin_update(i)
-            self._reached[i] = self.grad_reach.take(i) if self.grad_reach is not None else None
-        if self.dp is not None:
-            self._agree_reached(here + on_gpu)
+            taken = self.grad_reach.take(i) if self.grad_reach is not None else None
+            self._reached[i] = self._dp_reached.pop(i) if self.dp is not None else taken
+        self._dp_reached.clear()
         jobs: list[tuple[Callable, list[int]]] = [(self._run_here, here)]
         if on_gpu:  # (recorded here, on the main thread: everything the backward queued comes before its kernels)
             after = self.device_stepper.streams.record(self.device_stepper.streams.compute)
@@ -251,14 +260,17 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
                 self._guard(fn, ids, hyper, grad_scale, t0)
             self.step_state.wait_all()
 
-    def _agree_reached(self, ids: list[int]) -> None:
+    def _agree_reached(self) -> None:
         """Data parallel: a parameter some rank's backward reached is stepped on every rank (the others
-        contributed zeros to its mean gradient), as one process over the whole batch would."""
-        sizes = [len(self.store.units[i].params) for i in ids]
-        flags = [f for i, n in zip(ids, sizes) for f in (self._reached[i] or [True] * n)]
+        contributed zeros to its mean gradient), as one process over the whole batch would. Over every unit, in
+        one order on all ranks: which units a rank launches differs where one speculated and another did not
+        (a speculating rank's flags were all set, so the merged ones are too: the same update either way)."""
+        units = self.store.units
+        flags = [f for u in units for f in ((self.grad_reach.peek(u.index) if self.grad_reach is not None else None)
+                                            or [True] * len(u.params))]
         merged = self.dp.any_flags(flags)
-        for i, n in zip(ids, sizes):
-            self._reached[i], merged = merged[:n], merged[n:]
+        for u in units:
+            self._dp_reached[u.index], merged = merged[:len(u.params)], merged[len(u.params):]
 
     def _guard(self, fn: Callable, ids: list[int], hyper: list[kernels.Hyper], grad_scale: float | None,
                t0: float) -> None:
@@ -294,9 +306,7 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
         t0 = time.perf_counter()
         lo, hi = self.own(unit)
         for step, groups in self._groups_by_step(unit, hyper, self._reached.pop(unit.index, None)):
-            if (lo, hi) != (0, unit.numel):  # (data parallel: this rank's shard)
-                groups = [(h, clip_spans(spans, lo, hi)) for h, spans in groups]
-            kernels.adamw_(*flats, groups, step, grad_scale, compute, self.host_kernel)
+            kernels.adamw_(*flats, self.owned(unit, groups), step, grad_scale, compute, self.host_kernel)
         if flats[0].device.type == "cpu":  # (GPU updates are asynchronous launches: not timed here)
             self.host_update_seconds += time.perf_counter() - t0
             self.host_update_params += hi - lo

@@ -142,10 +142,10 @@ class SpeculativeStep:
         """Undo unit ``i``'s speculative update (its gradient is still in its buffer: the kernel without a clip
         factor leaves it untouched), so the normal launch redoes it with the true factor."""
         u = self.store.units[i]
-        groups = self.groups_of(u, list(key[1]))
+        groups = self.owned(u, self.groups_of(u, list(key[1])))  # (data parallel: this rank's shard)
         kernels.undo_master_(u.master, u.exp_avg, u.exp_avg_sq, groups, self._counts[i])
         kernels.undo_moments_(u.grad, u.exp_avg, u.exp_avg_sq, groups, self._counts[i], key[0])
         self._counts[i] -= 1
-        u.refresh_compute_()
+        u.refresh_compute_(self.own(u))
         self.step_state.touch(i)
         self.taken_back += 1

@@ -169,6 +169,10 @@ class MegaTrainConfig:
             for the backward), "auto" (the planner keeps the last layers' inputs on the GPU while they fit its
             budget for the step's sequence length and offloads the first ones; nothing is offloaded on a CPU).
         activation_prefetch: offloaded layer inputs copied back this many layers ahead of the backward (>= 1).
+        host_threads: CPU threads of the host AdamW (torch's intra-op threads of the process). 0 = auto: this
+            process's share of its cores (data-parallel processes of one host split them), raised to that when a
+            launcher left fewer (``accelerate launch`` and torchrun set OMP_NUM_THREADS=1 unless told otherwise),
+            never lowered. > 0: exactly that many.
         shared_memory_dir: several processes of one host (data parallel, parallel/): the directory on a RAM file system
             where the host's one copy of the FP32 store is created (files removed once every rank mapped them).
     """
@@ -200,6 +204,7 @@ class MegaTrainConfig:
     seq_chunk_tokens: int = 0
     activation_offload: str = "auto"
     activation_prefetch: int = 2
+    host_threads: int = 0
     shared_memory_dir: str = "/dev/shm"
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -240,6 +245,8 @@ class MegaTrainConfig:
         for frac in ("device_step_fraction", "resident_device_fraction"):
             if not 0.0 <= getattr(self, frac) <= 1.0:  # (nan fails too)
                 raise ValueError(f"{frac}={getattr(self, frac)} must be in [0, 1]")
+        if self.host_threads < 0:
+            raise ValueError(f"host_threads={self.host_threads} must be >= 0 (0: auto, the process's share of its cores)")
         if self.placement_tokens < 0:
             raise ValueError(f"placement_tokens={self.placement_tokens} must be >= 0 (0: the fraction rule)")
         if self.resident_placement not in ("auto", "device", "host"):

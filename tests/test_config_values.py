@@ -68,3 +68,37 @@ def test_trainer_torch_compile_points_at_the_config_key(tmp_path, flag):
         MegaTrainTrainingArguments(**common_args(tmp_path), megatrain_config={"compute_dtype": "float32"}, **flag)
     args = MegaTrainTrainingArguments(**common_args(tmp_path), megatrain_config={"torch_compile": "true"})
     assert args.megatrain_resolved_config().torch_compile is True
+
+
+def test_host_threads_rule():
+    """host_threads: explicit wins; auto gives each process its share of the cores and never lowers a larger
+    setting (launchers leave 1 thread: accelerate launch's default num_cpu_threads_per_process, torchrun)."""
+    from hf_megatrain.core.threads import host_threads
+
+    assert host_threads(0, processes=1, current=1, cores=16) == 16  # accelerate launch's OMP_NUM_THREADS=1
+    assert host_threads(0, processes=2, current=1, cores=16) == 8  # two data-parallel processes share the cores
+    assert host_threads(0, processes=1, current=32, cores=16) == 32  # a larger choice of the user stays
+    assert host_threads(0, processes=4, current=1, cores=3) == 1
+    assert host_threads(6, processes=1, current=16, cores=16) == 6  # explicit
+    with pytest.raises(ValueError, match="host_threads"):
+        MegaTrainConfig(host_threads=-1)
+
+
+def test_engine_raises_a_launchers_single_thread(monkeypatch):
+    """The engine applies the rule at construction (before the host kernel is built)."""
+    import torch
+
+    from hf_megatrain import MegaTrainEngine
+    from hf_megatrain.core import threads
+    from .models import tiny
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(threads, "usable_cores", lambda: 2)
+    try:
+        torch.set_num_threads(1)
+        MegaTrainEngine(tiny("llama"), MegaTrainConfig(compute_dtype="float32"), device="cpu")
+        assert torch.get_num_threads() == 2
+        MegaTrainEngine(tiny("llama"), MegaTrainConfig(compute_dtype="float32", host_threads=1), device="cpu")
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

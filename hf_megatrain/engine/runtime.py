@@ -29,6 +29,7 @@ from ..config import MegaTrainConfig
 from ..core import kernels
 from ..core.plan import Stepper, Where
 from ..core.step_state import StepState
+from ..core.threads import apply_host_threads
 from ..parallel.group import DataParallel
 from ..parallel.peer_cells import PeerCells
 from ..parallel.setup import convert_shared, data_parallel_config
@@ -63,6 +64,10 @@ class MegaTrainEngine:
         if self.dp is not None:
             config = data_parallel_config(config, self.dp)
         self.config = config
+        before, after = apply_host_threads(config.host_threads, 1 if self.dp is None else self.dp.world)
+        if after != before:
+            logger.info("hf_megatrain: host AdamW on %d CPU threads (the process had %d; host_threads=%d)", after,
+                        before, config.host_threads)
         self.model = model
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))

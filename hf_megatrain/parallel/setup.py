@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from typing import Callable
 
 import torch
@@ -113,16 +112,4 @@ def convert_shared(model: nn.Module, config: MegaTrainConfig, device: torch.devi
                 if b.is_floating_point():
                     dp.broadcast_(b)
     dp.barrier()
-    _warn_threads(dp)
     return conv
-
-
-def _warn_threads(dp: DataParallel) -> None:
-    """Launchers often set OMP_NUM_THREADS=1 per process (torchrun does): each rank's share of the host AdamW, which
-    is memory-bound and wants many threads, would then run on one core."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    fair = max(cores // dp.world, 1)
-    if dp.is_leader and torch.get_num_threads() < fair // 2:
-        logger.warning("hf_megatrain: %d processes step the host AdamW with %d CPU thread(s) each on %d cores; set "
-                       "OMP_NUM_THREADS=%d (or torch.set_num_threads) for the optimizer's share of each process",
-                       dp.world, torch.get_num_threads(), cores, fair)

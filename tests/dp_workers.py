@@ -8,7 +8,9 @@ so the ranks together compute the single-process gradient of the global batch.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -106,17 +108,21 @@ def mapped_run_files() -> set[tuple[str, str]]:
     return out
 
 
-def init(rank: int, world: int, tmp: str) -> DataParallel:
+@contextlib.contextmanager
+def ranks(rank: int, world: int, tmp: str) -> Iterator[DataParallel]:
+    """This process as rank ``rank`` of a gloo group of ``world`` (torn down however the worker ends)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'rendezvous')}", rank=rank,
                             world_size=world)
-    return DataParallel.from_process_group()
+    try:
+        yield DataParallel.from_process_group()
+    finally:
+        dist.destroy_process_group()
 
 
 def train_worker(rank: int, world: int, tmp: str) -> None:
     """2 processes: (A) 3 steps from scratch, checkpoint after step 2; (B) resume a 1-process checkpoint."""
-    dp = init(rank, world, tmp)
-    try:
+    with ranks(rank, world, tmp) as dp:
         engine, opt = make_engine(dp, tmp)
         files = dp.all_gather_object(sorted(mapped_run_files()))
         if rank == 0:
@@ -144,30 +150,24 @@ def train_worker(rank: int, world: int, tmp: str) -> None:
         if rank == 0:
             torch.save(weights(engine), os.path.join(tmp, "lora_2proc.pt"))
         dp.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 def speculative_worker(rank: int, world: int, tmp: str) -> None:
     """2 processes, speculative updates of each rank's shards (see ``run_speculative_steps``)."""
-    dp = init(rank, world, tmp)
-    try:
+    with ranks(rank, world, tmp) as dp:
         engine, opt = make_engine(dp, tmp)
         counts = run_speculative_steps(engine, opt, rank, world)
         torch.save(counts, os.path.join(tmp, f"spec_counts_rank{rank}.pt"))
         if rank == 0:
             torch.save(weights(engine), os.path.join(tmp, "spec_2proc.pt"))
         dp.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 def shared_store_worker(rank: int, world: int, tmp: str) -> None:
     """One buffer of the shared allocator: a write by either rank is seen by the other; files gone after release."""
     from hf_megatrain.parallel.shared_alloc import SharedHostAllocator, new_run_dir
 
-    dp = init(rank, world, tmp)
-    try:
+    with ranks(rank, world, tmp) as dp:
         run = dp.broadcast_object(new_run_dir(tmp) if dp.is_leader else None)
         alloc = SharedHostAllocator(run)
         t = alloc(1000, torch.float32, pin=False)
@@ -185,8 +185,6 @@ def shared_store_worker(rank: int, world: int, tmp: str) -> None:
         dp.barrier()
         assert t[7] == -1.0 and not os.path.exists(run)
         t[500] += 0  # (the mapping outlives the file)
-    finally:
-        dist.destroy_process_group()
 
 
 # -- through MegaTrainTrainer (accelerate, gloo) -----------------------------------------------------------------------
@@ -241,8 +239,7 @@ def failing_conversion_worker(rank: int, world: int, tmp: str) -> None:
     """A conversion that fails on rank 1 only: both ranks raise (none waits forever), rank 0 naming rank 1."""
     import hf_megatrain.parallel.setup as setup
 
-    dp = init(rank, world, tmp)
-    try:
+    with ranks(rank, world, tmp) as dp:
         if rank == 1:
             def broken(*args, **kwargs):
                 raise MemoryError("rank 1 out of memory")
@@ -252,5 +249,3 @@ def failing_conversion_worker(rank: int, world: int, tmp: str) -> None:
         except (MemoryError, RuntimeError) as e:
             torch.save(str(e), os.path.join(tmp, f"error_rank{rank}.pt"))
         dp.barrier()
-    finally:
-        dist.destroy_process_group()

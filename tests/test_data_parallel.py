@@ -291,3 +291,15 @@ def test_speculative_shard_updates_match_one_process(tmp_path):
     for rank in (0, 1):
         assert torch.load(os.path.join(tmp, f"spec_counts_rank{rank}.pt")) == (spec, back)
     _assert_close(torch.load(os.path.join(tmp, "spec_2proc.pt")), ref, "speculative, 2 processes vs 1")
+
+
+def test_shared_store_refuses_a_too_small_ram_file_system(tmp_path):
+    """The shared files are sparse until written: a /dev/shm smaller than the store would fail with SIGBUS in the
+    middle of training. The allocator refuses up front, saying what to change."""
+    from hf_megatrain.core.memory import HostMemoryError
+    from hf_megatrain.parallel.shared_alloc import SharedHostAllocator
+
+    alloc = SharedHostAllocator(new_run_dir(str(tmp_path)), capacity=1000)
+    alloc(200, torch.float32, pin=False)  # 800 bytes
+    with pytest.raises(HostMemoryError, match="shm-size|shared_memory_dir"):
+        alloc(100, torch.float32, pin=False)

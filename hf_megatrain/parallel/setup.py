@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import shutil
 from typing import Callable
 
 import torch
@@ -81,9 +82,10 @@ def _in_turn(dp: DataParallel, fn: Callable[[], Converted], mine: bool) -> Conve
 def convert_shared(model: nn.Module, config: MegaTrainConfig, device: torch.device, decay_names: set[str] | None,
                    dp: DataParallel) -> Converted:
     """``convert`` on every rank of ``dp`` into one store in shared memory under ``config.shared_memory_dir``."""
-    run_dir, avail = dp.broadcast_object((new_run_dir(config.shared_memory_dir), available_host_bytes())
-                                         if dp.is_leader else None)
-    alloc = SharedHostAllocator(run_dir)
+    root = config.shared_memory_dir
+    run_dir, avail, room = dp.broadcast_object(
+        (new_run_dir(root), available_host_bytes(), shutil.disk_usage(root).free) if dp.is_leader else None)
+    alloc = SharedHostAllocator(run_dir, capacity=room)
     run = lambda: convert(model, config, device, decay_names, host_alloc=alloc, host_available=avail)  # noqa: E731
     try:
         conv = _in_turn(dp, run, not dp.is_leader)  # the followers map (and write) every buffer first

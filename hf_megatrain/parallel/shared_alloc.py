@@ -21,7 +21,7 @@ import uuid
 
 import torch
 
-from ..core.memory import pin_in_place
+from ..core.memory import HostMemoryError, format_bytes, pin_in_place
 
 RUN_PREFIX = "megatrain-"
 
@@ -61,16 +61,28 @@ class SharedHostAllocator:
     """``alloc(numel, dtype, pin)`` -> a host tensor backed by a shared file of the run directory (the store's
     ``host_alloc``)."""
 
-    def __init__(self, run_dir: str) -> None:
-        self.run_dir = run_dir
+    def __init__(self, run_dir: str, capacity: int | None = None) -> None:
+        """``capacity``: bytes the file system of ``run_dir`` had free when the run began (None: unchecked)."""
+        self.run_dir, self.capacity = run_dir, capacity
         self._names: list[str] = []
+        self.requested = 0  # bytes of every file so far
 
     def __call__(self, numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+        size = max(numel, 1)
+        nbytes = size * torch.empty((), dtype=dtype).element_size()
+        # The files are sparse until written: a tmpfs too small for them would fail with SIGBUS on a write, in the
+        # middle of training. Its size is its own limit (Docker's /dev/shm is 64 MiB by default; a host's is
+        # half its RAM), whatever the RAM: refuse here, every rank alike (the same requests, the leader's figure).
+        if self.capacity is not None and self.requested + nbytes > self.capacity:
+            raise HostMemoryError(
+                f"hf_megatrain data parallel: the host's shared store needs more than the "
+                f"{format_bytes(self.capacity)} free in {os.path.dirname(self.run_dir)} (so far "
+                f"{format_bytes(self.requested + nbytes)}). Enlarge that RAM file system (e.g. `mount -o remount,"
+                "size=<bytes> /dev/shm`, or `docker run --shm-size=...`) or set shared_memory_dir to a larger one")
+        self.requested += nbytes
         name = f"{len(self._names):06d}-{numel}-{str(dtype).replace('torch.', '')}.bin"
         self._names.append(name)
         path = os.path.join(self.run_dir, name)
-        size = max(numel, 1)
-        nbytes = size * torch.empty((), dtype=dtype).element_size()
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             if os.fstat(fd).st_size != nbytes:  # (the first rank here sizes it; same size: no-op, data kept)

@@ -406,9 +406,10 @@ def estimate(shape: ModelShape, config: MegaTrainConfig, seq_len: int, batch_siz
         plan.notes.append(f"lean_store refuses gradient accumulation ({grad_accum} steps): put the sequences in one "
                           "batch and set micro_batch_size (in-layer split, same math)")
     if gpus > 1:
-        plan.notes.append(f"{gpus} data-parallel processes of one host: the store is in shared memory, once; each "
-                          "process adds its own baseline, staging and offloaded activations (the device rows are "
-                          "per GPU)")
+        plan.notes.append(f"{gpus} data-parallel processes of one host: the store is in shared memory, once (it "
+                          f"needs {format_bytes(plan.store_host_bytes)} free in shared_memory_dir, /dev/shm by "
+                          "default); each process adds its own baseline, staging and offloaded activations (the "
+                          "device rows are per GPU)")
         for key in list(h):
             if key not in _STORE_ROWS:
                 h[key] *= gpus

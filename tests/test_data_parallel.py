@@ -104,6 +104,7 @@ def _dp(world: int = 2) -> DataParallel:
     (dict(device_layers=2), "device_layers"),
     (dict(device_step_layers=1), "device_step_layers"),
     (dict(resident_placement="host"), "resident_placement"),
+    (dict(grad_offload_dtype="bfloat16"), "grad_offload_dtype"),
 ])
 def test_unsupported_combinations_say_what_to_change(over, needle):
     with pytest.raises(ValueError, match=needle):

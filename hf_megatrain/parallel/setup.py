@@ -44,6 +44,9 @@ def data_parallel_config(config: MegaTrainConfig, dp: DataParallel) -> MegaTrain
         if getattr(config, key) > 0:
             raise ValueError(f"{key}={getattr(config, key)} is not supported with {n} (data parallel): every layer "
                              f"is stepped on the host, sharded over the ranks. Use {key}=0 (or -1).")
+    if config.torch_grad_offload_dtype != torch.float32:
+        raise ValueError(f"grad_offload_dtype={config.grad_offload_dtype!r} is not supported with {n} (data parallel): "
+                         "the ranks' gradients would be summed in that dtype by the reduce-scatter. Use 'float32'.")
     if config.resident_placement == "host":
         raise ValueError(f"resident_placement='host' is not supported with {n} (data parallel): the embeddings, "
                          "final norm and lm_head are replicated on each rank's device. Use 'device' or 'auto'.")

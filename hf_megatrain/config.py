@@ -102,6 +102,11 @@ class MegaTrainConfig:
         pin_memory: pin host buffers (only honoured when CUDA is available).
         overlap_optimizer: step each layer in a background thread while the next forward streams earlier layers.
         grad_offload_dtype: dtype gradients cross PCIe in ("float32" exact accumulation, or "bfloat16").
+        narrow_grads: with "float32" above, a layer's gradient that is the step's only one and computed whole (one
+            backward per step, or the step's last backward of a first visit; no ``micro_batch_size`` split) crosses
+            PCIe and waits on the host in the compute dtype: exactly the values autograd produced, half the bytes
+            of its D2H and of the host AdamW's gradient read (engine/offload.py). Needs ``host_kernel`` compiled
+            (the fused kernel reads FP32 only); one process (data parallel reduces in FP32).
         save_dtype: dtype of exported standard checkpoints ("float32" default, "bfloat16").
         skip_nonfinite: skip the optimizer step (state untouched) when the gradient norm is not finite.
         resident_placement: where the FP32 master and AdamW state of the resident parts (embeddings, final norm,
@@ -187,6 +192,7 @@ class MegaTrainConfig:
     pin_memory: bool = True
     overlap_optimizer: bool = True
     grad_offload_dtype: str = "float32"
+    narrow_grads: bool = True
     save_dtype: str = "float32"
     skip_nonfinite: bool = True
     resident_placement: str = "auto"

@@ -102,7 +102,7 @@ def run_parity(model, *, steps=3, ga=2, batch=2, seq=12, lr=1e-3, wd=0.1, max_gr
             if float(p.grad.norm()) < 1e-6 * float(total):
                 null_grad.add(n)
                 continue
-            grad = captured[unit.index] if unit.grad is None else unit.grad  # (wherever its plan keeps it)
+            grad = captured[unit.index] if unit.grad is None else opt.grad_of(unit)  # (wherever its plan keeps it)
             worst["grad"] = max(worst["grad"], rel(unit.view(grad, ps).cpu(), p.grad.cpu()))
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_grad_norm) if max_grad_norm else None
         ropt.step()

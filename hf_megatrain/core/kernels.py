@@ -9,7 +9,8 @@ is folded in as ``grad_scale`` (each gradient is divided by it). Two implementat
   kernel writes the unscaled gradient back).
 - ``COMPILED``: the same formula (ATen's CPU expressions: lerp for the first moment, ``sqrt(v)/bc2_sqrt + eps``)
   as one inductor-generated vectorised OpenMP loop that also writes the compute copy: 30 bytes per parameter
-  whatever the clipping, and one pass (the host AdamW is memory-bound: integration/host_adamw_rate.py). Compiled
+  whatever the clipping (28 with a narrow gradient: a whole layer visit's bf16 values, read as the exact FP32
+  they stand for; engine/offload.py), and one pass (the host AdamW is memory-bound: integration/host_adamw_rate.py). Compiled
   once for every size (dynamic shapes); hyper-parameters enter as 0-d tensors so an LR schedule never recompiles.
 
 The undo functions invert the update for the lean store and speculative steps (optim/lean.py,
@@ -57,12 +58,13 @@ class HostKernel(enum.Enum):
     COMPILED = "compiled"
 
 
-def host_bytes_per_param(impl: HostKernel, clip: bool, copy_bytes: int) -> int:
-    """Host DRAM bytes one update moves per parameter (``copy_bytes``: the compute copy's element size, 0 if none):
-    read master, grad, exp_avg, exp_avg_sq, write master and moments; the fused kernel writes the unscaled gradient
-    back when clipping and its copy pass reads the master again."""
+def host_bytes_per_param(impl: HostKernel, clip: bool, copy_bytes: int, grad_bytes: int = 4) -> int:
+    """Host DRAM bytes one update moves per parameter (``copy_bytes``: the compute copy's element size, 0 if none;
+    ``grad_bytes``: the gradient's, 2 when narrow): read master, grad, exp_avg, exp_avg_sq, write master and
+    moments; the fused kernel writes the unscaled gradient back when clipping and its copy pass reads the master
+    again."""
     if impl is HostKernel.COMPILED:
-        return 28 + copy_bytes
+        return 24 + grad_bytes + copy_bytes
     return 28 + (4 if clip else 0) + (4 + copy_bytes if copy_bytes else 0)
 
 
@@ -111,7 +113,7 @@ def _adamw_math(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tens
                 c: torch.Tensor, lerp_small: bool) -> None:
     """ATen's CPU AdamW expressions on one span; ``c`` = [wd_mul, 1-b1, b2, 1-b2, bc2_sqrt, eps, -step_size,
     grad_scale] (float32, narrowed from double as ATen does)."""
-    g = g / c[7]
+    g = g.to(torch.float32) / c[7]  # (a narrow gradient: its exact FP32 value first, as the FP32 buffer holds it)
     if lerp_small:  # exp_avg.lerp_(grad, 1 - b1) from the nearer endpoint, as ATen switches at weight 0.5
         m_new = m + c[1] * (g - m)
     else:
@@ -138,13 +140,15 @@ def _kernel() -> Any:
 
 
 def warm_up(compute_dtype: torch.dtype | None) -> None:
-    """Compile the host kernel now (main thread, seconds), for a unit with a compute copy of ``compute_dtype``;
+    """Compile the host kernel now (main thread, seconds), for a unit with a compute copy of ``compute_dtype``
+    (and a gradient in FP32 or, narrow, in that dtype);
     a RuntimeError that says what to do when it cannot be compiled here (no C++ compiler, ...)."""
     n = 64
     p, g, m, v = (torch.ones(n) for _ in range(4))
     out = None if compute_dtype is None else torch.empty(n, dtype=compute_dtype)
     try:
-        _compiled_adamw_(p, g, m, v, [(Hyper(1e-3, (0.9, 0.999), 1e-8, 0.0), [(0, n)])], 1, None, out)
+        for grad in (g, g.to(compute_dtype)) if compute_dtype is not None else (g,):  # (FP32 and narrow gradients)
+            _compiled_adamw_(p, grad, m, v, [(Hyper(1e-3, (0.9, 0.999), 1e-8, 0.0), [(0, n)])], 1, None, out)
     except Exception as e:
         raise RuntimeError(f"hf_megatrain: host_kernel='compiled' cannot be compiled on this machine "
                            f"({type(e).__name__}: {str(e)[:300]}); install a C++ compiler (g++) or use "
@@ -174,7 +178,8 @@ def _compiled_adamw_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Te
             # The main thread is compiling a layer (core/compiling.py): this span, untouched, with torch's kernel,
             # on a copy of the gradient when clipping (that kernel writes the unscaled gradient back; this one's
             # callers may undo the update from the gradient later).
-            g = grad[lo:hi].clone() if grad_scale is not None else grad[lo:hi]
+            g = grad[lo:hi]
+            g = g.float() if g.dtype != torch.float32 else g.clone() if grad_scale is not None else g
             adamw_(master[lo:hi], g, exp_avg[lo:hi], exp_avg_sq[lo:hi], [(h, [(0, hi - lo)])], step, grad_scale,
                    None if compute is None else compute[lo:hi])
 
@@ -206,7 +211,8 @@ def undo_moments_(grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.T
         return
     for a, b, h in _merged(groups, UNDO_CHUNK):
         b1, b2 = h.betas
-        g = grad[a:b] if grad_scale is None else grad[a:b] / grad_scale
+        g = grad[a:b].float()  # (a narrow gradient: its FP32 value, as the update took it)
+        g = g if grad_scale is None else g / grad_scale
         m, v = exp_avg[a:b], exp_avg_sq[a:b]
         if b1 > 0:
             m.sub_(g * (1 - b1)).div_(b1)

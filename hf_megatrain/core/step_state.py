@@ -56,6 +56,9 @@ class StepState:
     def __init__(self, num_units: int) -> None:
         self.phase = [Phase.EMPTY] * num_units
         self.grad_sq: list[torch.Tensor | None] = [None] * num_units
+        # The dtype a unit's host gradient is held in when not its FP32 buffer's own (a narrow gradient: a single
+        # whole visit's compute-dtype values, exact; engine/offload.py); None: FP32. Reset by each first visit.
+        self.narrow: list[torch.dtype | None] = [None] * num_units
         self.version = [0] * num_units
         self._ready = [threading.Event() for _ in range(num_units)]
         # Set when the unit's weights may be loaded: ready, or its new weights published on the GPU (below).
@@ -103,6 +106,8 @@ class StepState:
         first = not self.has_grad(i)
         self.phase[i] = Phase.ACCUMULATING
         self.grad_sq[i] = sq if first else None
+        if first:
+            self.narrow[i] = None
         self.unlanded = True
         return first
 

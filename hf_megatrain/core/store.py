@@ -69,6 +69,26 @@ class Unit:
     def view(self, flat: torch.Tensor, p: ParamSlice) -> torch.Tensor:
         return flat[p.offset:p.offset + p.numel].view(p.shape)
 
+    def grad_as(self, dtype: torch.dtype | None) -> torch.Tensor:
+        """The unit's host gradient as the step state says it is held: ``None``, the FP32 buffer itself; a 2-byte
+        dtype, the first half of the buffer's bytes holding ``numel`` values of it (a narrow gradient: see
+        ``widen_grad_``)."""
+        assert self.grad is not None
+        return self.grad if dtype is None else self.grad.view(dtype)[:self.numel]
+
+    def widen_grad_(self, dtype: torch.dtype) -> None:
+        """Turn a narrow gradient (``grad_as(dtype)``) into FP32 values in place. Back to front in halving pieces:
+        FP32 elements [lo, hi) overwrite bytes [4 lo, 4 hi), which only held narrow elements at or beyond 2 lo >= hi,
+        already read; the last few go through a copy. The caller makes sure nothing else reads it meanwhile."""
+        assert self.grad is not None
+        narrow, wide = self.grad.view(dtype), self.grad
+        hi = self.numel
+        while hi > 64:
+            lo = (hi + 1) // 2
+            wide[lo:hi].copy_(narrow[lo:hi])
+            hi = lo
+        wide[:hi].copy_(narrow[:hi].clone())
+
     def refresh_compute_(self, span: tuple[int, int] | None = None) -> None:
         """Copy the master into the compute copy (after the master changed); ``span``: only that range of the flat
         buffers (a data-parallel rank's shard: the other ranks write theirs)."""

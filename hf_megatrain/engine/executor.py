@@ -183,11 +183,11 @@ class StreamingExecutor:
         for j, p in enumerate(tmpl.layout):
             params[p.local].grad = grads[p.local]
             params[p.local].register_hook(lambda g, j=j: reached.__setitem__(j, True))
-        k, off = self.grads.buffer(n)
         flat, spec = pytree.tree_flatten(call)
         batch = hidden.shape[0]
         chunks = self._chunks(batch)
         split = len(chunks) > 1
+        k, off = self.grads.buffer(index, n, whole=not split)
         rows = self.rows.rows(index, batch, flat, spec, self._name(index)) if split else None
         per = [1] + [rows[p] if rows else None for p in grad_pos]  # rows per sequence of each source (hidden: 1)
         # Inputs that are not batch-major (broadcast over the batch) are one leaf for all chunks (autograd sums their

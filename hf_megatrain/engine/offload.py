@@ -11,6 +11,13 @@ two offload buffers (``buffer()``); ``send`` hands it to the sink the unit's pla
                                                  handed to the step state's consumer (the lean optimizer), which
                                                  releases the slab before it is reused
 
+A *narrow* gradient (``narrow``, set by the engine when the host kernel reads one): a host unit's gradient that is
+the step's only visit (the step's last backward, first visit) and computed whole (not split into micro-batches,
+whose sum is FP32) holds exactly the compute-dtype values autograd produced, so it crosses PCIe and sits in the
+first half of the unit's FP32 host buffer in that dtype (``StepState.narrow`` says so; ``Unit.grad_as``): half the
+D2H bytes and half the optimizer's gradient reads, the same values. Readers outside the optimizer widen it first
+(``Unit.widen_grad_``). A lean unit's visit is its step's only one: whole, it lands narrow in its slab.
+
 The two offload buffers alternate, so layer i's D2H overlaps layer i-1's recompute. ``finish`` (a lander of the
 step state) lands whatever is in flight.
 
@@ -64,18 +71,35 @@ class GradientOffload:
         self.sq_cells = alloc_host(len(units), torch.float32, pin)
         self._next = 0
         self.d2h_bytes = 0
+        # The compute dtype when narrow gradients are on (the engine turns them on for a host kernel that reads
+        # them), else None; per offload buffer, the dtype its current gradient is in when narrow.
+        self.narrow: torch.dtype | None = None
+        self._narrow_k: list[torch.dtype | None] = [None, None]
 
-    def buffer(self, n: int) -> tuple[int, torch.Tensor]:
-        """The next offload buffer (its previous D2H drained on the device), first ``n`` elements."""
+    def buffer(self, index: int, n: int, whole: bool) -> tuple[int, torch.Tensor]:
+        """The next offload buffer (its previous D2H drained on the device), first ``n`` elements, for layer
+        ``index``'s visit (``whole``: not split into micro-batches); narrow when that visit's gradient may be."""
         k = self._next
         self._next ^= 1
         self.streams.wait(self.streams.compute, self.done[k])
-        return k, self.offload[k][:n]
+        self._narrow_k[k] = self.narrow if whole and self._may_narrow(self.units[index]) else None
+        return k, self._off(k, n)
+
+    def _may_narrow(self, unit: Unit) -> bool:
+        if self.narrow is None or self.dp is not None:
+            return False
+        if unit.plan.grad is Where.NONE:
+            return True  # (lean: one backward per step)
+        return unit.plan.grad is Where.HOST and self.state.final_backward and not self.state.has_grad(unit.index)
+
+    def _off(self, k: int, n: int) -> torch.Tensor:
+        dt = self._narrow_k[k]
+        return self.offload[k][:n] if dt is None else self.offload[k].view(dt)[:n]
 
     def send(self, index: int, k: int) -> None:
         """Offload buffer ``k`` holds layer ``index``'s gradient for this visit: send it where its plan says."""
         unit = self.units[index]
-        off = self.offload[k][:unit.numel]
+        off = self._off(k, unit.numel)
         # The gradient-norm reduction rides along with the gradient's departure (first visit of the step only; a
         # lean unit's every gradient is a whole step's, a re-run's included).
         first = unit.plan.grad is Where.NONE or not self.state.has_grad(unit.index)
@@ -110,9 +134,15 @@ class GradientOffload:
         ready = self.streams.record(self.streams.compute)
         self._drain(k)
         first = self.state.accumulate(unit.index, sq)
-        direct = first and off.dtype == unit.grad.dtype
+        narrow = self._narrow_k[k]
+        if narrow is not None:
+            assert first and at == 0  # (buffer() chose narrow for a first, unsharded visit)
+            self.state.narrow[unit.index] = narrow
+        elif not first and self.state.narrow[unit.index] is not None:
+            self._widen(unit)  # (another visit after a narrow one: only a backward past the step's last does that)
+        direct = first and (narrow is not None or off.dtype == unit.grad.dtype)
         n = off.numel()
-        dst = unit.grad[at:at + n] if direct else self.staging[k][:n]
+        dst = unit.grad_as(narrow)[at:at + n] if direct else self.staging[k][:n]
         st = self.streams
         with st.on(st.d2h):
             st.wait(st.d2h, ready)
@@ -126,7 +156,9 @@ class GradientOffload:
     def _to_consumer(self, k: int, unit: Unit, off: torch.Tensor, sq: torch.Tensor | None) -> None:
         ready = self.streams.record(self.streams.compute)
         self._drain(k)  # slab k released by the consumer (it may still be reading the gradient of two layers up)
-        slab, sq_host = self.staging[k][:unit.numel], self.sq_host[k][0]
+        narrow = self._narrow_k[k]
+        slab = self.staging[k][:unit.numel] if narrow is None else self.staging[k].view(narrow)[:unit.numel]
+        sq_host = self.sq_host[k][0]
         st = self.streams
         with st.on(st.d2h):
             st.wait(st.d2h, ready)
@@ -157,6 +189,13 @@ class GradientOffload:
         self.pending[k] = None
         sq = self.state.grad_sq[unit.index]
         self.state.landed(unit.index, None if sq is None else float(self.sq_cells[unit.index]))
+
+    def _widen(self, unit: Unit) -> None:
+        """Make a narrow host gradient FP32 in place, once no update reads it (its D2H landed with the step's
+        ``land()``, before the forward that preceded this visit)."""
+        self.state.wait_ready(unit.index)
+        unit.widen_grad_(self.state.narrow[unit.index])
+        self.state.narrow[unit.index] = None
 
     def finish(self) -> None:
         """Land every gradient in flight."""

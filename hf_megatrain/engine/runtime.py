@@ -239,6 +239,7 @@ class MegaTrainEngine:
         """Land every gradient and give units no backward reached a zero gradient (what ``parameters()`` shows)."""
         self.state.wait_all()
         self.state.land()
+        self.widen_gradients()
         if self.state.any_grad():
             for u in self.store.units:
                 if u.plan.grad is not Where.NONE and not self.state.has_grad(u.index):
@@ -246,6 +247,17 @@ class MegaTrainEngine:
                     self.state.accumulate(u.index)
                     self.state.landed(u.index)
                     self.executor.reach.record(u.index, [False] * len(u.params), first=True)  # none reached
+
+    def widen_gradients(self) -> None:
+        """Every narrow host gradient (engine/offload.py) made FP32 in place, for readers of ``.grad``: after the
+        updates that may read it (a speculative one, started by ``land()``) are done."""
+        if any(dt is not None for dt in self.state.narrow):
+            self.state.wait_all()
+            for u in self.store.units:
+                dt = self.state.narrow[u.index]
+                if dt is not None:
+                    u.widen_grad_(dt)
+                    self.state.narrow[u.index] = None
 
     # -- forward -----------------------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
@@ -372,10 +384,16 @@ class MegaTrainEngine:
             self.state.clear_joiners()
         order = [self.resident_unit.index] + [u.index for u in self.layer_units]
         cls = LeanAdamW if self._lean else UnitAdamW
+        host_kernel = self._host_kernel()
+        # Narrow gradients (engine/offload.py) where they are exact and the host kernel reads them.
+        narrow = (self.config.narrow_grads and host_kernel is kernels.HostKernel.COMPILED and self.dp is None
+                  and self.config.torch_grad_offload_dtype == torch.float32 and self.compute_dtype.itemsize == 2)
+        self.widen_gradients()  # (a replaced optimizer's step may have left some)
+        self.executor.grads.narrow = self.compute_dtype if narrow else None
         self.optimizer = cls(self.store, self.state, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                              max_grad_norm=max_grad_norm, unit_order=order, skip_nonfinite=self.config.skip_nonfinite,
                              overlap=self.config.overlap_optimizer, grad_reach=self.executor.reach,
-                             host_kernel=self._host_kernel(),
+                             host_kernel=host_kernel,
                              **({} if cls is LeanAdamW else {"speculate": self.config.speculative_step,
                                                              "dp": self.dp}))
         return self.optimizer

@@ -83,6 +83,7 @@ def _named_parameters(engine: MegaTrainEngine, layers: LayerParams, prefix: str 
         if isinstance(mod, StreamedLayer):
             if not waited:  # every layer's update of the last step is final before its master is read
                 engine.state.wait_all()
+                engine.widen_gradients()  # (.grad is FP32)
                 waited = True
             named = []
             for n, p, grad in layers[mod.index]:

@@ -122,6 +122,7 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
         # benchmark reports is host_update_params / host_update_seconds.
         self.host_update_seconds = 0.0
         self.host_update_params = 0
+        self.host_update_bytes = 0  # host DRAM bytes those updates moved (kernels.host_bytes_per_param)
         self.last_grad_norm: float | None = None
         self._workers: list[threading.Thread] = []
         state.add_joiner(self._join)
@@ -198,7 +199,7 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
 
     def _unit_norm(self, u: Unit) -> torch.Tensor:
         sq = self.step_state.grad_sq[u.index]
-        return (sq.sqrt() if sq is not None else torch.linalg.vector_norm(u.grad)).cpu()
+        return (sq.sqrt() if sq is not None else torch.linalg.vector_norm(self.grad_of(u), dtype=torch.float32)).cpu()
 
     def _dp_grad_norm(self) -> float:
         """Each unit's squared norm summed over the ranks' shards (a replicated unit counted once: rank 0's)."""
@@ -286,7 +287,7 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
         for i in ids:
             u = self.store.units[i]
             with torch.profiler.record_function("megatrain.optimizer.host_unit"):
-                self.update_(u, [u.master, u.grad, u.exp_avg, u.exp_avg_sq], hyper, grad_scale)
+                self.update_(u, [u.master, self.grad_of(u), u.exp_avg, u.exp_avg_sq], hyper, grad_scale)
             self.step_state.finish_update(i)
 
     def _run_device_streamed(self, ids: list[int], hyper: list[kernels.Hyper], grad_scale: float | None,
@@ -297,6 +298,10 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
                                 lambda u: self.step_state.finish_update(u.index),
                                 lambda u, copy, event: self.step_state.publish_copy(u.index, copy, event),
                                 after=after)
+
+    def grad_of(self, u: Unit) -> torch.Tensor:
+        """``u``'s host gradient as this step holds it: FP32, or narrow (engine/offload.py)."""
+        return u.grad_as(self.step_state.narrow[u.index])
 
     def update_(self, unit: Unit, flats: list[torch.Tensor], hyper: list[kernels.Hyper], grad_scale: float | None,
                 refresh: bool = True) -> None:
@@ -310,6 +315,9 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
         if flats[0].device.type == "cpu":  # (GPU updates are asynchronous launches: not timed here)
             self.host_update_seconds += time.perf_counter() - t0
             self.host_update_params += hi - lo
+            self.host_update_bytes += (hi - lo) * kernels.host_bytes_per_param(
+                self.host_kernel, grad_scale is not None, compute.element_size() if compute is not None else 0,
+                flats[1].element_size())
 
     def _groups_by_step(self, unit: Unit, hyper: list[kernels.Hyper],
                         reached: list[bool] | None) -> list[tuple[int, kernels.Groups]]:

@@ -86,7 +86,7 @@ class SpeculativeStep:
         try:
             with torch.no_grad(), torch.profiler.record_function("megatrain.optimizer.speculative_unit"):
                 u = self.store.units[i]
-                self.update_(u, [u.master, u.grad, u.exp_avg, u.exp_avg_sq], hyper, None)
+                self.update_(u, [u.master, self.grad_of(u), u.exp_avg, u.exp_avg_sq], hyper, None)
             self.speculated += 1
         except BaseException as e:  # surfaced by the next wait
             self.step_state.fail(e)
@@ -144,7 +144,7 @@ class SpeculativeStep:
         u = self.store.units[i]
         groups = self.owned(u, self.groups_of(u, list(key[1])))  # (data parallel: this rank's shard)
         kernels.undo_master_(u.master, u.exp_avg, u.exp_avg_sq, groups, self._counts[i])
-        kernels.undo_moments_(u.grad, u.exp_avg, u.exp_avg_sq, groups, self._counts[i], key[0])
+        kernels.undo_moments_(self.grad_of(u), u.exp_avg, u.exp_avg_sq, groups, self._counts[i], key[0])
         self._counts[i] -= 1
         u.refresh_compute_(self.own(u))
         self.step_state.touch(i)

@@ -58,7 +58,8 @@ def _host_adamw_snapshot(opt: Any) -> dict[str, Any] | None:
         return None
     norm = getattr(opt, "last_grad_norm", None)
     clip = norm is not None and opt._grad_scale(norm) is not None
-    return {"s": opt.host_update_seconds, "params": opt.host_update_params, "clip": clip}
+    return {"s": opt.host_update_seconds, "params": opt.host_update_params, "clip": clip,
+            "bytes": getattr(opt, "host_update_bytes", 0)}
 
 
 def _host_adamw(opt: Any, snaps: list[dict | None], warm: int, steps: int) -> dict[str, Any]:
@@ -85,7 +86,8 @@ def _host_adamw(opt: Any, snaps: list[dict | None], warm: int, steps: int) -> di
                    for u in units) / max(numel, 1)
 
     clips = [s["clip"] for s in snaps[warm:warm + steps]]
-    bpp = sum(bytes_per_param(c) for c in clips) / len(clips)
+    d_bytes = b.get("bytes", 0) - a.get("bytes", 0)  # counted per update (narrow gradients: 2 fewer)
+    bpp = d_bytes / d_params if d_bytes > 0 and d_params > 0 else sum(bytes_per_param(c) for c in clips) / len(clips)
     rate = d_params / d_s if d_s > 0 else None
     return {"host_kernel": opt.host_kernel.value, "host_params": numel, "params_per_step": d_params / steps,
             "seconds_per_step": d_s / steps, "gparam_per_s": rate / 1e9 if rate else None,

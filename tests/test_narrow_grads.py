@@ -1,0 +1,94 @@
+"""Narrow gradients (engine/offload.py): a layer visit's gradient that is the step's only one and computed whole
+crosses PCIe and waits on the host in the compute dtype. Same values as the FP32 path, so the same training, bit for
+bit where no norm is involved; ``.grad`` readers see FP32."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from hf_megatrain import MegaTrainConfig, MegaTrainEngine
+from hf_megatrain.core.plan import Plans, Stepper, UnitPlan, Where
+from hf_megatrain.core.store import Unit
+
+from .models import tiny
+from .parity import random_batches, rel
+
+
+@pytest.mark.parametrize("n", [1, 2, 63, 64, 65, 1000, 4097])
+def test_widen_in_place_gives_the_fp32_values(n):
+    plan = UnitPlan(0, True, n, 0, Where.HOST, Where.HOST, Where.HOST, Where.HOST, Stepper.HOST)
+    grad = torch.full((n,), float("nan"))
+    unit = Unit(0, plan, [], n, torch.zeros(n), grad, torch.zeros(n), torch.zeros(n), None)
+    values = torch.randn(n).bfloat16()
+    unit.grad_as(torch.bfloat16).copy_(values)
+    unit.widen_grad_(torch.bfloat16)
+    assert torch.equal(unit.grad, values.float())
+
+
+def _train(model, cfg, steps, clip_schedule, ga=1, expose=None):
+    engine = MegaTrainEngine(copy.deepcopy(model), cfg)
+    opt = engine.create_optimizer(lr=1e-3, weight_decay=0.1, max_grad_norm=clip_schedule[0])
+    for s, micro in enumerate(random_batches(steps, ga, 2, 16, model.config.vocab_size, seed=1)):
+        opt.max_grad_norm = clip_schedule[s]
+        for j, (ids, lab) in enumerate(micro):
+            loss = engine(input_ids=ids, labels=lab).loss
+            engine.state.final_backward = j == ga - 1
+            loss.backward()
+        if expose is not None and s == 1:  # what a .grad reader sees before a step that speculated
+            expose.update({n: p.grad.clone() for n, p in engine.model.named_parameters() if p.grad is not None})
+        opt.step()
+        opt.zero_grad()
+    engine.state.wait_all()
+    weights = {n: engine.store.master_tensor(n).clone() for n in engine.store.by_name}
+    return weights, engine
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lean", [False, True])
+def test_narrow_gradients_train_as_fp32_ones(lean):
+    """bf16 compute, the compiled host kernel: steps that speculate, one that clips after them (taken back and
+    redone; lean: re-run), and a .grad read before a step -- the same as with FP32 gradients. (The optimizer runs
+    on the main thread: an overlapped one shares the CPU's threads with the forward's GEMMs, whose blocking -- and
+    so rounding -- can then differ from run to run.)"""
+    model = tiny("llama", num_hidden_layers=3)
+    clips = [1e6, 1e6, 0.05, 1e6]
+    out = {}
+    for narrow in (False, True):
+        cfg = MegaTrainConfig(compute_dtype="bfloat16", host_kernel="compiled", narrow_grads=narrow, lean_store=lean,
+                              overlap_optimizer=False)
+        seen: dict[str, torch.Tensor] = {}
+        weights, engine = _train(model, cfg, 4, clips, expose=None if lean else seen)
+        out[narrow] = (weights, engine.executor.grads.d2h_bytes, seen)
+    (w32, d32, g32), (w16, d16, g16) = out[False], out[True]
+    layers = sum(u.numel for u in engine.layer_units)
+    assert d32 - d16 >= 2 * layers * (3 if lean else 4) * 0.99  # the layers' gradients crossed in bf16
+    for n in w32:
+        assert rel(w16[n], w32[n]) <= 1e-6, n
+    assert g32.keys() == g16.keys() and (g32 or lean)
+    for n in g32:
+        assert torch.equal(g16[n], g32[n]), n
+
+
+@pytest.mark.slow
+def test_accumulated_or_split_gradients_stay_fp32():
+    """Gradient accumulation (the last backward adds to the first) and a layer visit split into micro-batches
+    (FP32 sums) keep the FP32 path: nothing narrow, the same bytes."""
+    model = tiny("llama", num_hidden_layers=2)
+    for cfg, ga in ((MegaTrainConfig(compute_dtype="bfloat16", host_kernel="compiled"), 2),
+                    (MegaTrainConfig(compute_dtype="bfloat16", host_kernel="compiled", micro_batch_size=1), 1)):
+        _, e16 = _train(model, cfg, 2, [1.0, 1.0], ga=ga)
+        _, e32 = _train(model, MegaTrainConfig(**{**cfg.to_dict(), "narrow_grads": False}), 2, [1.0, 1.0], ga=ga)
+        assert e16.executor.grads.d2h_bytes == e32.executor.grads.d2h_bytes
+
+
+def test_fused_kernel_and_fp32_compute_never_narrow():
+    """The fused host kernel reads FP32 gradients only; FP32 compute has nothing narrower."""
+    model = tiny("llama", num_hidden_layers=2)
+    for cfg in (MegaTrainConfig(compute_dtype="bfloat16", host_kernel="fused"),
+                MegaTrainConfig(compute_dtype="float32", host_kernel="compiled")):
+        engine = MegaTrainEngine(copy.deepcopy(model), cfg)
+        engine.create_optimizer()
+        assert engine.executor.grads.narrow is None

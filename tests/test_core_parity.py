@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hf_megatrain.core.plan import Stepper, Where
-from hf_megatrain import MegaTrainConfig, linear_cross_entropy
+from hf_megatrain import MegaTrainConfig, MegaTrainEngine, linear_cross_entropy
 
 from .models import tiny
 from .parity import rel, run_parity
@@ -70,6 +70,31 @@ def test_parity_with_device_stepped_layers_host_state(overlap, final_backward):
     engine.state.touch(stepped[0].index)
     stepper.prefetch()
     assert torch.equal(stepper.bufs[0]["master"][:stepped[0].numel], stepped[0].master)
+
+
+def test_device_stepped_state_comes_in_by_shares():
+    """``prefetch(budget)`` queues at most ``budget`` elements per call, in order (master, m, v of each layer), and
+    a layer counts as loaded only once all of its state is in; the speculative step gives each CPU layer's landing
+    an equal share, so the state is in by the time the GPU-stepped layers' gradients land."""
+    cfg = MegaTrainConfig(compute_dtype="float32", device_step_layers=2, device_step_state="host")
+    engine = MegaTrainEngine(tiny("llama", num_hidden_layers=4), cfg)
+    opt = engine.create_optimizer()
+    stepper, stepped = opt.device_stepper, engine.layer_units[:2]
+    assert opt._prefetch_share == -(-stepper.state_numel() // 2)  # two CPU layers land before them
+    n0 = stepped[0].numel
+    stepper.prefetch(n0 + 5)  # layer 0's master and 5 elements of its exp_avg
+    assert not stepper.loaded and stepper._partial[0][0] == n0 + 5
+    stepper.prefetch(2 * n0)
+    assert list(stepper.loaded) == [0] and stepper._partial[1][0] == 5
+    with torch.no_grad():
+        for u in stepped:
+            for name in ("master", "exp_avg", "exp_avg_sq"):
+                getattr(u, name).copy_(torch.randn(u.numel))
+            engine.state.touch(u.index)  # (a changed master: what was queued is stale)
+    stepper.prefetch()
+    for j, u in enumerate(stepped):
+        for name in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(stepper.bufs[j][name][:u.numel], getattr(u, name)), (j, name)
 
 
 def test_device_step_state_host_plans_fewer_gpu_bytes():

@@ -17,7 +17,9 @@ place: it never crosses PCIe); where their AdamW moments live is ``device_step_s
 - "host": master and moments stay in pinned host memory and nothing of the layer is on the GPU between steps (a
   model many times the GPU's size). Each layer has its own buffer set; ``prefetch`` copies master and moments in
   during the step's last backward (they do not change before the update), so when the last gradient lands the
-  update is a GPU kernel, and master, moments and the bf16 copy go back (12 bytes in, 14 out per parameter). The
+  update is a GPU kernel, and master, moments and the bf16 copy go back (12 bytes in, 14 out per parameter); the
+  copies in are spread over the backward's landings (``prefetch(budget)``), never queued all at once ahead of the
+  next layers' weights on the H2D stream (which stalled the backward for their whole duration). The
   first layers in forward order are the ones stepped here: they land last in the backward and the next forward
   needs them first, which is where the CPU would make the forward wait.
 
@@ -62,29 +64,52 @@ class DeviceStepper:
         self.free: list = [None] * len(self.bufs)
         # unit position -> (event, master version): its state is in its buffers (host state)
         self.loaded: dict[int, tuple[object, int]] = {}
+        self._partial: dict[int, list[int]] = {}  # unit position -> [elements queued, master version]
 
     def _slot(self, j: int) -> int:
         return j if self.host_state else j % 2
 
-    def prefetch(self) -> None:
-        """Host state: copy every layer's master and moments into its buffers now (the step's last backward: they
-        do not change before the update). Idempotent within a step; no-op for the device state."""
+    def prefetch(self, budget: int | None = None) -> None:
+        """Host state: copy the layers' master and moments into their buffers (the step's last backward: they do
+        not change before the update); at most ``budget`` elements now (None: all that is left). Each call queues
+        its pieces behind the weight loads already on the H2D stream, so a caller that spreads the state over the
+        backward's landings never puts seconds of copies ahead of the next layer's weights. Idempotent within a
+        step; no-op for the device state."""
         if not self.host_state:
             return
         st = self.streams
+        left = budget
         for j, unit in enumerate(self.units):
-            if j in self.loaded and self.loaded[j][1] == self.version_of(unit.index):
+            version = self.version_of(unit.index)
+            if j in self.loaded and self.loaded[j][1] == version:
                 continue
+            done = self._partial.get(j)
+            if done is None or done[1] != version:
+                done = self._partial[j] = [0, version]  # (elements of master, m, v, in that order, queued)
             b, n = self.bufs[j], unit.numel
             with st.on(st.h2d):
-                st.wait(st.h2d, self.free[j])  # the previous update's copies out of these buffers
-                for name in ("master", "exp_avg", "exp_avg_sq"):
-                    b[name][:n].copy_(getattr(unit, name), non_blocking=True)
-                self.loaded[j] = (st.record(st.h2d), self.version_of(unit.index))
+                if done[0] == 0:
+                    st.wait(st.h2d, self.free[j])  # the previous update's copies out of these buffers
+                while done[0] < 3 * n and (left is None or left > 0):
+                    k, lo = divmod(done[0], n)
+                    hi = n if left is None else min(n, lo + left)
+                    name = ("master", "exp_avg", "exp_avg_sq")[k]
+                    b[name][lo:hi].copy_(getattr(unit, name)[lo:hi], non_blocking=True)
+                    done[0] += hi - lo
+                    left = None if left is None else left - (hi - lo)
+                if done[0] < 3 * n:
+                    return
+                self.loaded[j] = (st.record(st.h2d), version)
+                del self._partial[j]
+
+    def state_numel(self) -> int:
+        """Elements ``prefetch`` copies in per step (host state; 0 for the device state)."""
+        return 3 * sum(u.numel for u in self.units) if self.host_state else 0
 
     def forget(self) -> None:
         """The host copies may have changed (a checkpoint was loaded): prefetched buffers are stale."""
         self.loaded.clear()
+        self._partial.clear()
 
     def run(self, order: list[Unit], step_fn: Callable[[Unit, list[torch.Tensor]], None],
             done: Callable[[Unit], None],

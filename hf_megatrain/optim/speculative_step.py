@@ -46,6 +46,11 @@ class SpeculativeStep:
         self._spec_done: set[int] = set()
         self._spec_final: set[int] = set()
         self._forward_pos = {u: k for k, u in enumerate(self.unit_order)}
+        # The GPU-stepped layers' state, spread over the landings before theirs (they are the first in forward order:
+        # the CPU's layers land first), so each share rides behind one layer's weight load.
+        ds = self.device_stepper
+        cpu_layers = sum(1 for u in self.store.units if u.streamed and u.plan.stepper is Stepper.HOST)
+        self._prefetch_share = -(-ds.state_numel() // max(cpu_layers, 1)) if ds is not None else None
         self.speculated = 0  # units updated during a backward
         self.taken_back = 0  # speculative updates taken back and redone (steps that clipped after one that did not)
         if speculate:
@@ -56,8 +61,8 @@ class SpeculativeStep:
         """Main thread, the step's last backward: unit ``i``'s gradient is final. A HOST unit whose squared norm
         is known (its first visit) goes to the speculative worker, with the hyper-parameters of this moment (the
         LR scheduler may move them after ``step()`` returns, while the update still waits in the queue)."""
-        if self.device_stepper is not None:  # (the GPU-stepped layers' state starts coming in: idempotent)
-            self.device_stepper.prefetch()
+        if self.device_stepper is not None:  # (the GPU-stepped layers' state comes in, a share per landing)
+            self.device_stepper.prefetch(self._prefetch_share)
         if sq is None or self.store.units[i].plan.stepper is not Stepper.HOST:
             return
         # A unit some of whose parameters skip steps (no gradient now or before) keeps per-parameter step counts:

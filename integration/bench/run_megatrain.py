@@ -174,6 +174,8 @@ def _timeline(model: torch.nn.Module) -> HostTimeline:
     tl.wrap(CPUAdamW, "step", "opt.step")
     tl.wrap(StepState, "finish_update", "unit", lambda self, i, *a, **k: f"[{i}]")
     tl.wrap(StepState, "wait_loadable", "wait", lambda self, i: f"[{i}]")  # the weight slots' wait per unit
+    tl.wrap(StepState, "landed", "landed", lambda self, i, *a, **k: f"[{i}]")  # a gradient is complete
+    tl.wrap(CPUAdamW, "update_", "upd", lambda self, unit, *a, **k: f"[{unit.index}]")  # one host or GPU update
     tl.wrap(StreamingExecutor, "finish", "executor.finish")
     tl.wrap(DeviceStepper, "run", "device_stepper")
     tl.wrap(common, "sync", "clock_sync")

@@ -105,8 +105,8 @@ class MegaTrainConfig:
         narrow_grads: with "float32" above, a layer's gradient that is the step's only one and computed whole (one
             backward per step, or the step's last backward of a first visit; no ``micro_batch_size`` split) crosses
             PCIe and waits on the host in the compute dtype: exactly the values autograd produced, half the bytes
-            of its D2H and of the host AdamW's gradient read (engine/offload.py). Needs ``host_kernel`` compiled
-            (the fused kernel reads FP32 only); one process (data parallel reduces in FP32).
+            of its D2H and of the host AdamW's gradient read (engine/offload.py). Needs ``host_kernel`` native or
+            compiled (the fused kernel reads FP32 only); one process (data parallel reduces in FP32).
         save_dtype: dtype of exported standard checkpoints ("float32" default, "bfloat16").
         skip_nonfinite: skip the optimizer step (state untouched) when the gradient norm is not finite.
         resident_placement: where the FP32 master and AdamW state of the resident parts (embeddings, final norm,
@@ -162,7 +162,10 @@ class MegaTrainConfig:
         host_kernel: how the CPU runs AdamW over host units (core/kernels.py): "fused" (torch's fused AdamW kernel,
             then the compute copy as a second pass), "compiled" (one inductor-generated pass that also writes the
             compute copy: fewer bytes over host memory, which bounds this step; needs a C++ compiler, compiled once
-            at start, seconds) or "auto" (compiled when training on a GPU, fused on CPU-only machines).
+            at start, seconds; its call holds the GIL, which stalls the backward that the overlapped optimizer runs
+            beside), "native" (the same single pass as a C loop built with the system C compiler at start, called
+            without the GIL: core/native_adamw.py; bf16 compute copies) or "auto" (native when training on a GPU
+            with a bf16 or FP32 compute dtype and a C compiler, else fused).
         seq_chunk_tokens: run each decoder layer's position-wise parts (the MLP, the norms) over chunks of this many
             tokens of the sequence, each chunk recomputed on its own in the backward (model/seq_tiling.py), so their
             intermediates ([tokens, intermediate] gate/up, fp32 norm upcasts) never exist for the whole sequence:
@@ -224,8 +227,8 @@ class MegaTrainConfig:
         if self.device_step_state not in ("device", "host"):
             raise ValueError(f"device_step_state={self.device_step_state!r}: use 'device' (AdamW moments of the "
                              "GPU-stepped layers on the GPU) or 'host' (streamed in and out for each update)")
-        if self.host_kernel not in ("auto", "fused", "compiled"):
-            raise ValueError(f"host_kernel={self.host_kernel!r}: use 'auto', 'fused' or 'compiled'")
+        if self.host_kernel not in ("auto", "fused", "compiled", "native"):
+            raise ValueError(f"host_kernel={self.host_kernel!r}: use 'auto', 'native', 'compiled' or 'fused'")
         if self.num_slots < 2:
             raise ValueError(f"num_slots={self.num_slots}: need at least 2 GPU slots for double buffering")
         if self.micro_batch_size < 0:

@@ -24,7 +24,8 @@ def _flat_state(n: int, seed: int = 0) -> list[torch.Tensor]:
     return [torch.randn(n, generator=g), torch.randn(n, generator=g), torch.zeros(n), torch.zeros(n)]
 
 
-IMPLS = [kernels.HostKernel.FUSED, pytest.param(kernels.HostKernel.COMPILED, marks=pytest.mark.slow)]
+IMPLS = [kernels.HostKernel.FUSED, kernels.HostKernel.NATIVE,
+         pytest.param(kernels.HostKernel.COMPILED, marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -66,6 +67,68 @@ def test_compiled_host_kernel_is_the_fused_kernel_with_its_copy(beta1):
         assert rel(a, b) <= 1e-6
     assert torch.equal(copies[1][1000:1500], torch.full((500,), 7.0, dtype=torch.bfloat16))
     assert (copies[0] != copies[1]).sum() <= 4  # (only where a 1-ulp fp32 difference crosses a bf16 rounding edge)
+
+
+@pytest.mark.parametrize("beta1", [0.9, 0.3])
+@pytest.mark.parametrize("narrow", [False, True])
+def test_native_host_kernel_is_the_fused_kernel_with_its_copy(beta1, narrow):
+    """The native single pass gives what the fused kernel + a copy pass give, over spans of two groups with a gap
+    (a span not stepped keeps its copy), clipped and not; a narrow (bf16) gradient reads as its FP32 value."""
+    n = 4099
+    h = [kernels.Hyper(3e-3, (beta1, 0.98), 1e-8, 0.1), kernels.Hyper(3e-3, (beta1, 0.98), 1e-8, 0.0)]
+    groups = [(h[0], [(0, 1000), (1500, 3000)]), (h[1], [(3000, n)])]
+    fused, nat = _flat_state(n, seed=3), _flat_state(n, seed=3)
+    copies = [torch.full((n,), 7.0, dtype=torch.bfloat16) for _ in range(2)]
+    for step in range(1, 5):
+        g = torch.randn(n, generator=torch.Generator().manual_seed(10 + step)).bfloat16().float()
+        scale = None if step % 2 else 3.0
+        kernels.adamw_(*fused[:1], g.clone(), *fused[2:], groups, step, scale, copies[0], kernels.HostKernel.FUSED)
+        kernels.adamw_(*nat[:1], g.bfloat16() if narrow else g.clone(), *nat[2:], groups, step, scale, copies[1],
+                       kernels.HostKernel.NATIVE)
+    for a, b in zip(nat[:1] + nat[2:], fused[:1] + fused[2:]):
+        assert rel(a, b) <= 1e-6
+    assert torch.equal(copies[1][1000:1500], torch.full((500,), 7.0, dtype=torch.bfloat16))
+    assert (copies[0] != copies[1]).sum() <= 4  # (only where a 1-ulp fp32 difference crosses a bf16 rounding edge)
+    nan = torch.full((8,), float("nan"))
+    kernels.adamw_(nan, torch.ones(8), torch.zeros(8), torch.zeros(8), [(h[0], [(0, 8)])], 1, None, copies[1][:8],
+                   kernels.HostKernel.NATIVE)
+    assert torch.isnan(copies[1][:8].float()).all()  # (NaN stays NaN in the copy, as torch's cast keeps it)
+
+
+def test_native_host_kernel_releases_the_gil():
+    """The overlapped optimizer updates a layer while Python drives the backward on another thread: the native
+    kernel must let that thread run (inductor's binding of the compiled kernel holds the GIL for the whole call:
+    the other thread's longest pause is then the call itself)."""
+    import threading
+    import time
+
+    n = 1 << 24
+    state = [torch.randn(n), torch.randn(n), torch.zeros(n), torch.zeros(n)]
+    groups = [(kernels.Hyper(1e-3, (0.9, 0.999), 1e-8, 0.0), [(0, n)])]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # (a core left for the Python thread, so its pauses are the GIL's, not the OS's)
+    try:
+        kernels.adamw_(*state, groups, 1, None, None, kernels.HostKernel.NATIVE)  # (built)
+        t0 = time.perf_counter()
+        kernels.adamw_(*state, groups, 2, None, None, kernels.HostKernel.NATIVE)
+        one_call = time.perf_counter() - t0
+        done = threading.Event()
+
+        def update():
+            for step in range(3, 7):
+                kernels.adamw_(*state, groups, step, None, None, kernels.HostKernel.NATIVE)
+            done.set()
+
+        t = threading.Thread(target=update)
+        t.start()
+        last, pause = time.perf_counter(), 0.0
+        while not done.is_set():
+            now = time.perf_counter()
+            pause, last = max(pause, now - last), now
+        t.join()
+    finally:
+        torch.set_num_threads(threads)
+    assert pause < 0.5 * one_call, (pause, one_call)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

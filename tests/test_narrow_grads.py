@@ -46,9 +46,9 @@ def _train(model, cfg, steps, clip_schedule, ga=1, expose=None):
     return weights, engine
 
 
-@pytest.mark.slow
+@pytest.mark.parametrize("kernel", ["native", pytest.param("compiled", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("lean", [False, True])
-def test_narrow_gradients_train_as_fp32_ones(lean):
+def test_narrow_gradients_train_as_fp32_ones(lean, kernel):
     """bf16 compute, the compiled host kernel: steps that speculate, one that clips after them (taken back and
     redone; lean: re-run), and a .grad read before a step -- the same as with FP32 gradients. (The optimizer runs
     on the main thread: an overlapped one shares the CPU's threads with the forward's GEMMs, whose blocking -- and
@@ -57,8 +57,8 @@ def test_narrow_gradients_train_as_fp32_ones(lean):
     clips = [1e6, 1e6, 0.05, 1e6]
     out = {}
     for narrow in (False, True):
-        cfg = MegaTrainConfig(compute_dtype="bfloat16", host_kernel="compiled", narrow_grads=narrow, lean_store=lean,
-                              overlap_optimizer=False)
+        cfg = MegaTrainConfig(compute_dtype="bfloat16", host_kernel=kernel, narrow_grads=narrow, lean_store=lean,
+                              overlap_optimizer=False, device_layers=0, device_step_layers=0)
         seen: dict[str, torch.Tensor] = {}
         weights, engine = _train(model, cfg, 4, clips, expose=None if lean else seen)
         out[narrow] = (weights, engine.executor.grads.d2h_bytes, seen)
@@ -72,13 +72,12 @@ def test_narrow_gradients_train_as_fp32_ones(lean):
         assert torch.equal(g16[n], g32[n]), n
 
 
-@pytest.mark.slow
 def test_accumulated_or_split_gradients_stay_fp32():
     """Gradient accumulation (the last backward adds to the first) and a layer visit split into micro-batches
     (FP32 sums) keep the FP32 path: nothing narrow, the same bytes."""
     model = tiny("llama", num_hidden_layers=2)
-    for cfg, ga in ((MegaTrainConfig(compute_dtype="bfloat16", host_kernel="compiled"), 2),
-                    (MegaTrainConfig(compute_dtype="bfloat16", host_kernel="compiled", micro_batch_size=1), 1)):
+    base = dict(compute_dtype="bfloat16", host_kernel="native", device_layers=0, device_step_layers=0)
+    for cfg, ga in ((MegaTrainConfig(**base), 2), (MegaTrainConfig(**base, micro_batch_size=1), 1)):
         _, e16 = _train(model, cfg, 2, [1.0, 1.0], ga=ga)
         _, e32 = _train(model, MegaTrainConfig(**{**cfg.to_dict(), "narrow_grads": False}), 2, [1.0, 1.0], ga=ga)
         assert e16.executor.grads.d2h_bytes == e32.executor.grads.d2h_bytes
@@ -88,7 +87,7 @@ def test_fused_kernel_and_fp32_compute_never_narrow():
     """The fused host kernel reads FP32 gradients only; FP32 compute has nothing narrower."""
     model = tiny("llama", num_hidden_layers=2)
     for cfg in (MegaTrainConfig(compute_dtype="bfloat16", host_kernel="fused"),
-                MegaTrainConfig(compute_dtype="float32", host_kernel="compiled")):
+                MegaTrainConfig(compute_dtype="float32", host_kernel="native")):
         engine = MegaTrainEngine(copy.deepcopy(model), cfg)
         engine.create_optimizer()
         assert engine.executor.grads.narrow is None

@@ -13,6 +13,10 @@ is folded in as ``grad_scale`` (each gradient is divided by it). Two implementat
   they stand for; engine/offload.py), and one pass (the host AdamW is memory-bound: integration/host_adamw_rate.py). Compiled
   once for every size (dynamic shapes); hyper-parameters enter as 0-d tensors so an LR schedule never recompiles.
 
+- ``NATIVE``: the same single pass as a C loop (core/native_adamw.py) called without the GIL: the overlapped
+  optimizer then never stalls the Python thread that drives the backward (inductor's binding holds the GIL for
+  the whole call).
+
 The undo functions invert the update for the lean store and speculative steps (optim/lean.py,
 optim/speculative_step.py): the master from the new moments, the moments from the gradient they took.
 """
@@ -27,6 +31,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from . import native_adamw
 from .compiling import is_concurrent_trace
 
 logger = logging.getLogger(__name__)
@@ -56,6 +61,7 @@ Groups = Sequence[tuple[Hyper, Spans]]  # per param group of one unit: its hyper
 class HostKernel(enum.Enum):
     FUSED = "fused"
     COMPILED = "compiled"
+    NATIVE = "native"  # core/native_adamw.py: the compiled kernel's pass as a C loop that releases the GIL
 
 
 def host_bytes_per_param(impl: HostKernel, clip: bool, copy_bytes: int, grad_bytes: int = 4) -> int:
@@ -63,7 +69,7 @@ def host_bytes_per_param(impl: HostKernel, clip: bool, copy_bytes: int, grad_byt
     ``grad_bytes``: the gradient's, 2 when narrow): read master, grad, exp_avg, exp_avg_sq, write master and
     moments; the fused kernel writes the unscaled gradient back when clipping and its copy pass reads the master
     again."""
-    if impl is HostKernel.COMPILED:
+    if impl in (HostKernel.COMPILED, HostKernel.NATIVE):
         return 24 + grad_bytes + copy_bytes
     return 28 + (4 if clip else 0) + (4 + copy_bytes if copy_bytes else 0)
 
@@ -73,9 +79,16 @@ def adamw_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_
            impl: HostKernel = HostKernel.FUSED) -> None:
     """One AdamW update of every span (step count ``step``, already incremented), then ``compute`` (the unit's
     compute copy, if any) refreshed over the same spans. ``grad_scale``: the gradients are divided by it
-    (clipping). ``COMPILED`` applies to host buffers; on a GPU the fused kernel runs."""
+    (clipping). ``COMPILED`` and ``NATIVE`` apply to host buffers; on a GPU the fused kernel runs."""
     if impl is HostKernel.COMPILED and master.device.type == "cpu":
         _compiled_adamw_(master, grad, exp_avg, exp_avg_sq, groups, step, grad_scale, compute)
+        return
+    if impl is HostKernel.NATIVE and master.device.type == "cpu":
+        consts: dict[Hyper, tuple[torch.Tensor, bool]] = {}
+        for lo, hi, h in _merged(groups):
+            c, small = consts.get(h) or consts.setdefault(h, _constants(h, step, grad_scale))
+            native_adamw.adamw_span_(master[lo:hi], grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi],
+                                     None if compute is None else compute[lo:hi], c, small)
         return
     device = master.device
     step_t = torch.full((1,), float(step), dtype=torch.float32, device=device)
@@ -153,6 +166,23 @@ def warm_up(compute_dtype: torch.dtype | None) -> None:
         raise RuntimeError(f"hf_megatrain: host_kernel='compiled' cannot be compiled on this machine "
                            f"({type(e).__name__}: {str(e)[:300]}); install a C++ compiler (g++) or use "
                            "host_kernel='fused'") from e
+
+
+def warm_up_native() -> None:
+    """Build the native kernel now and check it on a few elements against the fused one; a RuntimeError that says
+    what to do when it cannot be built or disagrees."""
+    n = 67
+    h = [(Hyper(1e-3, (0.9, 0.999), 1e-8, 0.1), [(0, n)])]
+    try:
+        states = [[torch.linspace(-1, 1, n), torch.linspace(2, -2, n), torch.full((n,), 0.1), torch.full((n,), 0.2)]
+                  for _ in range(2)]
+        for impl, st in zip((HostKernel.FUSED, HostKernel.NATIVE), states):
+            adamw_(*st, h, 3, None, None, impl)
+        if not all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(*states)):
+            raise RuntimeError("its results differ from torch's fused AdamW")
+    except Exception as e:
+        raise RuntimeError(f"hf_megatrain: host_kernel='native' cannot run on this machine ({type(e).__name__}: "
+                           f"{str(e)[:300]}); install a C compiler with OpenMP (gcc) or use host_kernel='fused'") from e
 
 
 def _constants(h: Hyper, step: int, grad_scale: float | None) -> tuple[torch.Tensor, bool]:

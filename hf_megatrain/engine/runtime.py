@@ -368,14 +368,14 @@ class MegaTrainEngine:
         choice = self.config.host_kernel
         if choice != "auto":
             return kernels.HostKernel(choice)
-        if self.device.type != "cuda":
+        if self.device.type != "cuda" or self.store.compute_dtype not in (torch.bfloat16, torch.float32):
             return kernels.HostKernel.FUSED
-        try:  # (compiled once per process; the optimizer's own warm-up then finds it ready)
-            kernels.warm_up(self.store.compute_dtype if self.store.compute_dtype != torch.float32 else None)
+        try:  # (built once per process; the optimizer's own warm-up then finds it ready)
+            kernels.warm_up_native()
         except RuntimeError as e:  # same math either way: only the speed differs, so say it and go on
             logger.warning("%s; host_kernel='auto' uses the fused kernel", e)
             return kernels.HostKernel.FUSED
-        return kernels.HostKernel.COMPILED
+        return kernels.HostKernel.NATIVE
 
     def create_optimizer(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                          weight_decay: float = 0.0, max_grad_norm: float | None = None) -> UnitAdamW:
@@ -386,7 +386,8 @@ class MegaTrainEngine:
         cls = LeanAdamW if self._lean else UnitAdamW
         host_kernel = self._host_kernel()
         # Narrow gradients (engine/offload.py) where they are exact and the host kernel reads them.
-        narrow = (self.config.narrow_grads and host_kernel is kernels.HostKernel.COMPILED and self.dp is None
+        narrow = (self.config.narrow_grads and self.dp is None
+                  and host_kernel in (kernels.HostKernel.COMPILED, kernels.HostKernel.NATIVE)
                   and self.config.torch_grad_offload_dtype == torch.float32 and self.compute_dtype.itemsize == 2)
         self.widen_gradients()  # (a replaced optimizer's step may have left some)
         self.executor.grads.narrow = self.compute_dtype if narrow else None

@@ -1,0 +1,121 @@
+"""The native host AdamW: one C loop (OpenMP, vectorised by the compiler) called through ctypes.
+
+Why not the inductor-compiled loop (kernels.py, ``HostKernel.COMPILED``): inductor's Python binding of a CPU kernel
+holds the GIL for the whole call, ~70 ms per 14B-width layer. The overlapped optimizer runs while the backward
+is still being driven from Python (autograd's thread launches each layer's kernels, lands gradients), so every
+host update froze the backward: measured on the H100 host, a layer's gradient landed only after the previous
+layer's update had finished, serialising the GPU with the CPU. ``ctypes.CDLL`` releases the GIL around the foreign
+call; torch's own fused kernel does too, but it needs a second pass for the compute copy and reads FP32 gradients
+only.
+
+Same expressions as ``kernels._adamw_math`` (ATen's CPU AdamW, in float), no FMA contraction; the gradient is read
+as FP32 or as bf16 (a narrow gradient: its exact FP32 value); the compute copy, if any, is bf16, rounded to nearest
+even as torch rounds. Built once per process with the system C compiler (a fraction of a second) into a private
+temporary directory: ``-march=native`` code never outlives the machine it was built for.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from typing import Any
+
+import torch
+
+_SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+
+static inline float bf16_in(uint16_t b) { uint32_t u = (uint32_t)b << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline uint16_t bf16_out(float f) {
+    uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  /* NaN, as c10::BFloat16 */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+#define BODY(GRAD, LERP_SMALL, OUT)                                                              \
+    _Pragma("omp parallel for num_threads(threads) schedule(static)")                            \
+    for (int64_t i = 0; i < n; i++) {                                                            \
+        float gi = (GRAD) / c7;                                                                  \
+        float mi = m[i];                                                                         \
+        float mn = LERP_SMALL ? mi + c1 * (gi - mi) : gi + c1m1 * (gi - mi);                     \
+        float vn = v[i] * c2 + c3 * gi * gi;                                                     \
+        float pn = p[i] * c0 + c6 * mn / (sqrtf(vn) / c4 + c5);                                  \
+        m[i] = mn; v[i] = vn; p[i] = pn;                                                         \
+        if (OUT) out[i] = bf16_out(pn);                                                          \
+    }
+
+/* c = [wd_mul, 1-b1, b2, 1-b2, bc2_sqrt, eps, -step_size, grad_scale] */
+void adamw_span(float* restrict p, const void* restrict g, int g_bf16, float* restrict m, float* restrict v,
+                uint16_t* restrict out, int64_t n, const float* c, int lerp_small, int threads) {
+    const float c0 = c[0], c1 = c[1], c2 = c[2], c3 = c[3], c4 = c[4], c5 = c[5], c6 = c[6], c7 = c[7];
+    const float c1m1 = c1 - 1.0f;
+    const float* restrict gf = (const float*)g;
+    const uint16_t* restrict gb = (const uint16_t*)g;
+    if (g_bf16) {
+        if (lerp_small) { if (out) { BODY(bf16_in(gb[i]), 1, 1) } else { BODY(bf16_in(gb[i]), 1, 0) } }
+        else            { if (out) { BODY(bf16_in(gb[i]), 0, 1) } else { BODY(bf16_in(gb[i]), 0, 0) } }
+    } else {
+        if (lerp_small) { if (out) { BODY(gf[i], 1, 1) } else { BODY(gf[i], 1, 0) } }
+        else            { if (out) { BODY(gf[i], 0, 1) } else { BODY(gf[i], 0, 0) } }
+    }
+}
+"""
+
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC",
+          "-std=c11"]
+
+_lib: Any = None
+_lock = threading.Lock()
+
+
+def _compiler() -> str:
+    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cc and shutil.which(cc):
+            return cc
+    raise RuntimeError("no C compiler found (cc, gcc or clang)")
+
+
+def library() -> Any:
+    """The built kernel (built on first use; RuntimeError saying why when it cannot be)."""
+    global _lib
+    with _lock:
+        if _lib is None:
+            d = tempfile.mkdtemp(prefix="hf_megatrain_adamw_")
+            src, so = os.path.join(d, "adamw.c"), os.path.join(d, "adamw.so")
+            with open(src, "w") as f:
+                f.write(_SOURCE)
+            r = subprocess.run([_compiler(), *_FLAGS, src, "-o", so], capture_output=True, text=True)
+            if r.returncode != 0:
+                raise RuntimeError(f"building the native AdamW kernel failed: {r.stderr.strip()[-400:]}")
+            lib = ctypes.CDLL(so)  # (CDLL: the GIL is released for the duration of each call)
+            lib.adamw_span.restype = None
+            lib.adamw_span.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                       ctypes.c_int, ctypes.c_int]
+            _lib = lib
+        return _lib
+
+
+def supports(grad: torch.dtype, copy: torch.dtype | None) -> bool:
+    return grad in (torch.float32, torch.bfloat16) and copy in (None, torch.bfloat16)
+
+
+def adamw_span_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None,
+                c: torch.Tensor, lerp_small: bool) -> None:
+    """One span, in place: contiguous CPU tensors of one length; ``c`` the 8 float32 constants of
+    ``kernels._constants``."""
+    n = p.numel()
+    if n == 0:
+        return
+    assert g.numel() == m.numel() == v.numel() == n and (out is None or out.numel() == n)
+    assert all(t.is_contiguous() and t.device.type == "cpu" for t in (p, g, m, v, c))
+    library().adamw_span(p.data_ptr(), g.data_ptr(), int(g.dtype == torch.bfloat16), m.data_ptr(), v.data_ptr(),
+                         None if out is None else out.data_ptr(), n, c.data_ptr(), int(lerp_small),
+                         torch.get_num_threads())

@@ -307,3 +307,20 @@ def test_zero_grad_without_step_leaves_no_stale_speculation():
         assert held == [True] * 3
         opt.zero_grad()
     engine.state.wait_all()
+
+
+def test_last_layer_gradient_lands_at_the_end_of_the_final_backward():
+    """The step's last backward lands layer 0's gradient when that layer's backward ends (its update can start
+    then), not when step() lands the rest; a backward that is not the step's last leaves it for land()."""
+    from hf_megatrain.core.step_state import Phase
+
+    engine = MegaTrainEngine(tiny("llama", num_hidden_layers=3), MegaTrainConfig(compute_dtype="float32"))
+    engine.create_optimizer(max_grad_norm=1e6)
+    ids = torch.randint(0, engine.model.config.vocab_size, (2, 8))
+    for final in (False, True):
+        engine.state.final_backward = final
+        engine(input_ids=ids, labels=ids).loss.backward()
+        assert (engine.state.phase[0] is not Phase.ACCUMULATING) == final
+        engine.optimizer.step()
+        engine.optimizer.zero_grad()
+    engine.state.wait_all()

@@ -240,10 +240,11 @@ class StreamingExecutor:
         if n > 0:  # (a frozen layer: only the input gradients leave)
             self._record_reach(unit, tmpl, reached)
             self.grads.send(index, k)
-            if index == 0 and self.state.final_backward:
+            if index == 0 and self.state.final_backward and unit.plan.grad is Where.HOST:
                 # The step's last layer gradient: land it now (a ~10 ms wait for its D2H), so its update starts at
                 # the end of the backward rather than when step() lands it, after whatever the training loop does
                 # in between (~40 ms of Trainer per step, measured) -- the next forward waits for this unit first.
+                # (Not lean: there a drain waits for the layer's whole update, which step() waits for anyway.)
                 self.grads.finish()
         return grads_in
 

@@ -98,8 +98,8 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
         self.device_stepper = DeviceStepper(streamed, streamed[0].grad.device, store.compute_dtype,
                                             lambda i: state.version[i]) \
             if streamed else None
-        # How host units are updated (core/kernels.py): the compiled kernel writes the compute copy in the same
-        # pass; compiled here, on the main thread, rather than in the middle of the first step on a worker.
+        # How host units are updated (core/kernels.py): the native and compiled kernels write the compute copy in
+        # the same pass; built here, on the main thread, rather than in the middle of the first step on a worker.
         self.host_kernel = host_kernel
         copies = {u.compute.dtype for u in store.units if u.plan.stepper is Stepper.HOST and u.compute is not None}
         if host_kernel is kernels.HostKernel.COMPILED:

@@ -91,3 +91,37 @@ def test_fused_kernel_and_fp32_compute_never_narrow():
         engine = MegaTrainEngine(copy.deepcopy(model), cfg)
         engine.create_optimizer()
         assert engine.executor.grads.narrow is None
+
+
+def test_trainer_callback_reading_optimizer_gradients_sees_fp32(tmp_path):
+    """A Trainer callback that reads ``optimizer.param_groups`` gradients before the step sees them landed (the
+    resident parts' too) and FP32 (narrow ones widened first): the same values with narrow gradients or without."""
+    from transformers import TrainerCallback
+
+    from hf_megatrain import MegaTrainTrainer, MegaTrainTrainingArguments
+
+    from .test_trainer import common_args, dataset
+
+    class Reader(TrainerCallback):
+        def __init__(self):
+            self.seen = []
+
+        def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kw):
+            self.seen.append(torch.cat([p.grad.flatten().clone() for g in optimizer.param_groups
+                                        for p in g["params"] if p.grad is not None]))
+
+    model = tiny("llama", num_hidden_layers=2)
+    out = {}
+    for narrow in (False, True):
+        cfg = dict(compute_dtype="bfloat16", host_kernel="native", narrow_grads=narrow, overlap_optimizer=False,
+                   device_layers=0, device_step_layers=0)
+        reader = Reader()
+        args = MegaTrainTrainingArguments(**common_args(tmp_path / str(narrow), gradient_accumulation_steps=1,
+                                                        max_grad_norm=1e6), megatrain_config=cfg)
+        trainer = MegaTrainTrainer(model=copy.deepcopy(model), args=args, train_dataset=dataset(), callbacks=[reader])
+        trainer.train()
+        out[narrow] = (reader.seen, trainer.engine.executor.grads.d2h_bytes)
+    assert out[True][1] < out[False][1]  # (narrow gradients crossed)
+    assert len(out[True][0]) == len(out[False][0]) == 3
+    for a, b in zip(out[True][0], out[False][0]):
+        assert torch.equal(a, b)

@@ -249,9 +249,11 @@ class MegaTrainEngine:
                     self.executor.reach.record(u.index, [False] * len(u.params), first=True)  # none reached
 
     def widen_gradients(self) -> None:
-        """Every narrow host gradient (engine/offload.py) made FP32 in place, for readers of ``.grad``: after the
-        updates that may read it (a speculative one, started by ``land()``) are done."""
+        """Every narrow host gradient (engine/offload.py) made FP32 in place, for readers of ``.grad``: once its
+        copy has landed (the executor's copies only: the resident parameters keep their ``.grad`` until ``land()``)
+        and the updates that may read it (a speculative one, started by a landing) are done."""
         if any(dt is not None for dt in self.state.narrow):
+            self.executor.finish()
             self.state.wait_all()
             for u in self.store.units:
                 dt = self.state.narrow[u.index]

@@ -37,7 +37,7 @@ from torch import nn
 from transformers import Trainer, TrainingArguments
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME
-from transformers.trainer_callback import ExportableState
+from transformers.trainer_callback import ExportableState, TrainerCallback
 from transformers.trainer_pt_utils import nested_detach
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
@@ -94,6 +94,8 @@ class MegaTrainTrainer(Trainer):
         return model
 
     def _mt_after_init(self) -> None:
+        if self._mt:  # first, so it runs before any callback that reads gradients around the optimizer step
+            self.callback_handler.callbacks.insert(0, _LandForGradientReaders(self))
         if self._mt and self.args.n_gpu > 1:
             self.args._n_gpu = 1  # one GPU; never DataParallel
         if self._mt and self.args.world_size > 1:
@@ -383,3 +385,27 @@ class MegaTrainTrainer(Trainer):
                     self.state.best_metric)
         ckpt.verify_checkpoint(self.state.best_model_checkpoint, training_state=False)
         self._mt_load_weights(self.state.best_model_checkpoint)
+
+
+class _LandForGradientReaders(TrainerCallback):
+    """The optimizer parameters' ``.grad`` are views of the host gradient buffers, and ``step()`` is what lands the
+    last gradients (D2H copies in flight, the resident parameters') and keeps narrow ones (engine/offload.py) as
+    bf16 bits until something widens them. ``model.parameters()`` does both; a callback reading
+    ``optimizer.param_groups`` around the step would not. So when another callback hooks the step, land and widen
+    first (this waits for the updates in flight: the cost falls only on runs with such callbacks)."""
+
+    def __init__(self, trainer: MegaTrainTrainer) -> None:
+        self.trainer = trainer
+
+    def _hooked(self, hook: str) -> bool:
+        base = getattr(TrainerCallback, hook)
+        return self.trainer.engine is not None and any(
+            getattr(type(cb), hook, base) is not base for cb in self.trainer.callback_handler.callbacks if cb is not self)
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._hooked("on_pre_optimizer_step"):
+            self.trainer.engine.land_gradients()  # (what parameters() shows: landed, FP32, zero where none came)
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._hooked("on_optimizer_step"):
+            self.trainer.engine.widen_gradients()  # (landed by step(); the step's units keep their gradients)

@@ -252,6 +252,19 @@ def test_compiled_host_kernel_failure_says_what_to_do(monkeypatch):
         kernels.warm_up(torch.bfloat16)
 
 
+def test_native_host_kernel_failure_says_what_to_do(monkeypatch):
+    """No C compiler (or a build that fails): the error names the fix; an unknown kernel name lists the choices."""
+    from hf_megatrain import MegaTrainConfig
+    from hf_megatrain.core import native_adamw
+
+    monkeypatch.setattr(native_adamw, "_lib", None)
+    monkeypatch.setattr(native_adamw, "_compiler", lambda: (_ for _ in ()).throw(RuntimeError("no C compiler found")))
+    with pytest.raises(RuntimeError, match="host_kernel='fused'"):
+        kernels.warm_up_native()
+    with pytest.raises(ValueError, match="'native'"):
+        MegaTrainConfig(host_kernel="c")
+
+
 CONCURRENT = RuntimeError("Detected that you are using FX to symbolically trace a dynamo-optimized function. "
                           "This is not supported at the moment.")
 

@@ -103,10 +103,6 @@ def library() -> Any:
         return _lib
 
 
-def supports(grad: torch.dtype, copy: torch.dtype | None) -> bool:
-    return grad in (torch.float32, torch.bfloat16) and copy in (None, torch.bfloat16)
-
-
 def adamw_span_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None,
                 c: torch.Tensor, lerp_small: bool) -> None:
     """One span, in place: contiguous CPU tensors of one length; ``c`` the 8 float32 constants of
@@ -116,6 +112,10 @@ def adamw_span_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tens
         return
     assert g.numel() == m.numel() == v.numel() == n and (out is None or out.numel() == n)
     assert all(t.is_contiguous() and t.device.type == "cpu" for t in (p, g, m, v, c))
+    if g.dtype not in (torch.float32, torch.bfloat16) or p.dtype != torch.float32 or (
+            out is not None and out.dtype != torch.bfloat16):
+        raise TypeError(f"native AdamW: FP32 state, an FP32 or bf16 gradient and a bf16 copy, not "
+                        f"grad {g.dtype}, copy {None if out is None else out.dtype}")
     library().adamw_span(p.data_ptr(), g.data_ptr(), int(g.dtype == torch.bfloat16), m.data_ptr(), v.data_ptr(),
                          None if out is None else out.data_ptr(), n, c.data_ptr(), int(lerp_small),
                          torch.get_num_threads())

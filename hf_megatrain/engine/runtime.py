@@ -370,7 +370,7 @@ class MegaTrainEngine:
         choice = self.config.host_kernel
         if choice != "auto":
             return kernels.HostKernel(choice)
-        if self.device.type != "cuda" or self.store.compute_dtype not in (torch.bfloat16, torch.float32):
+        if self.device.type != "cuda":
             return kernels.HostKernel.FUSED
         try:  # (built once per process; the optimizer's own warm-up then finds it ready)
             kernels.warm_up_native()

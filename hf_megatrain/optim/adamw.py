@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from ..core import kernels, native_adamw
+from ..core import kernels
 from ..core.plan import Stepper, Where
 from ..core.step_state import StepState
 from ..core.store import Unit, UnitStore
@@ -101,14 +101,11 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
         # How host units are updated (core/kernels.py): the native and compiled kernels write the compute copy in
         # the same pass; built here, on the main thread, rather than in the middle of the first step on a worker.
         self.host_kernel = host_kernel
-        copies = {u.compute.dtype for u in store.units if u.plan.stepper is Stepper.HOST and u.compute is not None}
         if host_kernel is kernels.HostKernel.COMPILED:
+            copies = {u.compute.dtype for u in store.units if u.plan.stepper is Stepper.HOST and u.compute is not None}
             for dtype in copies or {None}:
                 kernels.warm_up(dtype)
-        elif host_kernel is kernels.HostKernel.NATIVE:
-            if not all(native_adamw.supports(torch.float32, dt) for dt in copies):
-                raise ValueError(f"host_kernel='native' writes bf16 compute copies only (this model's: {copies}); "
-                                 "use host_kernel='compiled' or 'fused'")
+        elif host_kernel is kernels.HostKernel.NATIVE:  # (compute copies are bf16: the config allows no other)
             kernels.warm_up_native()
         self._counts = [0] * len(store.units)  # AdamW step count per unit
         # Parameters without a gradient are skipped, as torch.optim.AdamW skips a None .grad (engine/reach.py says

@@ -84,9 +84,7 @@ def adamw_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_
         _compiled_adamw_(master, grad, exp_avg, exp_avg_sq, groups, step, grad_scale, compute)
         return
     if impl is HostKernel.NATIVE and master.device.type == "cpu":
-        consts: dict[Hyper, tuple[torch.Tensor, bool]] = {}
-        for lo, hi, h in _merged(groups):
-            c, small = consts.get(h) or consts.setdefault(h, _constants(h, step, grad_scale))
+        for lo, hi, h, c, small in _spans_with_constants(groups, step, grad_scale):
             native_adamw.adamw_span_(master[lo:hi], grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi],
                                      None if compute is None else compute[lo:hi], c, small)
         return
@@ -185,6 +183,15 @@ def warm_up_native() -> None:
                            f"{str(e)[:300]}); install a C compiler with OpenMP (gcc) or use host_kernel='fused'") from e
 
 
+def _spans_with_constants(groups: Groups, step: int, grad_scale: float | None
+                          ) -> Iterator[tuple[int, int, Hyper, torch.Tensor, bool]]:
+    """The merged spans with each group's kernel constants (made once per group)."""
+    consts: dict[Hyper, tuple[torch.Tensor, bool]] = {}
+    for lo, hi, h in _merged(groups):
+        c, small = consts.get(h) or consts.setdefault(h, _constants(h, step, grad_scale))
+        yield lo, hi, h, c, small
+
+
 def _constants(h: Hyper, step: int, grad_scale: float | None) -> tuple[torch.Tensor, bool]:
     b1, b2 = h.betas
     bc1, bc2 = 1 - b1 ** step, 1 - b2 ** step  # (double, as ATen's prologue)
@@ -196,9 +203,7 @@ def _constants(h: Hyper, step: int, grad_scale: float | None) -> tuple[torch.Ten
 def _compiled_adamw_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                      groups: Groups, step: int, grad_scale: float | None, compute: torch.Tensor | None) -> None:
     kernel = _kernel()
-    consts: dict[Hyper, tuple[torch.Tensor, bool]] = {}
-    for lo, hi, h in _merged(groups):
-        c, small = consts.get(h) or consts.setdefault(h, _constants(h, step, grad_scale))
+    for lo, hi, h, c, small in _spans_with_constants(groups, step, grad_scale):
         out = None if compute is None else compute[lo:hi]
         try:
             kernel(master[lo:hi], grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], out, c, small)

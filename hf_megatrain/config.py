@@ -148,6 +148,10 @@ class MegaTrainConfig:
             as soon as its backward ends (a step that clips re-runs its forward+backward for the exact clipped
             update; taken back and redone when an unclipped guess turns out to clip). One backward per
             optimizer step: gradient accumulation is refused (use ``micro_batch_size``). See optim/lean.py.
+        lean_compute_copy: with ``lean_store``, each layer also keeps its compute-dtype copy on the host (14 instead
+            of 12 bytes per parameter), written by the same AdamW pass: weights stream in the compute dtype, half
+            the PCIe bytes of FP32 (a layer's forward at 123B width is bound by that transfer otherwise). Needs a
+            16-bit compute dtype.
         torch_compile: run each layer template and the loss's per-chunk softmax/gradient through ``torch.compile``
             (fuses the elementwise work: ~17% faster steps at 14B width; one compilation per layer kind, tens of
             seconds at start). Same math, different fp32 rounding (parity ~1e-5..1e-4 instead of bit-exact
@@ -207,6 +211,7 @@ class MegaTrainConfig:
     placement_tokens: int = 0
     device_step_state: str = "device"
     lean_store: bool = False
+    lean_compute_copy: bool = False
     torch_compile: bool = False
     speculative_step: bool = True
     host_kernel: str = "auto"
@@ -263,6 +268,12 @@ class MegaTrainConfig:
         if self.lean_store and self.torch_grad_offload_dtype != torch.float32:
             raise ValueError("lean_store=True needs grad_offload_dtype='float32': the optimizer consumes each "
                              "layer's gradient straight from the FP32 offload slab")
+        if self.lean_compute_copy and not self.lean_store:
+            raise ValueError("lean_compute_copy=True is an option of the lean store: set lean_store=True too (the "
+                             "other host layers keep their compute copy anyway)")
+        if self.lean_compute_copy and self.torch_compute_dtype == torch.float32:
+            raise ValueError("lean_compute_copy=True needs a 16-bit compute_dtype (bfloat16 or float16): with "
+                             "float32 compute the master is what streams")
         if self.lean_store and self.device_step_layers > 0:
             raise ValueError(f"lean_store=True cannot run AdamW on the GPU (device_step_layers="
                              f"{self.device_step_layers}): that path keeps each layer's gradient until the step. "

@@ -267,7 +267,7 @@ def train(engine: MegaTrainEngine, spec: dict, timer: LayerTimer) -> dict[str, A
             truncated = True
             break
         ids = rows[i * batch:(i + 1) * batch]
-        w0 = ex.wait_optimizer_s
+        w0, u0, n0 = ex.wait_optimizer_s, opt.host_update_seconds, opt.host_update_params
         loss = engine(input_ids=ids, labels=ids, num_items_in_batch=batch * (seq - 1)).loss
         loss.backward()
         t0 = time.perf_counter()
@@ -280,6 +280,7 @@ def train(engine: MegaTrainEngine, spec: dict, timer: LayerTimer) -> dict[str, A
                       "optimizer_step_call_s": call_s, "forward_wait_for_optimizer_s": ex.wait_optimizer_s - w0,
                       "optimizer_worker_prev_s": opt.last_step_seconds, "layer_forward_s": visits["forward"],
                       "layer_backward_s": visits["backward"],
+                      "host_update_s": opt.host_update_seconds - u0, "host_update_params": opt.host_update_params - n0,
                       "reruns_so_far": getattr(opt, "regenerated_steps", 0)})
         print(f"[run L={spec['layers']}] step {i}: {steps[-1]['period_s']:.3f}s loss {steps[-1]['loss']:.4f}",
               flush=True)
@@ -287,14 +288,23 @@ def train(engine: MegaTrainEngine, spec: dict, timer: LayerTimer) -> dict[str, A
     return {"steps": steps, "truncated": truncated, "periods": clock.periods}
 
 
-def event_split(steps: list[dict], layers: int) -> dict[str, Any]:
-    """Per-layer and resident time from the layer-visit events, and the optimizer's share (medians over steps)."""
-    per_layer = [(sum(s["layer_forward_s"]) + sum(s["layer_backward_s"])) / layers for s in steps]
-    if not any(per_layer):
+def event_split(steps: list[dict], layers: int, layer_numel: int) -> dict[str, Any]:
+    """Per-layer and resident time from the layer-visit events, and the optimizer's share (medians over steps).
+
+    A layer costs its GPU visits or its host AdamW update, whichever is longer: with many layers the CPU updates
+    one layer while the GPU runs another, so the slower of the two paces the step (a run of a few layers hides a
+    slow host in its tail). ``host_update_per_layer_s``: the updates' seconds per parameter over the timed steps
+    (each update timed around its kernel, on whichever thread ran it) times one layer's parameters."""
+    gpu = [(sum(s["layer_forward_s"]) + sum(s["layer_backward_s"])) / layers for s in steps]
+    if not any(gpu):
         return {"per_layer_s": None, "error": "no layer visits were timed"}
+    params = sum(s.get("host_update_params", 0) for s in steps)
+    host = sum(s.get("host_update_s", 0.0) for s in steps) / params * layer_numel if params else 0.0
+    per_layer = [max(g, host) for g in gpu]
     rest = [s["period_s"] - layers * p for s, p in zip(steps, per_layer)]
     med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
-    return {"per_layer_s": med(per_layer), "intercept_s": med(rest),
+    return {"per_layer_s": med(per_layer), "intercept_s": med(rest), "gpu_per_layer_s": med(gpu),
+            "host_update_per_layer_s": host, "bound": "host AdamW" if host > med(gpu) else "GPU visits",
             **{k: med([s[k] for s in steps]) for k in ("optimizer_worker_prev_s", "forward_wait_for_optimizer_s",
                                                         "optimizer_step_call_s")},
             "layer_forward_s": [med([s["layer_forward_s"][i] for s in steps]) for i in range(layers)],
@@ -325,7 +335,8 @@ def run_one(spec: dict) -> dict[str, Any]:
     out["model_tflops_with_attention"] = (6.0 * n_params + 12.0 * layers * hidden * int(spec["seq"])) \
         * out["tokens_per_s"] / 1e12
     out.update(res, layers=layers, n_params=n_params, setup=times, warmup_used=warm,
-               events=event_split(res["steps"][warm:], layers), planner=plan_record(plan, n_params),
+               events=event_split(res["steps"][warm:], layers, max(u.numel for u in engine.layer_units)),
+               planner=plan_record(plan, n_params),
                resident_on_device=engine.plans.resident_on_device, megatrain_config=config.to_dict(),
                device_layers=len(engine.plans.kept), device_step_layers=len(engine.plans.device_stepped),
                h2d_gb=engine.executor.h2d_bytes / 1e9, d2h_gb=engine.executor.d2h_bytes / 1e9,
@@ -471,6 +482,9 @@ def summary(doc: dict) -> str:
         if line:
             lines.append(f"{key}: {line['method']}: per layer {line['per_layer_s']:.3f} s, intercept "
                          f"{line['intercept_s']:.3f} s")
+            if line.get("gpu_per_layer_s") is not None:
+                lines.append(f"  per layer: GPU visits {line['gpu_per_layer_s']:.3f} s, host AdamW update "
+                             f"{line['host_update_per_layer_s']:.3f} s")
     x = doc.get("extrapolation")
     if x:
         gpu, plan = x.get("gpu") or {}, x["planner"]
@@ -613,8 +627,12 @@ def analyse(doc: dict, device_type: str, gpu_free: int | None, full_layers: int)
     doc["fit"] = fit(doc["runs"])
     big = max(ok, key=lambda r: r["layers"], default=None)
     if big is not None and big.get("events", {}).get("per_layer_s") is not None:
-        doc["events_fit"] = {"method": f"layer-visit events of the {big['layers']}-layer run",
-                             "per_layer_s": big["events"]["per_layer_s"], "intercept_s": big["events"]["intercept_s"]}
+        ev = big["events"]
+        doc["events_fit"] = {"method": f"layer-visit events of the {big['layers']}-layer run, paced by the "
+                                       f"{ev.get('bound', 'GPU visits')}",
+                             "per_layer_s": ev["per_layer_s"], "intercept_s": ev["intercept_s"],
+                             "gpu_per_layer_s": ev.get("gpu_per_layer_s"),
+                             "host_update_per_layer_s": ev.get("host_update_per_layer_s")}
     line = doc.get("fit") or doc.get("events_fit")
     if line:
         doc["extrapolation"] = extrapolate(doc["spec"], doc["runs"], line, full_layers, device_type, gpu_free)

@@ -167,6 +167,49 @@ def test_bf16_compute_matches_full_store():
         assert rel(lean_.store.master_tensor(n), full.store.master_tensor(n)) <= 1e-5, n
 
 
+@pytest.mark.parametrize("kernel", ["native", "fused"])
+def test_lean_compute_copy_trains_bit_identically(kernel):
+    """``lean_compute_copy``: the layers stream the host bf16 copy the AdamW pass writes instead of casting the FP32
+    master on the device -- the same rounding, so the same losses and weights, through speculated steps, a clipping
+    step (taken back and re-run: the copy is refreshed before the re-run reads it) and the steps after it."""
+    model = tiny("llama", num_hidden_layers=3)
+    clips = [1e6, 1e6, 0.05, 1e6, 1e6]
+    out = {}
+    for with_copy in (False, True):
+        cfg = MegaTrainConfig(compute_dtype="bfloat16", lean_store=True, lean_compute_copy=with_copy,
+                              host_kernel=kernel, overlap_optimizer=False, resident_placement="host")
+        e = MegaTrainEngine(copy.deepcopy(model), cfg, device="cpu")
+        assert all((u.compute is not None) == with_copy for u in e.layer_units)
+        opt = e.create_optimizer(lr=1e-3, weight_decay=0.1, max_grad_norm=clips[0])
+        losses = []
+        for clip, micro in zip(clips, random_batches(len(clips), 1, 4, 12, 96, seed=5)):
+            opt.max_grad_norm = clip
+            ids, lab = micro[0]
+            loss = e(input_ids=ids, labels=lab, num_items_in_batch=n_items(lab)).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        e.state.wait_all()
+        for u in e.layer_units if with_copy else ():
+            assert torch.equal(u.compute, u.master.to(torch.bfloat16))
+        out[with_copy] = (torch.stack(losses), {n: e.store.master_tensor(n).clone() for n in e.store.names()},
+                          opt.regenerated_steps, e.executor.h2d_bytes)
+    (l0, w0, r0, h0), (l1, w1, r1, h1) = out[False], out[True]
+    assert r0 == r1 >= 1
+    assert torch.equal(l0, l1)
+    for n in w0:
+        assert torch.equal(w0[n], w1[n]), n
+    assert h1 < 0.6 * h0  # half the bytes per streamed weight
+
+
+def test_lean_compute_copy_needs_lean_store_and_16_bit_compute():
+    with pytest.raises(ValueError, match="lean_store=True too"):
+        MegaTrainConfig(lean_compute_copy=True)
+    with pytest.raises(ValueError, match="16-bit compute_dtype"):
+        MegaTrainConfig(lean_store=True, lean_compute_copy=True, compute_dtype="float32")
+
+
 # -- skipped steps ---------------------------------------------------------------------------------------------------
 def test_nonfinite_loss_skips_bit_identical_without_rerun():
     """A NaN loss makes every layer gradient non-finite: no layer is speculated on, so the skipped step leaves
@@ -292,6 +335,7 @@ def test_store_bytes_per_streamed_parameter(dtype):
     store, res = engine.store, engine.resident_unit
     layer_params = sum(u.numel for u in engine.layer_units)
     assert bytes_per_param(torch.bfloat16, lean=True) == 12
+    assert bytes_per_param(torch.bfloat16, lean=True, lean_copy=True) == 14
     assert store.nbytes == 12 * layer_params + bytes_per_param(engine.compute_dtype) * res.numel
     # + two FP32 staging slabs of the largest layer (the executor's), nothing else per parameter
     slabs = sum(t.numel() * t.element_size() for t in engine.executor.grads.staging)

@@ -3,7 +3,8 @@
 A *unit* is what moves as one: each decoder layer, and the resident parts (embeddings, final norm, lm_head) as
 one more. Its ``UnitPlan`` says where the FP32 master, the FP32 gradient, the AdamW moments and the compute-dtype
 copy live, and which stepper runs its AdamW. ``build_plans`` is the only code that reads the placement options
-(``resident_placement``, ``device_layers``, ``device_step_layers``, ``optimizer_state_dir``, ``lean_store``); the
+(``resident_placement``, ``device_layers``, ``device_step_layers``, ``optimizer_state_dir``, ``lean_store``,
+``lean_compute_copy``); the
 store allocates from the plans, the executor and the optimizer pick their strategy per plan, and the planner's
 byte counts are sums of ``UnitPlan.nbytes`` over the same plans.
 
@@ -13,6 +14,7 @@ byte counts are sums of ``UnitPlan.nbytes`` over the same plans.
       (state "host")  host    device  host         host (bf16)   DEVICE_STREAMED: master and moments stream
     kept layer        device  device  device       none          DEVICE: everything on the GPU, cast per visit
     lean layer        host    none    host / disk  none          LEAN: update as each gradient lands
+      (lean_compute_copy) host none   host / disk  host (bf16)   LEAN: the update writes the copy too
     resident (device) device  device  device       device (bf16) DEVICE
     resident (host)   host    host    host / disk  host (bf16)   HOST, then published to the device parameters
 
@@ -223,7 +225,8 @@ def build_plans(inputs: PlanInputs, config: MegaTrainConfig) -> Plans:
             moments = host_moments if config.device_step_state == "host" else Where.DEVICE
             where = (Where.HOST, Where.DEVICE, moments, host_copy, Stepper.DEVICE_STREAMED)
         elif config.lean_store:
-            where = (Where.HOST, Where.NONE, host_moments, Where.NONE, Stepper.LEAN)
+            where = (Where.HOST, Where.NONE, host_moments, host_copy if config.lean_compute_copy else Where.NONE,
+                     Stepper.LEAN)
         else:
             where = (Where.HOST, Where.HOST, host_moments, host_copy, Stepper.HOST)
         units.append(UnitPlan(i, True, n, f, *where))

@@ -97,10 +97,10 @@ class Unit:
             self.compute[lo:hi].copy_(self.master[lo:hi])
 
 
-def bytes_per_param(compute_dtype: torch.dtype, lean: bool = False) -> int:
-    """Host bytes per trainable parameter of a host-stepped streamed unit (``lean``: a lean unit), from the same
-    ``UnitPlan.buffers`` formula the store and the planner use."""
-    copy = Where.NONE if lean or compute_dtype == torch.float32 else Where.HOST
+def bytes_per_param(compute_dtype: torch.dtype, lean: bool = False, lean_copy: bool = False) -> int:
+    """Host bytes per trainable parameter of a host-stepped streamed unit (``lean``: a lean unit; ``lean_copy``:
+    one that keeps its compute copy), from the same ``UnitPlan.buffers`` formula the store and the planner use."""
+    copy = Where.NONE if (lean and not lean_copy) or compute_dtype == torch.float32 else Where.HOST
     grad, stepper = (Where.NONE, Stepper.LEAN) if lean else (Where.HOST, Stepper.HOST)
     plan = UnitPlan(0, True, 1, 0, Where.HOST, grad, Where.HOST, copy, stepper)
     return plan.nbytes(Where.HOST, compute_dtype)

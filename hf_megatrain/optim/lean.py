@@ -111,6 +111,7 @@ class LeanAdamW(UnitAdamW):
     def _undo_master(self, i: int, key: Key) -> None:
         u = self.store.units[i]
         kernels.undo_master_(u.master, u.exp_avg, u.exp_avg_sq, self.groups_of(u, list(key[1])), self._counts[i])
+        u.refresh_compute_()  # (lean_compute_copy: the re-run streams the copy)
         self.step_state.touch(i)
 
     def _undo_moments(self, i: int, grad: torch.Tensor, key: Key) -> None:

@@ -338,7 +338,7 @@ def estimate(shape: ModelShape, config: MegaTrainConfig, seq_len: int, batch_siz
     d["weight slots"] = config.num_slots * slot * c
     d["grad_param (1 x layer)"] = n_max * c
     d["grad offload (2 x layer)"] = 2 * n_max * o
-    if lean and c < 4:
+    if lean and c < 4 and not config.lean_compute_copy:
         d["lean FP32 H2D cast staging"] = min(4 * n_max, CAST_STAGING_BYTES)
     # Activations and gradients: the phases of a step follow each other; the peak is the largest one.
     chunk = seq_chunk(shape, config)

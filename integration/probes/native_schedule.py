@@ -1,13 +1,25 @@
-"""Probe: the native AdamW kernel's OpenMP schedule and thread count under DMA in both directions."""
+"""Probe: variants of the native AdamW kernel (core/native_adamw.py) alone and under DMA in both directions.
+
+    python integration/probes/native_schedule.py [numel] [out.json]
+"""
 import ctypes, os, subprocess, sys, tempfile, threading, time, json
 from pathlib import Path
 import torch
 sys.path.insert(0, os.getcwd())
 from hf_megatrain.core import native_adamw, kernels
 
-def build(sched: str):
+VARIANTS = {  # name -> (text in the kernel's source, its replacement)
+    "current": ("", ""),
+    "plain-stores": ("if (OUT) stream_u16(out + s, buf, t - s);", "if (OUT) memcpy(out + s, buf, 2 * (t - s));"),
+    "static": ("schedule(dynamic, 1)", "schedule(static)"),
+}
+
+
+def build(variant: str):
     d = tempfile.mkdtemp()
-    src = native_adamw._SOURCE.replace("schedule(static)", f"schedule({sched})")
+    old, new = VARIANTS[variant]
+    assert old in native_adamw._SOURCE, variant
+    src = native_adamw._SOURCE.replace(old, new) if old else native_adamw._SOURCE
     open(f"{d}/a.c", "w").write(src)
     subprocess.run([native_adamw._compiler(), *native_adamw._FLAGS, f"{d}/a.c", "-o", f"{d}/a.so"], check=True)
     lib = ctypes.CDLL(f"{d}/a.so")
@@ -32,7 +44,7 @@ def in_thread(fn):
     def run():
         t = threading.Thread(target=fn); t.start(); t.join()
     return run
-scheds = ["static", "static,65536", "dynamic,65536", "dynamic,16384", "guided,16384"]
+scheds = list(VARIANTS)
 libs = {s: build(s) for s in scheds}
 def job(lib, threads, copy):
     return lambda: lib.adamw_span(p.data_ptr(), g.data_ptr(), 1, m.data_ptr(), v.data_ptr(),
@@ -55,7 +67,7 @@ for dirs in dmas:
     for s in scheds:
         for threads in (16, 14, 12):
             for copy in (False, True):
-                if threads != 16 and s not in ("static", "dynamic,65536"):
+                if threads != 16 and s != "current":
                     continue
                 sec = timed(in_thread(job(libs[s], threads, copy)))
                 key = f"{'+'.join(dirs) or 'alone'} {s} t{threads} {'copy' if copy else 'lean'}"

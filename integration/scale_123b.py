@@ -293,9 +293,14 @@ def event_split(steps: list[dict], layers: int, layer_numel: int) -> dict[str, A
 
     A layer costs its GPU visits or its host AdamW update, whichever is longer: with many layers the CPU updates
     one layer while the GPU runs another, so the slower of the two paces the step (a run of a few layers hides a
-    slow host in its tail). ``host_update_per_layer_s``: the updates' seconds per parameter over the timed steps
-    (each update timed around its kernel, on whichever thread ran it) times one layer's parameters."""
-    gpu = [(sum(s["layer_forward_s"]) + sum(s["layer_backward_s"])) / layers for s in steps]
+    slow host in its tail). GPU visits: the interior layers' (the first layer's forward waits for the step's first
+    weight load, the last backward for the step's tail; in an 88-layer model that excess is paid once, so it goes
+    to the intercept), all layers' when there are fewer than three. ``host_update_per_layer_s``: the updates'
+    seconds per parameter over the timed steps (each timed around its kernel, on whichever thread ran it) times
+    one layer's parameters."""
+    inner = range(1, layers - 1) if layers >= 3 else range(layers)
+    gpu = [sum(s["layer_forward_s"][i] + s["layer_backward_s"][i] for i in inner) / len(inner) for s in steps]
+    every = [(sum(s["layer_forward_s"]) + sum(s["layer_backward_s"])) / layers for s in steps]
     if not any(gpu):
         return {"per_layer_s": None, "error": "no layer visits were timed"}
     params = sum(s.get("host_update_params", 0) for s in steps)
@@ -304,6 +309,7 @@ def event_split(steps: list[dict], layers: int, layer_numel: int) -> dict[str, A
     rest = [s["period_s"] - layers * p for s, p in zip(steps, per_layer)]
     med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
     return {"per_layer_s": med(per_layer), "intercept_s": med(rest), "gpu_per_layer_s": med(gpu),
+            "gpu_per_layer_all_layers_s": med(every), "gpu_layers_timed": list(inner),
             "host_update_per_layer_s": host, "bound": "host AdamW" if host > med(gpu) else "GPU visits",
             **{k: med([s[k] for s in steps]) for k in ("optimizer_worker_prev_s", "forward_wait_for_optimizer_s",
                                                         "optimizer_step_call_s")},
@@ -483,7 +489,8 @@ def summary(doc: dict) -> str:
             lines.append(f"{key}: {line['method']}: per layer {line['per_layer_s']:.3f} s, intercept "
                          f"{line['intercept_s']:.3f} s")
             if line.get("gpu_per_layer_s") is not None:
-                lines.append(f"  per layer: GPU visits {line['gpu_per_layer_s']:.3f} s, host AdamW update "
+                lines.append(f"  per layer: GPU visits {line['gpu_per_layer_s']:.3f} s (interior layers; all layers "
+                             f"{line['gpu_per_layer_all_layers_s']:.3f}), host AdamW update "
                              f"{line['host_update_per_layer_s']:.3f} s")
     x = doc.get("extrapolation")
     if x:
@@ -632,6 +639,7 @@ def analyse(doc: dict, device_type: str, gpu_free: int | None, full_layers: int)
                                        f"{ev.get('bound', 'GPU visits')}",
                              "per_layer_s": ev["per_layer_s"], "intercept_s": ev["intercept_s"],
                              "gpu_per_layer_s": ev.get("gpu_per_layer_s"),
+                             "gpu_per_layer_all_layers_s": ev.get("gpu_per_layer_all_layers_s"),
                              "host_update_per_layer_s": ev.get("host_update_per_layer_s")}
     line = doc.get("fit") or doc.get("events_fit")
     if line:

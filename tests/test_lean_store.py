@@ -420,3 +420,9 @@ def test_estimate_cli_lean_store(tmp_path, capsys):
     assert lean_["host"]["master fp32"] + lean_["host"]["exp_avg fp32"] + lean_["host"]["exp_avg_sq fp32"] \
         == 12 * layers
     assert any("lean_store refuses gradient accumulation" in n for n in lean_["notes"])
+    assert planner.main([str(tmp_path), "--seq-len", "64", "--gpu-memory", "80", "--device-layers", "0",
+                         "--config", str(tmp_path / "streamed.yaml"), "--json", "--lean-store",
+                         "--lean-compute-copy"]) == 0
+    copied = json.loads(capsys.readouterr().out)
+    assert copied["host"]["compute copy"] == 2 * layers and copied["host"]["grad fp32"] == 0
+    assert "lean FP32 H2D cast staging" not in copied["gpu"]  # (bf16 streams: nothing to cast on the GPU)

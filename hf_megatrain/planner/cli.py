@@ -75,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--lean-store", action="store_true",
                    help="plan for lean_store=True (12 host bytes per streamed parameter)")
+    p.add_argument("--lean-compute-copy", action="store_true",
+                   help="with --lean-store: plan for lean_compute_copy=True (14 B/param; weights stream in bf16)")
     p.add_argument("--device-layers", type=int, default=None,
                    help="decoder layers kept whole on the GPU (default -1: as many as fit; 0: stream every layer)")
     p.add_argument("--seq-chunk-tokens", type=int, default=None,
@@ -92,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         over = {k: v for k, v in (("compute_dtype", a.compute_dtype), ("num_slots", a.num_slots),
                                   ("micro_batch_size", a.micro_batch_size), ("device_layers", a.device_layers),
-                                  ("lean_store", a.lean_store or None), ("seq_chunk_tokens", a.seq_chunk_tokens),
+                                  ("lean_store", a.lean_store or None),
+                                  ("lean_compute_copy", a.lean_compute_copy or None), ("seq_chunk_tokens", a.seq_chunk_tokens),
                                   ("activation_offload", a.activation_offload)) if v is not None}
         config = MegaTrainConfig.from_dict({**resolve_config(a.config).to_dict(), **over})
         if a.seq_len <= 0 or a.batch_size <= 0 or a.gpus <= 0:

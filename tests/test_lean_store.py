@@ -426,3 +426,20 @@ def test_estimate_cli_lean_store(tmp_path, capsys):
     copied = json.loads(capsys.readouterr().out)
     assert copied["host"]["compute copy"] == 2 * layers and copied["host"]["grad fp32"] == 0
     assert "lean FP32 H2D cast staging" not in copied["gpu"]  # (bf16 streams: nothing to cast on the GPU)
+
+
+def test_trainer_exact_resume_with_lean_compute_copy(tmp_path):
+    """bf16 with ``lean_compute_copy``: a resumed run (masters loaded, the copies refreshed from them) continues
+    bit-identically to the uninterrupted one."""
+    cfg = {"compute_dtype": "bfloat16", "lean_store": True, "lean_compute_copy": True}
+    model = tiny("llama")
+    kw = dict(save_strategy="steps", save_steps=2)
+    full = MegaTrainTrainer(model=copy.deepcopy(model), args=_args(tmp_path / "a", cfg, **kw), train_dataset=_dataset())
+    full.train()
+    resumed = MegaTrainTrainer(model=copy.deepcopy(model), args=_args(tmp_path / "b", cfg, **kw),
+                               train_dataset=_dataset())
+    resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
+    assert _log(full) == _log(resumed)
+    resumed.engine.optimizer.wait(), full.engine.optimizer.wait()
+    for u, v in zip(full.engine.layer_units, resumed.engine.layer_units):
+        assert torch.equal(u.master, v.master) and torch.equal(u.compute, v.compute)

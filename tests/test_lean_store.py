@@ -426,6 +426,8 @@ def test_estimate_cli_lean_store(tmp_path, capsys):
     copied = json.loads(capsys.readouterr().out)
     assert copied["host"]["compute copy"] == 2 * layers and copied["host"]["grad fp32"] == 0
     assert "lean FP32 H2D cast staging" not in copied["gpu"]  # (bf16 streams: nothing to cast on the GPU)
+    assert any("lean_compute_copy=True would add" in n for n in lean_["notes"])
+    assert not any("lean_compute_copy" in n for n in copied["notes"])
 
 
 def test_trainer_exact_resume_with_lean_compute_copy(tmp_path):

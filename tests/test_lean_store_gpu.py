@@ -40,14 +40,16 @@ def test_gpu_lean_bf16_chunked_cast_matches_full_store(monkeypatch):
     monkeypatch.setattr(slots, "CAST_STAGING_BYTES", 4000)  # several cast chunks per layer
     model = tiny("llama", num_hidden_layers=4)
     engines = []
-    for lean in (False, True):
+    for lean, with_copy in ((False, False), (True, False), (True, True)):  # (lean_compute_copy: bf16 streams)
         e = MegaTrainEngine(copy.deepcopy(model), MegaTrainConfig(compute_dtype="bfloat16", lean_store=lean,
-                                                             device_layers=0, device_step_layers=0),
+                                                             lean_compute_copy=with_copy, device_layers=0,
+                                                             device_step_layers=0),
                             device="cuda")
         e.create_optimizer(lr=1e-3, weight_decay=0.1, max_grad_norm=0.3)
         engines.append(e)
-    full, lean_ = engines
+    full, lean_, lean_copy = engines
     assert lean_.executor.weights.cast_stage.numel() == 1000 and full.executor.weights.cast_stage is None
+    assert lean_copy.executor.weights.cast_stage is None
     for micro in random_batches(3, 1, 4, 12, 96, seed=1):
         ids, lab = micro[0]
         losses = []
@@ -57,8 +59,11 @@ def test_gpu_lean_bf16_chunked_cast_matches_full_store(monkeypatch):
             e.optimizer.step()
             e.optimizer.zero_grad()
             losses.append(loss.detach().float().cpu())
-        assert rel(losses[1], losses[0]) <= 1e-5
-    lean_.optimizer.wait(), full.optimizer.wait()
-    worst = max(rel(lean_.store.master_tensor(n), full.store.master_tensor(n)) for n in full.store.names())
-    print(f"lean vs full bf16 on GPU: worst weight {worst:.1e}, re-runs {lean_.optimizer.regenerated_steps}")
-    assert worst <= 1e-5
+        assert rel(losses[1], losses[0]) <= 1e-5 and rel(losses[2], losses[0]) <= 1e-5
+    for e in engines:
+        e.optimizer.wait()
+    for other in (lean_, lean_copy):
+        worst = max(rel(other.store.master_tensor(n), full.store.master_tensor(n)) for n in full.store.names())
+        print(f"lean (copy: {other is lean_copy}) vs full bf16 on GPU: worst weight {worst:.1e}, re-runs "
+              f"{other.optimizer.regenerated_steps}")
+        assert worst <= 1e-5

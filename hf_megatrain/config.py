@@ -150,8 +150,8 @@ class MegaTrainConfig:
             optimizer step: gradient accumulation is refused (use ``micro_batch_size``). See optim/lean.py.
         lean_compute_copy: with ``lean_store``, each layer also keeps its compute-dtype copy on the host (14 instead
             of 12 bytes per parameter), written by the same AdamW pass: weights stream in the compute dtype, half
-            the PCIe bytes of FP32 (a layer's forward at 123B width is bound by that transfer otherwise). Needs a
-            16-bit compute dtype.
+            the PCIe bytes of FP32 (a layer's forward at 123B width is bound by that transfer otherwise). Needs
+            bfloat16 compute.
         torch_compile: run each layer template and the loss's per-chunk softmax/gradient through ``torch.compile``
             (fuses the elementwise work: ~17% faster steps at 14B width; one compilation per layer kind, tens of
             seconds at start). Same math, different fp32 rounding (parity ~1e-5..1e-4 instead of bit-exact
@@ -272,8 +272,8 @@ class MegaTrainConfig:
             raise ValueError("lean_compute_copy=True is an option of the lean store: set lean_store=True too (the "
                              "other host layers keep their compute copy anyway)")
         if self.lean_compute_copy and self.torch_compute_dtype == torch.float32:
-            raise ValueError("lean_compute_copy=True needs a 16-bit compute_dtype (bfloat16 or float16): with "
-                             "float32 compute the master is what streams")
+            raise ValueError("lean_compute_copy=True needs compute_dtype='bfloat16': with float32 compute the "
+                             "master is what streams")
         if self.lean_store and self.device_step_layers > 0:
             raise ValueError(f"lean_store=True cannot run AdamW on the GPU (device_step_layers="
                              f"{self.device_step_layers}): that path keeps each layer's gradient until the step. "

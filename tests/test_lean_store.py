@@ -206,7 +206,7 @@ def test_lean_compute_copy_trains_bit_identically(kernel):
 def test_lean_compute_copy_needs_lean_store_and_16_bit_compute():
     with pytest.raises(ValueError, match="lean_store=True too"):
         MegaTrainConfig(lean_compute_copy=True)
-    with pytest.raises(ValueError, match="16-bit compute_dtype"):
+    with pytest.raises(ValueError, match="compute_dtype='bfloat16'"):
         MegaTrainConfig(lean_store=True, lean_compute_copy=True, compute_dtype="float32")
 
 

@@ -13,6 +13,7 @@ writes; the host's copy bandwidth is measured the same way for the ceiling.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -20,6 +21,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -47,6 +49,34 @@ def in_thread(fn):
         t.join()
         return out["v"]
     return run
+
+
+@contextlib.contextmanager
+def dma_running(n: int, directions: tuple[str, ...]) -> Iterator[None]:
+    """PCIe copies of ``n`` FP32 elements looping in each of ``directions`` ("d2h": into pinned memory, "h2d": out
+    of it), each on its own stream and thread, for the duration of the block (the streamed step's DMA traffic)."""
+    stop, threads = threading.Event(), []
+    for direction in directions:
+        host = torch.empty(n, dtype=torch.float32, pin_memory=True)
+        dev = torch.empty(n, dtype=torch.float32, device="cuda")
+        dst, src = (host, dev) if direction == "d2h" else (dev, host)
+
+        def loop(dst: torch.Tensor = dst, src: torch.Tensor = src) -> None:
+            st = torch.cuda.Stream()
+            with torch.cuda.stream(st):
+                while not stop.is_set():
+                    dst.copy_(src, non_blocking=True)
+                    st.synchronize()
+        threads.append(threading.Thread(target=loop))
+    for t in threads:
+        t.start()
+    time.sleep(0.5 if threads else 0)
+    try:
+        yield
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
 
 
 def main() -> None:
@@ -82,18 +112,17 @@ def main() -> None:
         "copy": (lambda: m.copy_(v), COPY_BYTES),
         "read": (lambda: v.sum(), 4),  # the read-only ceiling
     }
-    if True:  # native: needs a C compiler (warm_up_native says so when there is none)
-        kernels.warm_up_native()
-        gb = mk(torch.bfloat16).uniform_(0.1, 1.0)
+    kernels.warm_up_native()  # (needs a C compiler: says so when there is none)
+    gb = mk(torch.bfloat16).uniform_(0.1, 1.0)
 
-        def native(copy: bool):  # a narrow (bf16) gradient: the lean store's update, and with the compute copy
-            def run():
-                step[0] += 1
-                kernels.adamw_(p, gb, m, v, groups, step[0], None, compute=out if copy else None,
-                               impl=kernels.HostKernel.NATIVE)
-            return run, kernels.host_bytes_per_param(kernels.HostKernel.NATIVE, False, 2 if copy else 0, 2)
-        variants["native+bf16grad"] = native(False)
-        variants["native+bf16grad+copy"] = native(True)
+    def native(copy: bool):  # a narrow (bf16) gradient: the lean store's update, and with the compute copy
+        def run():
+            step[0] += 1
+            kernels.adamw_(p, gb, m, v, groups, step[0], None, compute=out if copy else None,
+                           impl=kernels.HostKernel.NATIVE)
+        return run, kernels.host_bytes_per_param(kernels.HostKernel.NATIVE, False, 2 if copy else 0, 2)
+    variants["native+bf16grad"] = native(False)
+    variants["native+bf16grad+copy"] = native(True)
     res = {"host": platform.node(), "threads": torch.get_num_threads(), "numel": n, "pinned": pin,
            "torch": torch.__version__, "cpu_count": os.cpu_count(), "variants": {}}
     for name, (fn, b) in variants.items():
@@ -105,36 +134,16 @@ def main() -> None:
                   f"{b} B/param  {n * b / s / 1e9:6.1f} GB/s", flush=True)
     if torch.cuda.is_available():  # the same update while gradients stream D2H into pinned memory
         # and while weights stream H2D as well (both directions busy, as in the streamed step)
-        dev = torch.empty(n // 2, dtype=torch.float32, device="cuda")
-        dst = torch.empty(n // 2, dtype=torch.float32, pin_memory=True)
-        dev_in = torch.empty(n // 2, dtype=torch.float32, device="cuda")
-        src = torch.empty(n // 2, dtype=torch.float32, pin_memory=True)
         for dirs in (("d2h",), ("d2h", "h2d")):
-            stop = threading.Event()
-
-            def dma(direction: str):
-                st = torch.cuda.Stream()
-                with torch.cuda.stream(st):
-                    while not stop.is_set():
-                        (dst.copy_(dev, non_blocking=True) if direction == "d2h" else
-                         dev_in.copy_(src, non_blocking=True))
-                        st.synchronize()
-            ts = [threading.Thread(target=dma, args=(d,)) for d in dirs]
-            for t in ts:
-                t.start()
-            time.sleep(0.5)
-            for name in ("fused+copy", "compiled+copy", "native+bf16grad", "native+bf16grad+copy", "read", "copy"):
-                if name not in variants:
-                    continue
-                s = timed(in_thread(variants[name][0]), args.reps)
-                tag = "+".join(dirs)
-                res["variants"][f"{name}/thread+{tag}"] = {"s": s, "Gparam_s": n / s / 1e9,
-                                                           "GB_s": n * variants[name][1] / s / 1e9}
-                print(f"{name:>20s} +{tag:8s}: {s * 1e3:7.1f} ms  {n / s / 1e9:5.2f} G param/s "
-                      f"{n * variants[name][1] / s / 1e9:6.1f} GB/s", flush=True)
-            stop.set()
-            for t in ts:
-                t.join()
+            with dma_running(n // 2, dirs):
+                for name in ("fused+copy", "compiled+copy", "native+bf16grad", "native+bf16grad+copy", "read",
+                             "copy"):
+                    s = timed(in_thread(variants[name][0]), args.reps)
+                    tag = "+".join(dirs)
+                    res["variants"][f"{name}/thread+{tag}"] = {"s": s, "Gparam_s": n / s / 1e9,
+                                                               "GB_s": n * variants[name][1] / s / 1e9}
+                    print(f"{name:>20s} +{tag:8s}: {s * 1e3:7.1f} ms  {n / s / 1e9:5.2f} G param/s "
+                          f"{n * variants[name][1] / s / 1e9:6.1f} GB/s", flush=True)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         path = Path(args.out) / f"host_adamw_rate_{platform.node()}.json"

@@ -123,24 +123,29 @@ def _compiler() -> str:
     raise RuntimeError("no C compiler found (cc, gcc or clang)")
 
 
+def build(source: str = _SOURCE) -> Any:
+    """Compile ``source`` (the kernel, or a variant of it: integration/probes) and load it; RuntimeError saying why
+    when it cannot be built."""
+    d = tempfile.mkdtemp(prefix="hf_megatrain_adamw_")
+    src, so = os.path.join(d, "adamw.c"), os.path.join(d, "adamw.so")
+    with open(src, "w") as f:
+        f.write(source)
+    r = subprocess.run([_compiler(), *_FLAGS, src, "-o", so], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"building the native AdamW kernel failed: {r.stderr.strip()[-400:]}")
+    lib = ctypes.CDLL(so)  # (CDLL: the GIL is released for the duration of each call)
+    lib.adamw_span.restype = None
+    lib.adamw_span.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                               ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    return lib
+
+
 def library() -> Any:
     """The built kernel (built on first use; RuntimeError saying why when it cannot be)."""
     global _lib
     with _lock:
         if _lib is None:
-            d = tempfile.mkdtemp(prefix="hf_megatrain_adamw_")
-            src, so = os.path.join(d, "adamw.c"), os.path.join(d, "adamw.so")
-            with open(src, "w") as f:
-                f.write(_SOURCE)
-            r = subprocess.run([_compiler(), *_FLAGS, src, "-o", so], capture_output=True, text=True)
-            if r.returncode != 0:
-                raise RuntimeError(f"building the native AdamW kernel failed: {r.stderr.strip()[-400:]}")
-            lib = ctypes.CDLL(so)  # (CDLL: the GIL is released for the duration of each call)
-            lib.adamw_span.restype = None
-            lib.adamw_span.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
-                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                                       ctypes.c_int, ctypes.c_int]
-            _lib = lib
+            _lib = build()
         return _lib
 
 

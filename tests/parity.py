@@ -41,8 +41,11 @@ def random_batches(steps, ga, batch, seq, vocab, seed, pad_some=True):
 
 def run_parity(model, *, steps=3, ga=2, batch=2, seq=12, lr=1e-3, wd=0.1, max_grad_norm=1.0, seed=0,
                config: MegaTrainConfig | None = None, split_in_layer: bool = False, tol=1e-5, device="cpu",
-               final_backward: bool = False, clip_schedule=None):
+               final_backward: bool = False, clip_schedule=None, referee64: bool = False):
     """Train a copy of ``model`` both ways; assert loss, every gradient and every updated weight match.
+    ``referee64``: also train a float64 copy; a weight more than ``tol`` from the fp32 reference still passes when
+    it is no further from the float64 run than twice the fp32 reference is (rounding that Adam amplified in
+    parameters with tiny gradients, e.g. embedding rows of rare tokens, not different math).
     ``final_backward``: tell the engine which backward is a step's last (as the Trainer does), so speculative
     updates run; ``clip_schedule``: max_grad_norm per step (both sides), to make a step clip after one that did
     not."""
@@ -52,6 +55,8 @@ def run_parity(model, *, steps=3, ga=2, batch=2, seq=12, lr=1e-3, wd=0.1, max_gr
     engine = MegaTrainEngine(ours, config, device=device)
     opt = engine.create_optimizer(lr=lr, weight_decay=wd, max_grad_norm=max_grad_norm)
     ropt = reference_optimizer(ref, lr, wd)
+    ref64 = copy.deepcopy(model).to(device).double() if referee64 else None
+    ropt64 = reference_optimizer(ref64, lr, wd) if referee64 else None
     captured: dict[int, torch.Tensor] = {}
     if hasattr(opt, "gradient_hooks"):  # lean units keep no gradient: observe each one as it is consumed
 
@@ -75,6 +80,9 @@ def run_parity(model, *, steps=3, ga=2, batch=2, seq=12, lr=1e-3, wd=0.1, max_gr
                       num_items_in_batch=torch.tensor(n_items, device=device))
             out.loss.backward()
             ref_losses.append(out.loss.detach())
+            if ref64 is not None:
+                ref64(input_ids=ids.to(device), labels=lab.to(device),
+                      num_items_in_batch=torch.tensor(n_items, device=device)).loss.backward()
         if clip_schedule is not None:
             max_grad_norm = opt.max_grad_norm = clip_schedule[step_no]
         step_no += 1
@@ -107,6 +115,12 @@ def run_parity(model, *, steps=3, ga=2, batch=2, seq=12, lr=1e-3, wd=0.1, max_gr
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_grad_norm) if max_grad_norm else None
         ropt.step()
         ropt.zero_grad()
+        if ref64 is not None:
+            if max_grad_norm:
+                torch.nn.utils.clip_grad_norm_(ref64.parameters(), max_grad_norm)
+            ropt64.step()
+            ropt64.zero_grad()
+        p64 = dict(ref64.named_parameters()) if ref64 is not None else {}
         opt.step()
         opt.wait()
         opt.zero_grad()
@@ -118,7 +132,12 @@ def run_parity(model, *, steps=3, ga=2, batch=2, seq=12, lr=1e-3, wd=0.1, max_gr
             if n in null_grad:
                 assert float((ours_w - p.detach()).abs().max()) <= 1e-3 * lr, n
                 continue
-            worst["weight"] = max(worst["weight"], rel(ours_w, p.detach()))
+            err = rel(ours_w, p.detach())
+            if err > tol and n in p64:  # within the fp32 noise floor measured against float64?
+                floor = rel(p.detach(), p64[n].detach().float().cpu())
+                if rel(ours_w, p64[n].detach().float().cpu()) <= 2 * floor + tol:
+                    err = 0.0
+            worst["weight"] = max(worst["weight"], err)
     for k, v in worst.items():
         assert v <= tol, f"{k} mismatch {v:.3e} > {tol:.0e} ({worst})"
     return worst, engine, ref

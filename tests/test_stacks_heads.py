@@ -31,7 +31,9 @@ def test_mixed_class_stack_is_found_and_trains_with_parity():
     model = tiny("jamba")
     assert len({type(m).__name__ for m in model.model.layers}) == 2
     assert find_layer_stack(model).path == "model.layers"
-    run_parity(model, steps=2)
+    # (transformers 5.24 reorders jetmoe's fp32 sums: the embedding rows of rare tokens, Adam-normalised noise, are
+    # 2e-5 from the fp32 reference and as far from a float64 run as the fp32 reference itself is: the referee.)
+    run_parity(model, steps=2, referee64=True)
 
 
 def test_stack_with_shared_block_is_refused_clearly():
@@ -63,7 +65,9 @@ def test_helper_list_of_mixed_classes_is_not_the_stack():
 def test_router_aux_coef_under_alias_is_applied():
     model = tiny("jetmoe")
     assert not hasattr(model.config, "router_aux_loss_coef") and head_value(model, "router_coef")[1] == 0.02
-    run_parity(model, steps=2)
+    # (transformers 5.24 reorders jetmoe's fp32 sums: the embedding rows of rare tokens, Adam-normalised noise, are
+    # 2e-5 from the fp32 reference and as far from a float64 run as the fp32 reference itself is: the referee.)
+    run_parity(model, steps=2, referee64=True)
 
 
 def test_softcap_and_scale_aliases_resolve():

@@ -24,7 +24,19 @@ import torch
 
 from .proxy import StreamedLayer
 
-_CACHE_KWARGS = ("past_key_values", "past_key_value")  # transformers 5 name, then the 4.x one
+
+def is_kv_cache(value: Any) -> bool:
+    """Whether ``value`` is a transformers KV cache. Found by what it is, not by the keyword it travels under:
+    the argument was ``past_key_value`` (4.x), ``past_key_values`` (5.0-5.23) and is ``cache`` from 5.24 on; the
+    next rename must not turn generation into a silent uncached-per-layer mix."""
+    from transformers.cache_utils import Cache  # (only a cached call reaches here with a non-tensor value)
+
+    return isinstance(value, (Cache, LayerCache))
+
+
+# Names a cache has travelled under; a value under one of them that is not a ``Cache`` (a family's own cache class)
+# is treated as one too, so it is refused under gradients and sent to this layer's slot rather than ignored.
+_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value")
 
 
 class LayerCache:
@@ -58,8 +70,10 @@ class CachingStreamedLayer(StreamedLayer):
     """``StreamedLayer`` that also runs with a KV cache (generation); without one it is exactly the plain proxy."""
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        key = next((k for k in _CACHE_KWARGS if kwargs.get(k) is not None), None)
-        if key is None:
+        key = next((k for k, v in kwargs.items() if _maybe_cache(v) and (k in _CACHE_KWARGS or is_kv_cache(v))),
+                   None)
+        pos = next((i for i, v in enumerate(args) if _maybe_cache(v) and is_kv_cache(v)), None)
+        if key is None and pos is None:
             return super().forward(hidden_states, *args, **kwargs)
         if torch.is_grad_enabled():
             raise RuntimeError(
@@ -67,6 +81,14 @@ class CachingStreamedLayer(StreamedLayer):
                 "not supported: the streamed backward recomputes each layer from its input, which would update the "
                 "cache twice. Pass use_cache=False for a training forward, or run inference under torch.no_grad() "
                 "(model.generate() does).")
-        kwargs[key] = LayerCache(kwargs[key], self.index)
+        if key is not None:
+            kwargs[key] = LayerCache(kwargs[key], self.index)
+        else:
+            args = args[:pos] + (LayerCache(args[pos], self.index),) + args[pos + 1:]
         with _whole_batch(self._executor[0]):
             return super().forward(hidden_states, *args, **kwargs)
+
+
+def _maybe_cache(value: Any) -> bool:
+    """Cheap pre-filter: tensors, numbers, strings and None (most layer arguments) are never a cache."""
+    return value is not None and not isinstance(value, (torch.Tensor, bool, int, float, str, tuple, dict))

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import torch
 from torch import nn
 
 from .. import planner
-from ..config import MegaTrainConfig
+from ..config import MegaTrainConfig, resolve_config
 from ..core import kernels
 from ..core.plan import Stepper, Where
 from ..core.step_state import StepState
@@ -55,11 +55,15 @@ class MegaTrainOutput:
 
 
 class MegaTrainEngine:
-    def __init__(self, model: nn.Module, config: MegaTrainConfig | None = None,
+    def __init__(self, model: nn.Module, config: MegaTrainConfig | Mapping[str, Any] | str | None = None,
                  device: torch.device | str | None = None, decay_names: set[str] | None = None,
                  dp: DataParallel | None = None) -> None:
-        """``dp``: the data-parallel ranks of this host training together (parallel/; None or one rank: alone)."""
-        config = config or MegaTrainConfig()
+        """``config``: what every entry point takes (a ``MegaTrainConfig``, a dict, a JSON string or a yaml path),
+        read by the one resolution, ``config.resolve_config``; ``None`` is the defaults. The engine reads no
+        environment variables (the Trainer, the plugin and ``from_pretrained_streamed`` apply ``MEGATRAIN_*``
+        before they build it). ``dp``: the data-parallel ranks of this host training together (parallel/; None or
+        one rank: alone)."""
+        config = config if isinstance(config, MegaTrainConfig) else resolve_config(config, environ={})
         self.dp = dp if dp is not None and dp.world > 1 else None
         if self.dp is not None:
             config = data_parallel_config(config, self.dp)

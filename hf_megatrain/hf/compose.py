@@ -73,5 +73,37 @@ def megatrain_args_class(base: type[TrainingArguments], name: str | None = None,
     name = name or f"MegaTrain{base.__name__}"
     if module is None:
         module = sys._getframe(1).f_globals.get("__name__", "__main__")
-    cls = type(name, (MegaTrainTrainingArguments, base), {"__module__": module, "__qualname__": name})
+    namespace: dict[str, Any] = {"__module__": module, "__qualname__": name, "__doc__": base.__doc__,
+                                 **base_field_overrides(base)}
+    cls = type(name, (MegaTrainTrainingArguments, base), namespace)
     return dataclasses.dataclass(cls)
+
+
+def base_field_overrides(base: type[TrainingArguments]) -> dict[str, Any]:
+    """Class-body entries (``__annotations__`` and ``field(...)``s) re-declaring every field ``base`` (or a class
+    between it and ``TrainingArguments``) declared anew: its default, factory and help text.
+
+    Why: ``dataclass`` collects inherited fields walking the MRO backwards, and ``MegaTrainTrainingArguments``
+    (first in the MRO) carries ``TrainingArguments``' own field objects, so without this its defaults would win over
+    the base's: ``SFTConfig``'s ``learning_rate=2e-5`` would silently become 5e-5 and DPOConfig's 1e-6 too, ``bf16``
+    would lose its base default, ``logging_steps`` 500 instead of 10. Re-declared in the class body, the base's
+    field takes its inherited place in the field order with the base's values."""
+    own = MegaTrainTrainingArguments.__dataclass_fields__
+    ours = {n for n in own if n not in TrainingArguments.__dataclass_fields__}
+    annotations: dict[str, Any] = {}
+    namespace: dict[str, Any] = {"__annotations__": annotations}
+    for fname, f in base.__dataclass_fields__.items():
+        if fname in ours:
+            raise TypeError(f"{base.__name__} declares a field {fname!r} that MegaTrainTrainingArguments also "
+                            "declares: rename it in one of the two")
+        if f._field_type is not dataclasses._FIELD or own.get(fname) is f:  # (unchanged TrainingArguments field)
+            continue
+        annotations[fname] = f.type
+        kwargs: dict[str, Any] = dict(init=f.init, repr=f.repr, hash=f.hash, compare=f.compare,
+                                      metadata=f.metadata, kw_only=f.kw_only)
+        if f.default is not dataclasses.MISSING:
+            kwargs["default"] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            kwargs["default_factory"] = f.default_factory
+        namespace[fname] = dataclasses.field(**kwargs)
+    return namespace

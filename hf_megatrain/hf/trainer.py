@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from typing import Any
 
 import torch
@@ -44,11 +45,15 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from .. import checkpoint as ckpt
 from . import peft_support
 from ..engine.runtime import ENGINE_ATTR, MegaTrainEngine
+from ..engine.summary import format_summary, run_summary
+from ..checkpoint.safetensors_io import write_json
 from ..parallel import DataParallel
 from .export import export_model
 from .pretrained import from_pretrained_streamed, load_weights
 from ..config import parse_dtype, resolve_config
 from .training_args import MegaTrainTrainingArguments, check_lean_accumulation, model_param_dtype
+
+RUN_SUMMARY = "megatrain_run.json"  # what hf_megatrain decided, written at the start of training (_mt_report)
 
 __all__ = ["MegaTrainTrainer", "MegaTrainTrainingArguments", "from_pretrained_streamed"]
 
@@ -62,6 +67,7 @@ class MegaTrainTrainer(Trainer):
     engine: MegaTrainEngine | None = None
     # Composed trainers that log per-token metrics (TRL's SFT) set this and implement _mt_log_token_stats.
     _mt_token_stats = False
+    _mt_model_dtype: torch.dtype | None = None  # the unconverted model's dtype (decides the compute dtype)
 
     def __init__(self, model: nn.Module | MegaTrainEngine | None = None, args: TrainingArguments | None = None,
                  *pargs: Any, **kwargs: Any) -> None:
@@ -124,7 +130,8 @@ class MegaTrainTrainer(Trainer):
             engine = getattr(model, ENGINE_ATTR)  # (a PeftModel around a converted model is refused by the engine)
         else:
             # Precision as in Trainer: explicit compute_dtype, else bf16=True, else the model's own dtype.
-            self._mt_config = args.megatrain_resolved_config(model_dtype=model_param_dtype(model))
+            self._mt_model_dtype = model_param_dtype(model)
+            self._mt_config = args.megatrain_resolved_config(model_dtype=self._mt_model_dtype)
             decay = set(self.get_decay_parameter_names(model))  # Trainer's rule, on the unconverted model
             device = args.device  # (initialises torch.distributed in a multi-process launch)
             dp = DataParallel.from_process_group() if args.world_size > 1 else None
@@ -182,7 +189,23 @@ class MegaTrainTrainer(Trainer):
             self.optimizer = self.engine.create_optimizer(
                 lr=a.learning_rate, betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_epsilon,
                 weight_decay=a.weight_decay, max_grad_norm=a.max_grad_norm if a.max_grad_norm > 0 else None)
+            self._mt_report()
         return self.optimizer
+
+    def _mt_report(self) -> None:
+        """Say what hf_megatrain decided (precision, placement, host bytes, loss, optimizer, config source) at the
+        start of training: in the log and as ``megatrain_run.json`` in ``output_dir``, so a run through someone
+        else's script shows it, and a user can paste it into an issue."""
+        summary = run_summary(self.engine, config_source=self.args.megatrain_config_source(self._mt_model_dtype))
+        summary["versions"] = {name: getattr(sys.modules.get(name), "__version__", None)
+                               for name in ("hf_megatrain", "torch", "transformers", "accelerate", "peft", "trl")
+                               if name in sys.modules}
+        if not self.is_world_process_zero():
+            return
+        logger.warning("%s", format_summary(summary))
+        if self.args.output_dir:
+            os.makedirs(self.args.output_dir, exist_ok=True)
+            write_json(os.path.join(self.args.output_dir, RUN_SUMMARY), summary)
 
     def _clip_grad_norm(self, model: nn.Module) -> Any:
         # UnitAdamW.step clips with the exact global norm; Trainer's clip would only see resident parameters.

@@ -8,13 +8,14 @@ message that says what to change -- not minutes later inside the training loop.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 
 import torch
 from transformers import TrainingArguments
 
 from ..checkpoint.folders import DEFAULT_MAX_SHARD_SIZE
-from ..config import MegaTrainConfig, resolve_config
+from ..config import CONFIG_ENV, MegaTrainConfig, resolve_config
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +150,31 @@ class MegaTrainTrainingArguments(TrainingArguments):
         if dtype is None or "compute_dtype" in config.explicit_keys:
             return config
         return MegaTrainConfig.from_dict({**config.explicit_dict(), "compute_dtype": dtype})
+
+    def megatrain_config_source(self, model_dtype: torch.dtype | None = None) -> str:
+        """Where this run's config came from and how its compute dtype was decided, in words (the run summary)."""
+        src = self.megatrain_config
+        if src is None:
+            env = os.environ.get(CONFIG_ENV)
+            where = f"env {CONFIG_ENV}={env}" if env else "the defaults"
+        elif isinstance(src, dict):
+            where = "megatrain_config (a dict)"
+        elif str(src).lstrip().startswith("{"):
+            where = "megatrain_config (JSON)"
+        else:
+            where = f"megatrain_config={src}"
+        overrides = sorted(k for k in os.environ if k.startswith("MEGATRAIN_") and k not in (CONFIG_ENV,
+                                                                                              "MEGATRAIN_ENABLED"))
+        if overrides:
+            where += " + env " + ", ".join(overrides)
+        config = resolve_config(self.megatrain_config)
+        if "compute_dtype" in config.explicit_keys:
+            why = "compute_dtype set explicitly"
+        elif self.bf16:
+            why = "compute dtype from bf16=True"
+        else:
+            why = f"compute dtype from the model's dtype ({str(model_dtype).replace('torch.', '')}; bf16 not set)"
+        return f"{where}; {why}"
 
     @property
     def place_model_on_device(self) -> bool | None:  # the engine placed what lives on the device already

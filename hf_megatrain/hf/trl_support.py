@@ -25,22 +25,20 @@ All trl imports of hf_megatrain live in this module.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from trl import SFTConfig, SFTTrainer
 
-from .compose import megatrain_trainer_class
-from .training_args import MegaTrainTrainingArguments
+from .compose import megatrain_args_class, megatrain_trainer_class
 
 __all__ = ["MegaTrainSFTConfig", "MegaTrainSFTTrainer"]
 
 
-@dataclass
-class MegaTrainSFTConfig(MegaTrainTrainingArguments, SFTConfig):
-    """``SFTConfig`` plus the megatrain switches (``MegaTrainTrainingArguments``); SFTConfig's defaults (note
-    ``bf16`` defaults to True there when ``fp16`` is not set: bfloat16 compute, FP32 masters)."""
+# ``SFTConfig`` plus the megatrain switches (``MegaTrainTrainingArguments``), with SFTConfig's own defaults
+# (``learning_rate=2e-5``, ``logging_steps=10``; ``bf16`` becomes True when ``fp16`` is not set: bfloat16 compute,
+# FP32 masters), built the one way every composed arguments class is (``compose.megatrain_args_class``).
+MegaTrainSFTConfig = megatrain_args_class(SFTConfig, "MegaTrainSFTConfig", __name__)
 
 
 class MegaTrainSFTTrainer(megatrain_trainer_class(SFTTrainer)):

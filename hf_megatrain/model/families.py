@@ -240,6 +240,7 @@ class ModelHead:
         self.loss_impl, why = choose(loss_impl, device or torch.device("cpu"),
                                      bias=getattr(head, "bias", None) is not None, softcap=self.softcap,
                                      dtype=compute_dtype)
+        self.loss_impl_reason = why
         logger.info("hf_megatrain: head loss %s (%s)", self.loss_impl.value, why)
 
     @contextmanager

@@ -1,0 +1,86 @@
+"""What the engine decided, in a few lines a user can paste into an issue.
+
+Run through someone else's training script (TRL's ``sft.py``, ``run_clm.py``), nothing else tells a user whether
+layers compute in float32 or bfloat16, which layers stream, how many host bytes each parameter costs or which loss
+runs -- the decisions that made silent default changes invisible before. ``run_summary`` reads them off a built
+engine (and its optimizer, once created); the integrations add where the config came from and print / file it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..core.plan import Stepper, Where
+
+__all__ = ["run_summary", "format_summary"]
+
+
+def _dtype(d: torch.dtype) -> str:
+    return str(d).replace("torch.", "")
+
+
+def run_summary(engine: Any, *, config_source: str | None = None) -> dict[str, Any]:
+    """A JSON-serialisable record of ``engine``'s decisions: precision, placement, host memory, loss, optimizer.
+    ``config_source``: where the config came from, as the entry point knows it (e.g. "megatrain_config (dict)")."""
+    plans = engine.plans
+    layers = [p for p in plans.layers if p.numel > 0]
+    kept, stepped = len(plans.kept), len(plans.device_stepped)
+    lean = len(plans.indices(Stepper.LEAN))
+    trainable = engine.num_parameters()
+    host = engine.store.nbytes
+    config = engine.config
+    opt = engine.optimizer
+    out: dict[str, Any] = {
+        "compute_dtype": _dtype(engine.compute_dtype),
+        "master_dtype": "float32",
+        "parameters": engine.num_parameters(include_frozen=True),
+        "trainable_parameters": trainable,
+        "device": str(engine.device),
+        "layers": len(layers),
+        "layers_kept_on_device": kept,
+        "layers_stepped_on_device": stepped,
+        "layers_stepped_on_host": len(layers) - kept - stepped - lean,
+        "layers_lean": lean,
+        "resident_parts": "device" if plans.resident.master is Where.DEVICE else "host",
+        "host_bytes": host,
+        "host_bytes_per_trainable_parameter": round(host / trainable, 2) if trainable else 0.0,
+        "loss_impl": engine.head_extras.loss_impl.value,
+        "loss_impl_reason": getattr(engine.head_extras, "loss_impl_reason", ""),
+        "torch_compile": config.torch_compile,
+        "micro_batch_size": config.micro_batch_size,
+        "config_explicit_keys": sorted(config.explicit_keys),
+        "config_source": config_source or "given to the engine",
+    }
+    if opt is not None:
+        out.update({
+            "host_kernel": opt.host_kernel.value,
+            "speculative_step": bool(getattr(opt, "speculate", False)),
+            "narrow_grads": engine.executor.grads.narrow is not None,
+            "max_grad_norm": opt.max_grad_norm,
+        })
+    return out
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The summary as a short block of text (what the Trainer logs at the start of training)."""
+    s = summary
+    gib = s["host_bytes"] / 2**30
+    lines = [
+        f"hf_megatrain: {s['parameters']:,} parameters ({s['trainable_parameters']:,} trainable) on {s['device']}; "
+        f"compute {s['compute_dtype']}, FP32 master/gradients/AdamW",
+        f"  placement: {s['layers']} decoder layers: {s['layers_kept_on_device']} kept on the GPU, "
+        f"{s['layers_stepped_on_device']} streamed + AdamW on the GPU, {s['layers_stepped_on_host']} streamed + "
+        f"AdamW on the CPU" + (f", {s['layers_lean']} lean" if s["layers_lean"] else "")
+        + f"; embeddings/head on the {s['resident_parts']}",
+        f"  host memory: {gib:.2f} GiB ({s['host_bytes_per_trainable_parameter']} B per trainable parameter)",
+        f"  loss: {s['loss_impl']} ({s['loss_impl_reason']}); torch_compile={s['torch_compile']}, "
+        f"micro_batch_size={s['micro_batch_size']}",
+    ]
+    if "host_kernel" in s:
+        lines.append(f"  optimizer: host AdamW kernel {s['host_kernel']}, speculative_step={s['speculative_step']}, "
+                     f"narrow_grads={s['narrow_grads']}, max_grad_norm={s['max_grad_norm']}")
+    keys = ", ".join(s["config_explicit_keys"]) or "none (all defaults)"
+    lines.append(f"  config: from {s['config_source']}; keys set: {keys}")
+    return "\n".join(lines)

@@ -10,9 +10,12 @@ kernels of core/kernels.py. Each step runs in one of two modes, chosen from the 
 
 * **speculate** (the previous step did not clip): each layer gets its whole AdamW update as its gradient lands
   (one pass over master, m, v; nothing left for ``step()``). When ``step()`` finds the global norm clips (or is
-  non-finite, or the hyper-parameters changed since), each speculated layer is taken back: the master from its
-  new moments (within an ulp), then the step's forward+backward re-runs (same inputs, RNG, autocast, weights:
-  ``StepReplay``) and each regenerated gradient undoes the moments and redoes the update with the true factor.
+  non-finite, or the hyper-parameters changed since), each speculated layer is taken back: restored from the copy
+  of master, m, v made before its update (optim/take_back.py: bit-exact). A skipped step is then done; a clipping
+  one re-runs its forward+backward (same inputs, RNG, autocast, weights: ``StepReplay``) and each regenerated
+  gradient gets the update with the true factor. A layer whose copy did not fit the host's memory is taken back
+  arithmetically instead (the master from its new moments, the moments from the regenerated gradient: within an
+  ulp), which needs the re-run for a skipped step too; the first such layer logs a warning.
 * **norm first** (the previous step clipped; the first step when clipping is on): the backward only collects each
   layer's squared gradient norm; ``step()`` then knows the clip factor and re-runs the forward+backward, each
   gradient getting its exact update as it lands. Twice the GPU work, one host pass.
@@ -57,6 +60,7 @@ class LeanAdamW(UnitAdamW):
         self._futures: list[Future] = []
         self.regenerated_steps = 0  # steps whose forward+backward ran twice (clipped / skipped / discarded)
         self._warned = False
+        self._warned_inexact = False
         # Observers of each consumed layer gradient (tests, diagnostics), called on the worker before the update:
         # fn(unit index, first pass?, gradient slab, squared-norm cell); they may read (or, in tests, poison) both.
         self.gradient_hooks: list[Callable[[int, bool, torch.Tensor, torch.Tensor], None]] = []
@@ -94,6 +98,7 @@ class LeanAdamW(UnitAdamW):
                     hyper = self._hyper()
                     act = self.policy.first_pass(i, s, self._key(hyper, None))
                     if act is Act.UPDATE:
+                        self._copy_before_update(i)
                         self.update_(u, [u.master, grad, u.exp_avg, u.exp_avg_sq], hyper, None)
                         changed = True
                     return
@@ -108,16 +113,39 @@ class LeanAdamW(UnitAdamW):
             self.step_state.finish_update(i, changed)
 
     # -- the AdamW pieces --------------------------------------------------------------------------------------------
+    def _copy_before_update(self, i: int) -> None:
+        """Keep what a speculative update of unit ``i`` overwrites, so its take-back is a restore; without room for
+        the copy the update still runs (its gradient is consumed now) and a take-back is arithmetic."""
+        u = self.store.units[i]
+        if self.take_back_copies.reserve(i, u.numel):
+            self.take_back_copies.save(i, u.master, u.exp_avg, u.exp_avg_sq, 0, u.numel)
+        elif not self._warned_inexact:
+            self._warned_inexact = True
+            logger.warning("hf_megatrain: lean_store: not enough free host memory to keep an exact copy of layer "
+                           "unit %d's state during its speculative update (12 bytes per parameter); if this step "
+                           "is skipped or clips, such layers are taken back within an ulp instead of bit-exactly. "
+                           "Free host memory, or set %s to the bytes to use", i, "HF_MEGATRAIN_TAKE_BACK_BYTES")
+
     def _undo_master(self, i: int, key: Key) -> None:
         u = self.store.units[i]
-        kernels.undo_master_(u.master, u.exp_avg, u.exp_avg_sq, self.groups_of(u, list(key[1])), self._counts[i])
+        if self.take_back_copies.has(i):
+            self.take_back_copies.restore_master(i, u.master)
+        else:
+            kernels.undo_master_(u.master, u.exp_avg, u.exp_avg_sq, self.groups_of(u, list(key[1])),
+                                 self._counts[i])
         u.refresh_compute_()  # (lean_compute_copy: the re-run streams the copy)
         self.step_state.touch(i)
 
-    def _undo_moments(self, i: int, grad: torch.Tensor, key: Key) -> None:
+    def _undo_moments(self, i: int, grad: torch.Tensor | None, key: Key) -> None:
+        """The moments half of the take-back (after ``_undo_master``); ``grad``: the regenerated gradient, needed
+        only without a copy."""
         u = self.store.units[i]
-        kernels.undo_moments_(grad, u.exp_avg, u.exp_avg_sq, self.groups_of(u, list(key[1])), self._counts[i],
-                              key[0])
+        if self.take_back_copies.has(i):
+            self.take_back_copies.restore_moments(i, u.exp_avg, u.exp_avg_sq)
+            self.take_back_copies.forget(i)
+        else:
+            kernels.undo_moments_(grad, u.exp_avg, u.exp_avg_sq, self.groups_of(u, list(key[1])), self._counts[i],
+                                  key[0])
         self._counts[i] -= 1
 
     # -- step ---------------------------------------------------------------------------------------------------------
@@ -167,6 +195,12 @@ class LeanAdamW(UnitAdamW):
                 self.step_state.landed(u.index)
 
     def _rerun(self, grad_scale: float | None, skip: bool, hyper: list[kernels.Hyper], d: StepDecision) -> None:
+        if skip and all(self.take_back_copies.has(i) for i in d.take_back):
+            # A skipped (or dropped) step whose updates all have copies: restored whole, nothing to regenerate.
+            for i in d.take_back:
+                self._undo_master(i, self.policy.applied[i])
+                self._undo_moments(i, None, self.policy.applied.pop(i))
+            return
         self.regenerated_steps += 1
         if not self._warned:
             self._warned = True
@@ -195,6 +229,7 @@ class LeanAdamW(UnitAdamW):
                                "their AdamW state could not be corrected")
 
     def _end(self, clipped: bool | None) -> None:
+        self.take_back_copies.clear()
         self.policy.end(clipped)
         self.step_state.discard()
 

@@ -2,11 +2,11 @@
 
 A step that does not clip needs no correction, so after an unclipped step the next one *speculates*: each unit is
 updated as its gradient lands (with no clip factor). When ``step()`` finds that the global norm clips (or is
-non-finite, or the hyper-parameters changed since), every speculated update is taken back (core/kernels.py: the
-master from the new moments within an ulp, the moments from the gradient they took) and redone with the true
-factor. After a step that clipped, the next one takes its *norm first* (no speculation), so a run that clips
-throughout never takes anything back. ``LeanPolicy`` makes these decisions on plain numbers (tested with fakes);
-the lean store (optim/lean.py) and the speculative host step (optim/adamw.py) carry them out.
+non-finite, or the hyper-parameters changed since), every speculated update is taken back (restored from the
+copy optim/take_back.py made before it: bit-exact) and redone with the true factor. After a step that clipped, the
+next one takes its *norm first* (no speculation), so a run that clips throughout never takes anything back.
+``LeanPolicy`` makes these decisions on plain numbers (tested with fakes); the lean store (optim/lean.py) and the
+speculative host step (optim/adamw.py) carry them out.
 """
 
 from __future__ import annotations
@@ -66,6 +66,11 @@ class LeanPolicy:
             return Act.KEEP
         self.applied[i] = key_now
         return Act.UPDATE
+
+    def would_update(self, sq: float) -> bool:
+        """Whether ``first_pass`` with squared norm ``sq`` would return UPDATE now (asked before it, so a unit that
+        cannot get an exact take-back copy can be left to ``step()`` without entering the policy)."""
+        return math.isfinite(sq) and not (self.norm_first if self.mode is None else self.mode)
 
     def decide(self, skip: bool, want: Key, skip_nonfinite: bool) -> StepDecision:
         """At ``step()``: which speculated updates are wrong and whether the step must re-run."""

@@ -3,7 +3,9 @@
 In the step's last backward (the integration sets ``StepState.final_backward``) each HOST unit whose gradient lands
 with a known squared norm (its first visit) is updated on a worker right away, with no clip factor; ``step()`` then
 asks the policy (optim/speculation.py) which of those updates the true global norm proves wrong, takes them back
-exactly (core/kernels.py; the gradient is still in the unit's buffer) and launches them again with everything else.
+bit-exactly (restores the copy optim/take_back.py made before the update; the gradient is still in the unit's
+buffer) and launches them again with everything else, so a skipped step leaves the state untouched and a redone
+one equals a step that never speculated. A unit whose copy does not fit the host's memory is not speculated on.
 After a step that clipped, the next one does not speculate, so a run that clips throughout never takes anything
 back. Units some of whose parameters skip steps (no gradient now or earlier: per-parameter step counts) are left
 to the normal path.
@@ -21,6 +23,7 @@ import torch
 from ..core import kernels
 from ..core.plan import Stepper
 from .speculation import Act, Key, LeanPolicy
+from .take_back import TakeBackCopies
 
 
 class SpeculativeStep:
@@ -51,6 +54,8 @@ class SpeculativeStep:
         ds = self.device_stepper
         cpu_layers = sum(1 for u in self.store.units if u.streamed and u.plan.stepper is Stepper.HOST)
         self._prefetch_share = -(-ds.state_numel() // max(cpu_layers, 1)) if ds is not None else None
+        # What each speculative update overwrites, so a take-back restores it bit-exactly (optim/take_back.py).
+        self.take_back_copies = TakeBackCopies(ranks_on_host=self.dp.world if self.dp is not None else 1)
         self.speculated = 0  # units updated during a backward
         self.taken_back = 0  # speculative updates taken back and redone (steps that clipped after one that did not)
         if speculate:
@@ -70,6 +75,10 @@ class SpeculativeStep:
         flags = self.grad_reach.peek(i) if self.grad_reach is not None else None
         if (flags is not None and not all(flags)) or i in self._missed:
             return
+        if self.policy.would_update(sq):
+            lo, hi = self.own(self.store.units[i])
+            if not self.take_back_copies.reserve(i, hi - lo):
+                return  # (no room for an exact copy: the unit is stepped after the backward, as if not speculating)
         hyper = self._hyper()
         if self.policy.first_pass(i, sq, self._key(hyper, None)) is not Act.UPDATE:
             return  # (norm-first step, or a non-finite gradient: the unit waits for step())
@@ -91,6 +100,7 @@ class SpeculativeStep:
         try:
             with torch.no_grad(), torch.profiler.record_function("megatrain.optimizer.speculative_unit"):
                 u = self.store.units[i]
+                self.take_back_copies.save(i, u.master, u.exp_avg, u.exp_avg_sq, *self.own(u))
                 self.update_(u, [u.master, self.grad_of(u), u.exp_avg, u.exp_avg_sq], hyper, None)
             self.speculated += 1
         except BaseException as e:  # surfaced by the next wait
@@ -141,15 +151,22 @@ class SpeculativeStep:
         finished early, so a later step never mistakes a stale entry for its own finished update."""
         with self._spec_lock:
             self._spec_done.clear()
+        self.take_back_copies.clear()
         self.policy.end(clipped)
 
     def _take_back(self: Any, i: int, key: Key) -> None:
         """Undo unit ``i``'s speculative update (its gradient is still in its buffer: the kernel without a clip
         factor leaves it untouched), so the normal launch redoes it with the true factor."""
         u = self.store.units[i]
-        groups = self.owned(u, self.groups_of(u, list(key[1])))  # (data parallel: this rank's shard)
-        kernels.undo_master_(u.master, u.exp_avg, u.exp_avg_sq, groups, self._counts[i])
-        kernels.undo_moments_(self.grad_of(u), u.exp_avg, u.exp_avg_sq, groups, self._counts[i], key[0])
+        copies = self.take_back_copies
+        if copies.has(i):  # (always, since a unit is speculated on only with a copy: bit-exact)
+            copies.restore_master(i, u.master)
+            copies.restore_moments(i, u.exp_avg, u.exp_avg_sq)
+            copies.forget(i)
+        else:  # the arithmetic inverse, within an ulp (kept for callers that bypass _on_landed)
+            groups = self.owned(u, self.groups_of(u, list(key[1])))  # (data parallel: this rank's shard)
+            kernels.undo_master_(u.master, u.exp_avg, u.exp_avg_sq, groups, self._counts[i])
+            kernels.undo_moments_(self.grad_of(u), u.exp_avg, u.exp_avg_sq, groups, self._counts[i], key[0])
         self._counts[i] -= 1
         u.refresh_compute_(self.own(u))
         self.step_state.touch(i)

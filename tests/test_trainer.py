@@ -13,7 +13,7 @@ import torch
 import transformers
 
 from hf_megatrain import MegaTrainTrainer, MegaTrainTrainingArguments
-from hf_megatrain.checkpoint import CheckpointError
+from hf_megatrain.checkpoint import CheckpointError, verify_checkpoint
 
 from .models import tiny
 from .parity import rel
@@ -244,7 +244,9 @@ def test_corrupt_or_incomplete_resume_folder(tmp_path):
     (broken / "megatrain_manifest.json").unlink()
     with open(broken / "model.safetensors", "r+b") as f:
         f.write(b"\xff" * 16)  # garbled header
-    assert "model.safetensors" in attempt(broken)
+    assert "megatrain_manifest.json" in attempt(broken)  # no manifest: refused before anything is read
+    with pytest.raises(CheckpointError, match="model.safetensors"):  # accepted knowingly: headers still checked
+        verify_checkpoint(str(broken), allow_unverified=True)
     broken = tmp_path / "broken4"  # same size, bytes flipped inside the data: only the checksum can tell
     shutil.copytree(ck, broken)
     path = broken / "megatrain_optimizer.safetensors"

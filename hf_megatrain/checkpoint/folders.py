@@ -8,28 +8,31 @@ master, in the standard layout plain ``transformers.from_pretrained`` reads (``m
 
 A Trainer checkpoint folder additionally holds the engine's training state (FP32 master when the export dtype is
 not FP32, the flat AdamW moments as safetensors, the optimizer hyper-state as JSON) and a manifest of every file
-with its size. Folders are committed atomically: written into ``<name>.tmp-XXXX`` next to the target, fsynced,
-then renamed, so a crash mid-save never leaves a partial ``checkpoint-N``. ``verify_checkpoint`` checks a folder
-against its manifest before anything is loaded, so a corrupt folder raises before any state is overwritten.
+with its size and CRC-32, written last. Folders are committed atomically (``atomic.py``); exports into an existing
+folder go through a staging folder (``staged.py``). ``verify_checkpoint`` checks a folder against its manifest
+before anything is loaded, so a corrupt or edited folder raises before any state is overwritten; a folder with
+hf_megatrain state and no manifest is refused too (unless the caller accepts it knowingly).
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import copy
 import json
+import logging
 import os
-import shutil
-import tempfile
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from .safetensors_io import (read_json_key, DEFAULT_MAX_SHARD_SIZE, WEIGHTS_PREFIX, CheckpointError, LazyTensors, copy_tensor_into,
-                             open_safetensors, parse_size, save_weights, weight_files, write_json, write_safetensors)
+from .atomic import (LOCK_NAME, OutputDirBusy, atomic_directory, output_dir_lock, recover_interrupted_saves,
+                     remove_stale_temp_dirs, rotate_checkpoints)
+from .safetensors_io import (DEFAULT_MAX_SHARD_SIZE, WEIGHTS_PREFIX, CheckpointError, LazyTensors, copy_tensor_into,
+                             open_safetensors, parse_size, read_json_key, save_weights, weight_files, write_json,
+                             write_safetensors, write_weights)
+from .staged import staged_export
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +44,8 @@ MANIFEST = "megatrain_manifest.json"
 __all__ = ["CheckpointError", "DEFAULT_MAX_SHARD_SIZE", "parse_size", "save_weights", "write_safetensors",
            "weight_files", "save_pretrained_streamed", "save_training_state", "write_manifest", "atomic_directory",
            "remove_stale_temp_dirs", "verify_checkpoint", "load_pretrained_into_engine", "check_training_state",
-           "load_training_state"]
+           "load_training_state", "output_dir_lock", "OutputDirBusy", "recover_interrupted_saves",
+           "rotate_checkpoints", "staged_export", "write_weights"]
 
 
 def save_pretrained_streamed(engine: Any, save_dir: str, *, dtype: torch.dtype = torch.float32,
@@ -49,32 +53,36 @@ def save_pretrained_streamed(engine: Any, save_dir: str, *, dtype: torch.dtype =
                              extra: Iterable[tuple[str, torch.Tensor]] = ()) -> list[str]:
     """Standard HF checkpoint of ``engine.model``: weights from the FP32 master (cast to ``dtype``), ``extra``
     tensors (frozen parameters, persistent buffers), ``config.json`` recording ``dtype`` and, when the model can
-    generate, ``generation_config.json``. Tied weights appear once (the store keeps the first name), as HF saves."""
-    os.makedirs(save_dir, exist_ok=True)
+    generate, ``generation_config.json``. Tied weights appear once (the store keeps the first name), as HF saves.
+
+    ``save_dir`` may hold an earlier export and the user's files: the export is staged and committed so that a kill
+    at any instant leaves the old or the new model loadable, never a mix (``staged.py``)."""
     items = list(engine.named_master_tensors()) + list(extra)  # (waits for updates in flight)
-    files = save_weights(save_dir, items, dtype=dtype, max_shard_size=max_shard_size)
-    model = engine.model
-    cfg = getattr(model, "config", None)
-    if cfg is not None and hasattr(cfg, "save_pretrained"):
-        cfg = copy.deepcopy(cfg)
-        cfg.dtype = str(dtype).replace("torch.", "")  # what from_pretrained(dtype="auto") picks
-        cfg.architectures = [type(model).__name__]
-        cfg.save_pretrained(save_dir)
-        files.append("config.json")
-    gen = getattr(model, "generation_config", None)
-    can_generate = getattr(model, "can_generate", lambda: False)
-    if gen is not None and can_generate():
-        gen.save_pretrained(save_dir)
-        files.append("generation_config.json")
+    with staged_export(save_dir) as stage:
+        files = write_weights(stage, items, dtype=dtype, max_shard_size=max_shard_size)
+        model = engine.model
+        cfg = getattr(model, "config", None)
+        if cfg is not None and hasattr(cfg, "save_pretrained"):
+            cfg = copy.deepcopy(cfg)
+            cfg.dtype = str(dtype).replace("torch.", "")  # what from_pretrained(dtype="auto") picks
+            cfg.architectures = [type(model).__name__]
+            cfg.save_pretrained(stage)
+            files.append("config.json")
+        gen = getattr(model, "generation_config", None)
+        can_generate = getattr(model, "can_generate", lambda: False)
+        if gen is not None and can_generate():
+            gen.save_pretrained(stage)
+            files.append("generation_config.json")
     return files
 
 
 def save_training_state(engine: Any, save_dir: str, *, master: bool) -> list[str]:
-    """AdamW moments + step counts (safetensors), hyper-state (JSON) and, if ``master``, the FP32 master."""
+    """AdamW moments + step counts (safetensors), hyper-state (JSON) and, if ``master``, the FP32 master, written
+    straight into ``save_dir`` (a checkpoint's new temp folder: ``atomic_directory``)."""
     files: list[str] = []
     if master:
-        files += save_weights(save_dir, list(engine.named_master_tensors()), dtype=torch.float32,
-                              max_shard_size=DEFAULT_MAX_SHARD_SIZE, prefix=MASTER_PREFIX)
+        files += write_weights(save_dir, list(engine.named_master_tensors()), dtype=torch.float32,
+                               max_shard_size=DEFAULT_MAX_SHARD_SIZE, prefix=MASTER_PREFIX)
     opt = engine.optimizer
     if opt is not None:
         tensors = opt.state_tensors()  # waits for an overlapped step
@@ -109,64 +117,35 @@ def write_manifest(save_dir: str) -> None:
     write_json(os.path.join(save_dir, MANIFEST), {"format": 2, "files": files, "crc32": dict(zip(names, sums))})
 
 
-# -- atomic folders --------------------------------------------------------------------------------------------------
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-@contextlib.contextmanager
-def atomic_directory(final: str) -> Iterator[str]:
-    """Yield a temp folder next to ``final``; on success fsync it and rename it to ``final`` (replacing an
-    existing folder of that name only after the new one is complete). On error the temp folder is removed."""
-    parent = os.path.dirname(os.path.abspath(final)) or "."
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=os.path.basename(final) + ".tmp-", dir=parent)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the final folder gets normal permissions
-    try:
-        yield tmp
-        for f in os.listdir(tmp):  # files we wrote ourselves are fsynced already; others (tokenizer, json) now
-            p = os.path.join(tmp, f)
-            if os.path.isfile(p):
-                with open(p, "rb") as fh:
-                    os.fsync(fh.fileno())
-        _fsync_dir(tmp)
-        old = None
-        if os.path.exists(final):
-            old = tempfile.mkdtemp(prefix=os.path.basename(final) + ".old-", dir=parent)
-            os.rename(final, os.path.join(old, "x"))
-        os.rename(tmp, final)
-        _fsync_dir(parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def remove_stale_temp_dirs(parent: str, prefix: str = "checkpoint-") -> None:
-    """Delete ``<prefix>*.tmp-*`` / ``.old-*`` folders a killed save left behind."""
-    if not os.path.isdir(parent):
-        return
-    for f in os.listdir(parent):
-        if f.startswith(prefix) and (".tmp-" in f or ".old-" in f) and os.path.isdir(os.path.join(parent, f)):
-            shutil.rmtree(os.path.join(parent, f), ignore_errors=True)
-
-
 # -- verifying and loading -------------------------------------------------------------------------------------------
-def verify_checkpoint(path: str, *, training_state: bool = True) -> None:
-    """Raise ``CheckpointError`` naming the first missing or corrupt file of checkpoint folder ``path``.
+def _plain_trainer_checkpoint(names: list[str]) -> bool:
+    """A checkpoint of plain ``transformers.Trainer`` (its optimizer state, no hf_megatrain file): it never has a
+    manifest, and loading its weights stays allowed (what can be checked is: the safetensors headers)."""
+    return (not any(f.startswith("megatrain_") for f in names)
+            and any(f.startswith(("optimizer.", "optimizer_")) for f in names))
 
-    With a manifest (folders written by hf_megatrain) every listed file must exist with its recorded size; without
-    one (a plain HF folder) only the files present are checked. Every safetensors header must parse and hold what
-    its index lists; ``training_state`` also requires ``trainer_state.json`` (resuming needs it)."""
+
+def _unverified(path: str, why: str, allow_unverified: bool) -> None:
+    if not allow_unverified:
+        raise CheckpointError(f"{why}. Resume from another checkpoint, or accept this folder knowingly: "
+                              "MegaTrainTrainingArguments(megatrain_allow_unverified_checkpoint=True), or "
+                              "verify_checkpoint(path, allow_unverified=True)")
+    logger.warning("hf_megatrain: %s; loading it anyway (allow_unverified)", why)
+
+
+def verify_checkpoint(path: str, *, training_state: bool = True, allow_unverified: bool = False) -> None:
+    """Raise ``CheckpointError`` naming the first missing, corrupt or unexpected file of checkpoint folder ``path``.
+
+    Folders hf_megatrain wrote carry ``megatrain_manifest.json`` (written last): every listed file must exist with
+    its recorded size and CRC-32, and a file it does not list (say a second weight index put there later) is
+    refused, since it could change what is loaded. A Trainer checkpoint (``trainer_state.json``) or a folder with
+    hf_megatrain state (``megatrain_*``) without a manifest is refused: it is incomplete or was edited, and nothing
+    in it can be checked. Exempt: plain HF folders (a ``save_pretrained`` export, a plain ``Trainer`` checkpoint
+    with its ``optimizer.pt``), where only the safetensors headers are checked. ``allow_unverified`` turns these
+    refusals into warnings. ``training_state`` also requires ``trainer_state.json`` (resuming needs it)."""
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint folder {path} does not exist")
+    names = sorted(f for f in os.listdir(path) if os.path.isfile(os.path.join(path, f)))
     manifest_path = os.path.join(path, MANIFEST)
     if os.path.isfile(manifest_path):
         files = read_json_key(manifest_path, "files")
@@ -177,18 +156,28 @@ def verify_checkpoint(path: str, *, training_state: bool = True) -> None:
             if os.path.getsize(p) != size:
                 raise CheckpointError(f"checkpoint {path} is corrupt: {fname} has {os.path.getsize(p)} bytes, "
                                       f"{size} were written")
+        for fname in names:
+            if fname != MANIFEST and fname not in files:
+                _unverified(path, f"checkpoint {path} holds {fname}, which its manifest does not list: it was put "
+                                  "there after the save, and could change what is loaded (remove it)",
+                            allow_unverified)
         with open(manifest_path) as fh:
             sums = json.load(fh).get("crc32")
         if sums is None:  # a manifest of an earlier release: sizes only
             logger.warning("hf_megatrain: %s records no checksums (an earlier release wrote it): only file sizes "
                            "are verified", manifest_path)
             sums = {}
-        names = sorted(sums)
-        for fname, got in zip(names, _crc32_all([os.path.join(path, f) for f in names])):
+        crc_names = sorted(sums)
+        for fname, got in zip(crc_names, _crc32_all([os.path.join(path, f) for f in crc_names])):
             if got != sums[fname]:
                 raise CheckpointError(f"checkpoint {path} is corrupt: {fname} does not hold the bytes that were "
                                       f"written (CRC-32 {got}, recorded {sums[fname]}); resume from an earlier "
                                       "checkpoint")
+    elif (any(f.startswith("megatrain_") for f in names) or "trainer_state.json" in names) \
+            and not _plain_trainer_checkpoint(names):
+        _unverified(path, f"checkpoint {path} has no {MANIFEST}, so none of its files can be verified (every "
+                          "hf_megatrain save writes it last: the folder is incomplete, or was edited)",
+                    allow_unverified)
     if training_state and not os.path.isfile(os.path.join(path, "trainer_state.json")):
         raise CheckpointError(f"{path} has no trainer_state.json, so training cannot resume from it (it is a "
                               "model export, not a Trainer checkpoint); start a new run from it instead")

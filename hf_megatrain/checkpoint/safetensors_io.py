@@ -9,6 +9,7 @@ so loading never holds more than one chunk beyond the destination.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
@@ -20,8 +21,9 @@ from typing import Any, Iterator
 import torch
 from safetensors import safe_open
 
+from .staged import check_free_space, disk_full, staged_export
+
 WEIGHTS_PREFIX = "model"  # HF: model.safetensors / model-0000x-of-0000y.safetensors
-_PARTIAL = ".partial"  # suffix of a file written but not yet swapped into place
 DEFAULT_MAX_SHARD_SIZE = "50GB"  # transformers 5 save_pretrained default
 _CHUNK_BYTES = 64 << 20  # casts/copies happen in pieces of this size, never a whole large tensor at once
 
@@ -58,7 +60,8 @@ def _nbytes(t: torch.Tensor, dtype: torch.dtype | None) -> int:
 
 def write_safetensors(path: str, items: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None,
                       metadata: dict[str, str] | None = None) -> None:
-    """Write ``items`` as one safetensors file, casting floating tensors to ``dtype`` chunk by chunk; fsynced."""
+    """Write ``items`` as one safetensors file, casting floating tensors to ``dtype`` chunk by chunk; fsynced. A
+    full disk raises ENOSPC naming the folder and the bytes the file needs; the partial file is removed."""
     header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
     off = 0
     for name, t in items:
@@ -68,34 +71,37 @@ def write_safetensors(path: str, items: list[tuple[str, torch.Tensor]], dtype: t
         off += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for _, t in items:
-            dt = _out_dtype(t, dtype)
-            flat = t.detach().reshape(-1)
-            step = max(1, _CHUNK_BYTES // max(flat.element_size(), 1))
-            for a in range(0, flat.numel(), step):
-                piece = flat[a:a + step].to("cpu", dt).contiguous()
-                f.write(memoryview(piece.view(torch.uint8).numpy()))
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(path, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)))
+            f.write(raw)
+            for _, t in items:
+                dt = _out_dtype(t, dtype)
+                flat = t.detach().reshape(-1)
+                step = max(1, _CHUNK_BYTES // max(flat.element_size(), 1))
+                for a in range(0, flat.numel(), step):
+                    piece = flat[a:a + step].to("cpu", dt).contiguous()
+                    f.write(memoryview(piece.view(torch.uint8).numpy()))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            with contextlib.suppress(OSError):
+                os.remove(path)  # (a partial file would keep the disk full)
+        raise disk_full(e, os.path.dirname(os.path.abspath(path)), 8 + len(raw) + off) from e
 
 
 def _shard_files(prefix: str, n: int) -> list[str]:
     return [f"{prefix}.safetensors"] if n == 1 else [f"{prefix}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
 
 
-def save_weights(save_dir: str, items: list[tuple[str, torch.Tensor]], *, dtype: torch.dtype | None,
-                 max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, prefix: str = WEIGHTS_PREFIX) -> list[str]:
-    """Write ``items`` in HF's sharded safetensors layout; returns the file names written.
+def write_weights(save_dir: str, items: list[tuple[str, torch.Tensor]], *, dtype: torch.dtype | None,
+                  max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, prefix: str = WEIGHTS_PREFIX) -> list[str]:
+    """Write ``items`` in HF's sharded safetensors layout straight into ``save_dir`` (a new folder: a staging or a
+    checkpoint's temp folder); returns the file names written, the index last.
 
     Shards are filled greedily in order (a tensor larger than the limit gets its own shard), like
-    ``huggingface_hub.split_torch_state_dict_into_shards``. Two phases, so a kill mid-save never destroys the
-    previous complete export in the same folder (which may hold other things: no whole-folder swap): every new file
-    is written and fsynced under a temporary name first, then the stale shards of an earlier save with this prefix
-    are removed and the new files renamed into place (the index last), so the folder never mixes two layouts.
-    """
+    ``huggingface_hub.split_torch_state_dict_into_shards``."""
     limit = parse_size(max_shard_size)
     shards: list[list[tuple[str, torch.Tensor]]] = [[]]
     size = 0
@@ -106,34 +112,28 @@ def save_weights(save_dir: str, items: list[tuple[str, torch.Tensor]], *, dtype:
             size = 0
         shards[-1].append((name, t))
         size += n
+    total = sum(_nbytes(t, dtype) for _, t in items)
+    check_free_space(save_dir, total)
     names = _shard_files(prefix, len(shards))
-    index_name = f"{prefix}.safetensors.index.json"
-    stale = re.compile(rf"{re.escape(prefix)}(-\d{{5}}-of-\d{{5}})?\.safetensors(\.index\.json)?")
-    partial = lambda f: os.path.join(save_dir, f".{f}{_PARTIAL}")  # noqa: E731
-    for f in os.listdir(save_dir):  # what a killed save of this prefix left behind
-        if f.endswith(_PARTIAL) and stale.fullmatch(f[1:-len(_PARTIAL)]):
-            os.remove(os.path.join(save_dir, f))
     for fname, shard in zip(names, shards):
-        write_safetensors(partial(fname), shard, dtype)
-    written = list(names)
-    index_path = os.path.join(save_dir, index_name)
+        write_safetensors(os.path.join(save_dir, fname), shard, dtype)
     if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(_nbytes(t, dtype) for _, t in items)},
-                 "weight_map": {name: fname for fname, shard in zip(names, shards) for name, _ in shard}}
-        write_json(partial(index_name), index)
-        written.append(index_name)
-    # Everything new is on disk: swap it in (renames within one folder, the index last).
-    for f in os.listdir(save_dir):
-        if stale.fullmatch(f) and f not in written:
-            os.remove(os.path.join(save_dir, f))
-    for fname in written:
-        os.replace(partial(fname), os.path.join(save_dir, fname))
-    fd = os.open(save_dir, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return written
+        index_name = f"{prefix}.safetensors.index.json"
+        write_json(os.path.join(save_dir, index_name),
+                   {"metadata": {"total_size": total},
+                    "weight_map": {name: fname for fname, shard in zip(names, shards) for name, _ in shard}})
+        names.append(index_name)
+    return names
+
+
+def save_weights(save_dir: str, items: list[tuple[str, torch.Tensor]], *, dtype: torch.dtype | None,
+                 max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, prefix: str = WEIGHTS_PREFIX) -> list[str]:
+    """``write_weights`` into a folder that may hold an earlier save (and other files): written into a staging
+    folder, then committed so that a kill at any instant leaves the old or the new weights loadable, never a mix
+    (``staged.py``). Returns the file names written."""
+    os.makedirs(save_dir, exist_ok=True)
+    with staged_export(save_dir) as stage:
+        return write_weights(stage, items, dtype=dtype, max_shard_size=max_shard_size, prefix=prefix)
 
 
 def write_json(path: str, obj: Any) -> None:
@@ -155,7 +155,14 @@ def read_json_key(path: str, key: str) -> Any:
 
 
 def weight_files(path: str, prefix: str = WEIGHTS_PREFIX) -> dict[str, list[str]] | None:
-    """{shard file: [tensor names]} for the ``prefix`` weights in ``path`` (None when there are none)."""
+    """{shard file: [tensor names]} for the ``prefix`` weights in ``path`` (None when there are none).
+
+    ``<prefix>.safetensors`` wins over an index when both exist, as in ``transformers.from_pretrained`` (exports
+    switch between the layouts relying on that order: ``staged.py``)."""
+    single = os.path.join(path, f"{prefix}.safetensors")
+    if os.path.isfile(single):
+        with open_safetensors(single) as f:
+            return {f"{prefix}.safetensors": list(f.keys())}
     index = os.path.join(path, f"{prefix}.safetensors.index.json")
     if os.path.isfile(index):
         weight_map = read_json_key(index, "weight_map")
@@ -163,10 +170,6 @@ def weight_files(path: str, prefix: str = WEIGHTS_PREFIX) -> dict[str, list[str]
         for name, fname in weight_map.items():
             out.setdefault(fname, []).append(name)
         return out
-    single = os.path.join(path, f"{prefix}.safetensors")
-    if os.path.isfile(single):
-        with open_safetensors(single) as f:
-            return {f"{prefix}.safetensors": list(f.keys())}
     return None
 
 

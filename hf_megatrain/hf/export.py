@@ -10,10 +10,16 @@ What gets written depends only on the model and on ``merged``:
   (``checkpoint.save_pretrained_streamed``) plus ``extra_tensors``.
 
 The dtype defaults to the engine config's ``save_dtype`` (the one export-dtype knob).
+
+Every export is crash-safe in a folder that already holds a model: written into a staging folder inside it and
+committed so that ``from_pretrained`` finds the complete old or the complete new model after a kill at any instant
+(``checkpoint/staged.py``), with the folder locked against a second process exporting into it.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 from typing import Any, Iterator
 
 import torch
@@ -69,8 +75,13 @@ def export_model(engine: Any, save_dir: str, *, dtype: torch.dtype | str | None 
         if not peft:
             raise ValueError("a merged export needs a PEFT model (peft.get_peft_model before handing the model to "
                              "hf_megatrain); a fully trained model is exported by save_model / save_pretrained")
-        return peft_support.save_merged(engine, save_dir, dtype=dt, max_shard_size=shard)
+        with ckpt.staged_export(save_dir) as stage:
+            return peft_support.save_merged(engine, stage, dtype=dt, max_shard_size=shard)
     if peft:
-        return peft_support.save_adapter(engine, save_dir, dtype=dt, **(adapter_kwargs or {}))
+        with ckpt.staged_export(save_dir) as stage:
+            readme = os.path.join(save_dir, "README.md")
+            if os.path.isfile(readme):  # PEFT updates an existing model card in place: give it the user's one
+                shutil.copy2(readme, os.path.join(stage, "README.md"))
+            return peft_support.save_adapter(engine, stage, dtype=dt, **(adapter_kwargs or {}))
     return ckpt.save_pretrained_streamed(engine, save_dir, dtype=dt, max_shard_size=shard,
                                          extra=extra_tensors(engine))

@@ -40,7 +40,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_callback import ExportableState, TrainerCallback
 from transformers.trainer_pt_utils import nested_detach
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .. import checkpoint as ckpt
 from . import peft_support
@@ -156,7 +156,15 @@ class MegaTrainTrainer(Trainer):
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """``Trainer.train``, returning only once the last optimizer step has updated every unit: the overlapped
         AdamW runs on background threads, and what follows ``train()`` (reading weights, a script's exit) must
-        find it done."""
+        find it done. The main process holds the output folder's lock for the run (a second run there fails at
+        once) and first recovers saves a kill interrupted, so that resuming finds them."""
+        if not (self._mt and self.args.should_save):
+            return self._mt_train(*args, **kwargs)
+        with ckpt.output_dir_lock(self.args.output_dir):
+            ckpt.recover_interrupted_saves(self.args.output_dir)
+            return self._mt_train(*args, **kwargs)
+
+    def _mt_train(self, *args: Any, **kwargs: Any) -> Any:
         try:
             return super().train(*args, **kwargs)
         finally:
@@ -295,13 +303,14 @@ class MegaTrainTrainer(Trainer):
             return
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         logger.info("Saving model checkpoint to %s", output_dir)
-        export_model(self.engine, output_dir, dtype=self._mt_config.save_dtype,
-                     max_shard_size=self.args.megatrain_max_shard_size)
-        if self.processing_class is not None:
-            self.processing_class.save_pretrained(output_dir)
-        elif getattr(self.data_collator, "tokenizer", None) is not None:
-            self.data_collator.tokenizer.save_pretrained(output_dir)
-        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+        with ckpt.output_dir_lock(output_dir):  # (export_model commits the weights crash-safely: staged.py)
+            export_model(self.engine, output_dir, dtype=self._mt_config.save_dtype,
+                         max_shard_size=self.args.megatrain_max_shard_size)
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            elif getattr(self.data_collator, "tokenizer", None) is not None:
+                self.data_collator.tokenizer.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
 
     @property
     def _mt_peft(self) -> bool:
@@ -336,32 +345,37 @@ class MegaTrainTrainer(Trainer):
             if self.state.best_global_step == self.state.global_step or os.path.exists(best):
                 self.state.best_model_checkpoint = best
         if self.args.should_save:
-            ckpt.remove_stale_temp_dirs(run_dir)
-            with ckpt.atomic_directory(output_dir) as tmp:
-                self._save(tmp)
-                if not self.args.save_only_model:
-                    # Adapters are small: always keep their FP32 master (the adapter file has PEFT's key names).
-                    ckpt.save_training_state(self.engine, tmp, master=self._mt_peft or
-                                             self._mt_config.torch_save_dtype != torch.float32)
-                    with open(os.path.join(tmp, SCHEDULER_NAME), "wb") as f:
-                        torch.save(self.lr_scheduler.state_dict(), f)
-                    self._save_rng_state(tmp)
-                for cb in [c for c in self.callback_handler.callbacks + [self.control]
-                           if isinstance(c, ExportableState)]:
-                    name = cb.__class__.__name__
-                    if isinstance(self.state.stateful_callbacks[name], list):
-                        self.state.stateful_callbacks[name].append(cb.state())
-                    else:
-                        self.state.stateful_callbacks[name] = cb.state()
-                self.state.save_to_json(os.path.join(tmp, TRAINER_STATE_NAME))
-                ckpt.write_manifest(tmp)
+            with ckpt.output_dir_lock(run_dir):  # (held already when train() runs: re-entrant)
+                ckpt.recover_interrupted_saves(run_dir)  # never removes the only complete copy; logs each step
+                self._mt_write_checkpoint(output_dir)
         if self.engine.dp is not None:  # no rank updates the shared state before the main process has written it
             self.engine.dp.barrier()
         if self.args.push_to_hub:
             self._push_from_checkpoint(output_dir)
         if self.args.should_save:
-            rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
-                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+            with ckpt.output_dir_lock(run_dir):
+                ckpt.rotate_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint)
+
+    def _mt_write_checkpoint(self, output_dir: str) -> None:
+        """Write checkpoint folder ``output_dir`` atomically (``checkpoint/atomic.py``), its manifest last."""
+        with ckpt.atomic_directory(output_dir) as tmp:
+            self._save(tmp)
+            if not self.args.save_only_model:
+                # Adapters are small: always keep their FP32 master (the adapter file has PEFT's key names).
+                ckpt.save_training_state(self.engine, tmp, master=self._mt_peft or
+                                         self._mt_config.torch_save_dtype != torch.float32)
+                with open(os.path.join(tmp, SCHEDULER_NAME), "wb") as f:
+                    torch.save(self.lr_scheduler.state_dict(), f)
+                self._save_rng_state(tmp)
+            for cb in [c for c in self.callback_handler.callbacks + [self.control]
+                       if isinstance(c, ExportableState)]:
+                name = cb.__class__.__name__
+                if isinstance(self.state.stateful_callbacks[name], list):
+                    self.state.stateful_callbacks[name].append(cb.state())
+                else:
+                    self.state.stateful_callbacks[name] = cb.state()
+            self.state.save_to_json(os.path.join(tmp, TRAINER_STATE_NAME))
+            ckpt.write_manifest(tmp)
 
     # -- loading ------------------------------------------------------------------------------------------------------
     def _mt_load_weights(self, path: str) -> None:

@@ -59,6 +59,10 @@ class MegaTrainTrainingArguments(TrainingArguments):
                                         "MEGATRAIN_<KEY> env vars override keys."})
     megatrain_max_shard_size: str = field(
         default=DEFAULT_MAX_SHARD_SIZE, metadata={"help": "Largest safetensors shard written, e.g. '5GB'."})
+    megatrain_allow_unverified_checkpoint: bool = field(
+        default=False, metadata={"help": "Resume from (or load the best model of) a checkpoint that cannot be "
+                                         "verified: no megatrain_manifest.json, or files the manifest does not "
+                                         "list. Off: such a checkpoint is refused with an error naming the file."})
 
     def __post_init__(self) -> None:
         if isinstance(self.megatrain_config, MegaTrainConfig):  # keep the arguments JSON-serialisable

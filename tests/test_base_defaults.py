@@ -130,3 +130,45 @@ def test_trl_sft_script_with_the_swap_matches_the_plain_script(tmp_path):
     with open(tmp_path / "ours" / "megatrain_run.json") as f:
         summary = json.load(f)
     assert summary["compute_dtype"] == "float32"
+
+
+# -- a batch with no counted label, through both trainers --------------------------------------------------------------
+def test_all_masked_batch_trains_like_plain_trainer(tmp_path):
+    """The model's loss for a batch whose labels are all -100 is nan, as in HF (test_trained_model.py); through the
+    Trainer, hf_megatrain does what plain Trainer does on the installed transformers: the same logged loss and grad
+    norm (0 on 5.24), the same weights after it and after the normal steps that follow."""
+    import copy
+
+    import torch
+    from transformers import Trainer
+
+    from hf_megatrain import MegaTrainTrainer
+
+    datasets = pytest.importorskip("datasets")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 96, (8, 12), generator=g)
+    labels = ids.clone()
+    labels[:4] = -100  # the first batch (sequential order below) counts no label at all
+    data = datasets.Dataset.from_dict({"input_ids": ids.tolist(), "labels": labels.tolist()})
+    model = tiny("llama")
+    kw = dict(per_device_train_batch_size=4, max_steps=2, learning_rate=1e-2, weight_decay=0.1, use_cpu=True,
+              report_to=[], logging_steps=1, disable_tqdm=True, save_strategy="no", seed=0)
+
+    class Sequential:
+        def _get_train_sampler(self, *args, **kwargs):
+            return torch.utils.data.SequentialSampler(data)
+
+    plain = type("PlainSeq", (Sequential, Trainer), {})(
+        model=copy.deepcopy(model), args=TrainingArguments(output_dir=str(tmp_path / "p"), **kw), train_dataset=data)
+    ours = type("OursSeq", (Sequential, MegaTrainTrainer), {})(
+        model=copy.deepcopy(model), args=MegaTrainTrainingArguments(output_dir=str(tmp_path / "o"), **kw),
+        train_dataset=data)
+    plain.train()
+    ours.train()
+    logged = [[(h["loss"], h["grad_norm"]) for h in t.state.log_history if "loss" in h] for t in (plain, ours)]
+    for (lp, gp), (lo, go) in zip(*logged):
+        assert (lp != lp and lo != lo) or abs(lp - lo) <= 1e-5 * max(1.0, abs(lp)), logged
+        assert (gp != gp and go != go) or abs(gp - go) <= 1e-4 * max(1.0, abs(gp)), logged
+    ref = dict(plain.model.named_parameters())
+    for n, p in ours.model.named_parameters():
+        assert torch.allclose(p.detach(), ref[n].detach(), rtol=1e-5, atol=1e-7), n

@@ -69,3 +69,17 @@ def test_optimizer_of_another_grouping_is_refused(tmp_path):
                             train_dataset=_data())
     with pytest.raises(Exception, match="parameter groups"):
         ours.train(resume_from_checkpoint=str(ckpt))
+
+
+def test_megatrain_checkpoint_tells_plain_trainer_users_how_to_resume(tmp_path):
+    from hf_megatrain.checkpoint.plain_trainer import RESUME_NOTE
+
+    ours = MegaTrainTrainer(model=tiny("llama"), args=MegaTrainTrainingArguments(**_kw(tmp_path, max_steps=2)),
+                            train_dataset=_data())
+    ours.train()
+    folder = tmp_path / "checkpoint-2"
+    assert not (folder / "optimizer.pt").exists()  # (plain Trainer resumes AdamW only from that)
+    note = (folder / RESUME_NOTE).read_text()
+    assert "MegaTrainTrainer" in note and "restarts AdamW and the" in note
+    import json
+    assert RESUME_NOTE in json.loads((folder / "megatrain_manifest.json").read_text())["files"]

@@ -46,6 +46,7 @@ from .. import checkpoint as ckpt
 from . import peft_support
 from ..engine.runtime import ENGINE_ATTR, MegaTrainEngine
 from ..engine.summary import format_summary, run_summary
+from ..checkpoint.plain_trainer import has_torch_optimizer, load_torch_adamw, write_resume_note
 from ..checkpoint.safetensors_io import write_json
 from ..parallel import DataParallel
 from .export import export_model
@@ -375,6 +376,8 @@ class MegaTrainTrainer(Trainer):
                 else:
                     self.state.stateful_callbacks[name] = cb.state()
             self.state.save_to_json(os.path.join(tmp, TRAINER_STATE_NAME))
+            if not self.args.save_only_model:
+                write_resume_note(tmp)  # plain Trainer would silently restart AdamW from this folder: say so
             ckpt.write_manifest(tmp)
 
     # -- loading ------------------------------------------------------------------------------------------------------
@@ -409,8 +412,14 @@ class MegaTrainTrainer(Trainer):
             return super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is None:
             return
-        if not ckpt.load_training_state(self.engine, checkpoint):
-            logger.warning("hf_megatrain: %s has no hf_megatrain optimizer state; AdamW starts fresh", checkpoint)
+        if ckpt.load_training_state(self.engine, checkpoint):
+            pass
+        elif has_torch_optimizer(checkpoint):  # a plain Trainer checkpoint: its torch AdamW state, exactly
+            load_torch_adamw(self.engine, checkpoint)
+            logger.info("hf_megatrain: AdamW state loaded from plain Trainer's %s/optimizer.pt", checkpoint)
+        else:
+            logger.warning("hf_megatrain: %s has no optimizer state (neither hf_megatrain's nor plain Trainer's "
+                           "optimizer.pt); AdamW starts fresh", checkpoint)
         sched = os.path.join(checkpoint, SCHEDULER_NAME)
         if os.path.isfile(sched):
             self.lr_scheduler.load_state_dict(torch.load(sched, weights_only=True))

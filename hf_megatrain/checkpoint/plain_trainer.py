@@ -1,4 +1,5 @@
-"""Resume from a plain ``transformers.Trainer`` checkpoint: its ``optimizer.pt`` into the host AdamW state, exactly.
+"""Checkpoints across trainers: plain ``transformers.Trainer``'s ``optimizer.pt`` into the host AdamW state, exactly,
+and a note in every hf_megatrain checkpoint for plain Trainer users (``RESUME_NOTE``).
 
 A user who switches mid-run from plain Trainer to hf_megatrain resumes from a ``checkpoint-N`` that holds the model
 weights, ``scheduler.pt`` and ``optimizer.pt``: ``torch.optim.AdamW.state_dict()``, whose per-parameter state is
@@ -12,6 +13,10 @@ parameters. ``torch.load(weights_only=True)``: tensors and plain containers only
 The AdamW step count is per parameter in torch and per unit (plus per-parameter missed steps) here: a unit's count is
 its parameters' largest, and each parameter's difference is recorded as missed steps, as for a parameter that had no
 gradient in some steps.
+
+The other way has no such route: plain Trainer resumes only from ``optimizer.pt`` and silently starts AdamW (and its
+schedule) fresh without it, and writing one would double the checkpoint's optimizer bytes. So every hf_megatrain
+checkpoint carries ``RESUME_NOTE`` (a short markdown file a user listing the folder sees) saying how to resume it.
 """
 
 from __future__ import annotations
@@ -25,7 +30,29 @@ from .safetensors_io import CheckpointError
 
 OPTIMIZER_NAME = "optimizer.pt"  # transformers.trainer.OPTIMIZER_NAME (checkpoint/ does not import transformers)
 
-__all__ = ["OPTIMIZER_NAME", "has_torch_optimizer", "load_torch_adamw"]
+RESUME_NOTE = "MEGATRAIN_CHECKPOINT.md"
+
+__all__ = ["OPTIMIZER_NAME", "RESUME_NOTE", "has_torch_optimizer", "load_torch_adamw", "write_resume_note"]
+
+_NOTE = """# hf_megatrain checkpoint
+
+This folder was written by hf_megatrain's `MegaTrainTrainer`. The model weights are standard (`from_pretrained`
+loads them), but the optimizer state is in `megatrain_optimizer.safetensors` / `megatrain_optimizer.json` (FP32 AdamW
+moments per streamed unit), not in `optimizer.pt`.
+
+- Resume training with `MegaTrainTrainer(...).train(resume_from_checkpoint=...)`: exact (weights, AdamW, schedule,
+  RNG).
+- Plain `transformers.Trainer` resuming from this folder finds no `optimizer.pt` and **restarts AdamW and the
+  learning-rate schedule without a warning**. To continue with plain Trainer, start a new run from the weights
+  (`from_pretrained` this folder) and expect a fresh optimizer.
+"""
+
+
+def write_resume_note(folder: str) -> str:
+    """Write ``RESUME_NOTE`` into checkpoint ``folder``; returns its name (a file of the checkpoint's manifest)."""
+    with open(os.path.join(folder, RESUME_NOTE), "w") as f:
+        f.write(_NOTE)
+    return RESUME_NOTE
 
 
 def has_torch_optimizer(path: str) -> bool:

@@ -3,6 +3,7 @@ up-front "will it fit" check that runs before any large allocation."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
@@ -52,12 +53,15 @@ class HostMemoryError(MemoryError):
 def alloc_on_disk(numel: int, dtype: torch.dtype, directory: str) -> torch.Tensor:
     """A zero-filled buffer backed by a memory-mapped file in ``directory`` (the disk tier).
 
-    The file is created sparse and unlinked right after mapping: the kernel pages it in and out as the optimizer
-    touches it, nothing is left behind if the process dies, and no host RAM is reserved for it up front.
+    The file's blocks are reserved now (``reserve_file``) and it is unlinked right after mapping: the kernel pages
+    it in and out as the optimizer touches it, nothing is left behind if the process dies, no host RAM is reserved
+    for it up front, and a disk that fills later cannot take its blocks away (a write to a mapped page without a
+    block behind it is a SIGBUS, with no message, in the middle of training).
     """
     fd, path = tempfile.mkstemp(prefix="megatrain-state-", suffix=".bin", dir=directory)
     try:
-        os.ftruncate(fd, max(numel, 1) * torch.empty((), dtype=dtype).element_size())
+        reserve_file(fd, max(numel, 1) * torch.empty((), dtype=dtype).element_size(), directory,
+                     "the AdamW state (optimizer_state_dir)", "Point optimizer_state_dir at a larger local disk")
         t = torch.from_file(path, shared=True, size=max(numel, 1), dtype=dtype)
     finally:
         os.close(fd)
@@ -70,6 +74,42 @@ def check_disk_space(needed: int, directory: str, what: str) -> None:
     if needed > free:
         raise HostMemoryError(f"not enough disk in {directory} for {what}: need {format_bytes(needed)}, free "
                               f"{format_bytes(free)}. Point optimizer_state_dir at a larger local disk.")
+
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+_ZEROS = 1 << 20  # bytes per write of the zero-filling fallback
+
+
+def reserve_file(fd: int, nbytes: int, directory: str, what: str, fix: str) -> None:
+    """Size the open file ``fd`` to ``nbytes`` with every block allocated, so writes through a mapping of it can
+    never meet a full file system (a sparse file's missing block is a SIGBUS then). ``posix_fallocate`` where the
+    file system has it (ext4, xfs, tmpfs: metadata only on disks; on tmpfs it commits the RAM now), else zeros
+    written. Out of space: a ``HostMemoryError`` naming ``directory``, the bytes needed and free, and ``fix``."""
+    try:
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+            return
+        except AttributeError:  # (no posix_fallocate on this platform)
+            pass
+        except OSError as e:
+            if e.errno in _NO_SPACE:
+                raise
+            # EOPNOTSUPP / EINVAL / ENOSYS: this file system cannot reserve blocks; write zeros instead
+        # From the current end only: what is there is kept, as posix_fallocate keeps it (another rank may have
+        # sized and filled a shared file already).
+        zeros = bytes(min(_ZEROS, nbytes))
+        off = os.fstat(fd).st_size
+        while off < nbytes:
+            off += os.pwrite(fd, zeros[:min(len(zeros), nbytes - off)], off)
+    except OSError as e:
+        if e.errno not in _NO_SPACE:
+            raise
+        # (free counts what the failed attempt holds: the caller drops the file; a shared one may be mapped by
+        # another rank already, so it is not truncated here)
+        free = shutil.disk_usage(directory).free + os.fstat(fd).st_blocks * 512
+        raise HostMemoryError(f"not enough space in {directory} for {what}: a file of {format_bytes(nbytes)} "
+                              f"({nbytes} bytes) could not be reserved, {format_bytes(free)} free there "
+                              f"({os.strerror(e.errno)}). {fix}.") from e
 
 
 def alloc_host(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:

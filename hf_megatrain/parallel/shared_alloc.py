@@ -21,7 +21,7 @@ import uuid
 
 import torch
 
-from ..core.memory import HostMemoryError, format_bytes, pin_in_place
+from ..core.memory import HostMemoryError, format_bytes, pin_in_place, reserve_file
 
 RUN_PREFIX = "megatrain-"
 
@@ -86,7 +86,12 @@ class SharedHostAllocator:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             if os.fstat(fd).st_size != nbytes:  # (the first rank here sizes it; same size: no-op, data kept)
-                os.ftruncate(fd, nbytes)
+                # Blocks reserved now, not on first write: a /dev/shm that fills later (another job, another run)
+                # would otherwise SIGBUS a rank mid-training with no message.
+                reserve_file(fd, nbytes, os.path.dirname(self.run_dir),
+                             f"the host's shared store (data parallel; {format_bytes(self.requested)} requested so "
+                             "far)", "Enlarge that RAM file system (e.g. `mount -o remount,size=<bytes> /dev/shm`, "
+                             "or `docker run --shm-size=...`) or set shared_memory_dir to a larger one")
         finally:
             os.close(fd)
         t = torch.from_file(path, shared=True, size=size, dtype=dtype)

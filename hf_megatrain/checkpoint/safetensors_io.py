@@ -115,8 +115,11 @@ def write_weights(save_dir: str, items: list[tuple[str, torch.Tensor]], *, dtype
     total = sum(_nbytes(t, dtype) for _, t in items)
     check_free_space(save_dir, total)
     names = _shard_files(prefix, len(shards))
-    for fname, shard in zip(names, shards):
-        write_safetensors(os.path.join(save_dir, fname), shard, dtype)
+    try:
+        for fname, shard in zip(names, shards):
+            write_safetensors(os.path.join(save_dir, fname), shard, dtype)
+    except OSError as e:  # (the caller removes the folder it gave: no partial file keeps the disk full)
+        raise disk_full(e, save_dir, total) from e
     if len(shards) > 1:
         index_name = f"{prefix}.safetensors.index.json"
         write_json(os.path.join(save_dir, index_name),

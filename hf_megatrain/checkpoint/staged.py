@@ -37,17 +37,22 @@ logger = logging.getLogger(__name__)
 STAGING = ".megatrain-staging-"
 _STAGING_RE = re.compile(re.escape(STAGING) + r"(?P<pid>\d+)-[A-Za-z0-9_]+")
 _WEIGHTS_RE = re.compile(r"(?P<prefix>.+?)(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")
+_TEMP_RE = re.compile(r".+\.tmp-\d+-[A-Za-z0-9_]+")  # a checkpoint's temp folder (atomic.py)
 _LEGACY_PARTIAL = re.compile(r"\..+\.safetensors(\.index\.json)?\.partial")  # an earlier release's temp files
 
 
 def disk_full(e: OSError, folder: str, needed: int) -> OSError:
-    """``e`` again when it is not ENOSPC; else an ENOSPC error naming the folder and the bytes needed and free."""
+    """``e`` again when it is not ENOSPC; else an ENOSPC error naming the folder (the user's one, not a staging or
+    temp folder inside it) and the bytes the save needs and those free."""
     if e.errno != errno.ENOSPC:
         return e
+    folder = os.path.abspath(folder)
+    while os.path.basename(folder).startswith(STAGING) or _TEMP_RE.fullmatch(os.path.basename(folder)):
+        folder = os.path.dirname(folder)
     free = shutil.disk_usage(folder).free if os.path.isdir(folder) else 0
-    return OSError(errno.ENOSPC, f"No space left on the device of {os.path.abspath(folder)}: this save needs "
-                                 f"{needed:,} bytes there, {free:,} are free. Free space or save elsewhere "
-                                 f"(nothing of the previous save in that folder was changed).")
+    return OSError(errno.ENOSPC, f"No space left on the device of {folder}: this save needs {needed:,} bytes "
+                                 f"there, {free:,} are free. Free space or save elsewhere (the previous save in that "
+                                 "folder is unchanged).")
 
 
 def check_free_space(folder: str, needed: int) -> None:

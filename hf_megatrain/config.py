@@ -142,7 +142,8 @@ class MegaTrainConfig:
             first batch: set it to per_device_train_batch_size x your longest sequence.)
         optimizer_state_dir: disk tier: keep the AdamW moments (8 of the 18 host bytes per parameter) in
             memory-mapped files in this directory (a fast local NVMe) instead of host RAM, for models beyond RAM.
-            Exact, slower (see README); with it, ``device_step_layers=-1`` steps every layer on the CPU.
+            Exact, slower (docs/lean_store.md, "Disk tier"); with it, ``device_step_layers=-1`` steps every layer on
+            the CPU.
         lean_store: streamed layers keep only FP32 master + AdamW moments on the host (12 instead of 18 bytes per
             parameter): weights stream as FP32 and are cast on the GPU, each layer's gradient gets its AdamW update
             as soon as its backward ends (a step that clips re-runs its forward+backward for the exact clipped

@@ -1,12 +1,12 @@
-"""The README's family table, generated from the family sweep's output (integration/family_sweep.py).
+"""The family table of docs/families.md, generated from the family sweep's output (integration/family_sweep.py).
 
 Renders ``integration/results/family_sweep_cpu.jsonl`` as Markdown -- the model types per status, then the reason
-of each one that is refused or fails -- and puts it into README.md between the marker comments
+of each one that is refused or fails -- and puts it into docs/families.md between the marker comments
 ``<!-- family-table:start -->`` and ``<!-- family-table:end -->``. ``tests/test_family_table.py`` checks that the
-README holds exactly what this renders from the JSONL, so the table cannot drift from the results.
+doc holds exactly what this renders from the JSONL, so the table cannot drift from the results.
 
-    python integration/family_table.py            # rewrite the README block
-    python integration/family_table.py --check    # exit 1 if the README block is stale
+    python integration/family_table.py            # rewrite the docs/families.md block
+    python integration/family_table.py --check    # exit 1 if the docs/families.md block is stale
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 JSONL = ROOT / "integration" / "results" / "family_sweep_cpu.jsonl"
-README = ROOT / "README.md"
+DOC = ROOT / "docs" / "families.md"  # (the README summarises it)
+README = DOC  # the name earlier callers used
 START, END = "<!-- family-table:start -->", "<!-- family-table:end -->"
 ORDER = ["pass", "fail", "refused", "timeout", "cannot-build", "skipped"]
 MEANING = {
@@ -69,7 +70,7 @@ def render(records: list[dict]) -> str:
 
 def replace_block(text: str, block: str) -> str:
     if START not in text or END not in text:
-        raise ValueError(f"README.md has no {START} ... {END} markers")
+        raise ValueError(f"docs/families.md has no {START} ... {END} markers")
     head, rest = text.split(START, 1)
     _, tail = rest.split(END, 1)
     return f"{head}{START}\n{block}\n{END}{tail}"
@@ -77,9 +78,10 @@ def replace_block(text: str, block: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--check", action="store_true", help="exit 1 if README.md's table is not what the JSONL gives")
+    ap.add_argument("--check", action="store_true",
+                    help="exit 1 if docs/families.md's table is not what the JSONL gives")
     ap.add_argument("--jsonl", default=str(JSONL))
-    ap.add_argument("--readme", default=str(README))
+    ap.add_argument("--doc", "--readme", dest="readme", default=str(DOC))
     a = ap.parse_args(argv)
     readme = Path(a.readme)
     text = readme.read_text()

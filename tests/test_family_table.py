@@ -1,5 +1,5 @@
-"""The README's family table is what integration/family_table.py renders from the sweep's JSONL (no drift), and
-the sweep's null-gradient criterion (integration/family_sweep.py ``_compare``)."""
+"""The family table of docs/families.md is what integration/family_table.py renders from the sweep's JSONL (no
+drift), and the sweep's null-gradient criterion (integration/family_sweep.py ``_compare``)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from integration import family_sweep, family_table  # noqa: E402
 
 
 def test_readme_table_matches_sweep_results():
-    text = family_table.README.read_text()
+    text = family_table.DOC.read_text()
     block = text.split(family_table.START, 1)[1].split(family_table.END, 1)[0]
     assert block.strip("\n") == family_table.render(family_table.load()), \
-        "README.md's family table is stale: run python integration/family_table.py"
+        "docs/families.md's family table is stale: run python integration/family_table.py"
 
 
 def test_table_lists_every_family_once():

@@ -16,9 +16,11 @@ per-token log-probabilities, entropy and top-1 flags) and logs ``entropy``, ``me
 a fused one: ``loss_impl``), which never forms the full logits either; the SFT metrics come from the same pass
 (``model/loss.TokenStats``: entropy and top-1 per counted token, read off each chunk's logits; one extra no-grad
 chunked pass with a fused ``loss_impl``) and are logged exactly as SFTTrainer logs them. The loss is the same
-function (the mean NLL over the counted tokens, divided by ``num_items_in_batch``). Two differences, both loud or
-documented: a batch whose labels are all ``-100`` gives a nan loss and skips the step (SFTTrainer clamps the
-denominator to 1 and logs 0); what SFTTrainer computes that this does not reproduce is refused below.
+function (the mean NLL over the counted tokens, divided by ``num_items_in_batch``). A batch whose labels are all
+``-100``: the model's loss is nan, as in HF; through the Trainer it is logged as loss 0 / grad_norm 0 on transformers
+5.24 and leaves the same weights as plain Trainer (tests/test_base_defaults.py::
+test_all_masked_batch_trains_like_plain_trainer). What SFTTrainer computes that this does not reproduce is refused
+below, loudly.
 
 All trl imports of hf_megatrain live in this module.
 """

@@ -170,6 +170,7 @@ class LeanAdamW(UnitAdamW):
         self.last_grad_norm = norm
         hyper = self._hyper()
         skip = not math.isfinite(norm) and self.skip_nonfinite
+        self.last_step_skipped = skip
         grad_scale = None if skip else self._grad_scale(norm)
         decision = self.policy.decide(skip, self._key(hyper, grad_scale), self.skip_nonfinite)
         if decision.rerun:
@@ -206,7 +207,7 @@ class LeanAdamW(UnitAdamW):
             self._warned = True
             logger.warning("hf_megatrain: lean_store: this step clips (or is skipped): re-running its "
                            "forward+backward to give every layer its exact update. Every clipping step runs its "
-                           "forward+backward twice (see README, 'Lean host store'); counted in "
+                           "forward+backward twice (see docs/lean_store.md); counted in "
                            "optimizer.regenerated_steps")
         self._applied_before = dict(self.policy.applied)
         for i in d.take_back:  # the re-run must see the weights the first pass saw

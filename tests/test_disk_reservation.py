@@ -77,3 +77,36 @@ def test_zero_fill_keeps_what_is_there(tmp_path, monkeypatch):
         os.close(fd)
     data = path.read_bytes()
     assert data[:4096] == b"\x01" * 4096 and data[4096:] == bytes(2 * 4096)
+
+
+# -- a failed multi-process conversion leaves nothing in shared_memory_dir -----------------------------------------------
+def test_shared_files_removed_when_conversion_fails(tmp_path):
+    alloc = SharedHostAllocator(new_run_dir(str(tmp_path)))
+    with pytest.raises(RuntimeError, match="boom"):
+        with alloc.removed_on_failure():
+            alloc(1000, torch.float32, False)
+            raise RuntimeError("boom")
+    assert not os.path.exists(alloc.run_dir)
+
+
+def test_shared_files_removed_on_sigterm(tmp_path):
+    """torchrun ends every rank with SIGTERM when one fails: the run directory goes, and the process still ends by
+    that signal."""
+    import signal
+    import subprocess
+    import sys
+
+    code = "\n".join([
+        "import time, torch",
+        "from hf_megatrain.parallel.shared_alloc import SharedHostAllocator, new_run_dir",
+        f"alloc = SharedHostAllocator(new_run_dir({str(tmp_path)!r}))",
+        "with alloc.removed_on_failure():",
+        "    alloc(1 << 16, torch.float32, False)",
+        "    print(alloc.run_dir, flush=True)",
+        "    time.sleep(60)"])
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    run_dir = proc.stdout.readline().strip()
+    assert os.path.isdir(run_dir)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == -signal.SIGTERM
+    assert not os.path.exists(run_dir)

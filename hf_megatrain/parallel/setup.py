@@ -91,12 +91,13 @@ def convert_shared(model: nn.Module, config: MegaTrainConfig, device: torch.devi
     alloc = SharedHostAllocator(run_dir, capacity=room)
     run = lambda: convert(model, config, device, decay_names, host_alloc=alloc, host_available=avail)  # noqa: E731
     try:
-        conv = _in_turn(dp, run, not dp.is_leader)  # the followers map (and write) every buffer first
-        conv = _in_turn(dp, run, dp.is_leader) or conv
-        # Each rank's count of finished updates per unit (parallel/peer_cells.py): zeros, as the files start.
-        units = len(conv.store.units)
-        conv.peer_cells = alloc(dp.world * units, torch.int64, False).view(dp.world, units)
-        dp.barrier()  # (every rank has mapped the cells before their file goes)
+        with alloc.removed_on_failure():  # (any rank: a failed conversion leaves no RAM held in shared_memory_dir)
+            conv = _in_turn(dp, run, not dp.is_leader)  # the followers map (and write) every buffer first
+            conv = _in_turn(dp, run, dp.is_leader) or conv
+            # Each rank's count of finished updates per unit (parallel/peer_cells.py): zeros, as the files start.
+            units = len(conv.store.units)
+            conv.peer_cells = alloc(dp.world * units, torch.int64, False).view(dp.world, units)
+            dp.barrier()  # (every rank has mapped the cells before their file goes)
     finally:
         if dp.is_leader:
             alloc.release()

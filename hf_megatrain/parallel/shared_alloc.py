@@ -9,15 +9,21 @@ transfers with ``cudaHostRegister`` on each rank's mapping (CUDA only).
 
 The files need to exist only until every rank has mapped them: ``release()`` (local rank 0, after a barrier)
 removes the run directory, the mappings stay valid, and the memory goes back to the system when the last rank
-exits, however it exits. Directories of runs whose leader died before releasing are removed at the next start
-(``stale_run_dirs``).
+exits, however it exits. Until then the files hold RAM with no process behind them if the conversion fails, so
+``removed_on_failure`` removes them from any rank that fails (an exception, Ctrl-C, or the SIGTERM / SIGHUP that
+torchrun sends every rank when one dies); only a SIGKILL leaves them, and then directories of runs whose leader is
+gone are removed at the next start (``stale_run_dirs``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
+import threading
 import uuid
+from typing import Iterator
 
 import torch
 
@@ -106,3 +112,28 @@ class SharedHostAllocator:
     def release(self) -> None:
         """Remove the run directory (every rank has mapped its files: the mappings outlive the names)."""
         shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    @contextlib.contextmanager
+    def removed_on_failure(self) -> Iterator[None]:
+        """While the ranks create and map the files: on an exception, or SIGTERM / SIGHUP (whose handlers are
+        swapped in for the duration, main thread only), remove the run directory before the process goes on
+        failing. A signal is then delivered again to the handler it had before, so the process ends as it would
+        have. The other ranks fail too: the conversion is all or nothing."""
+        previous: dict[int, object] = {}
+
+        def on_signal(signum: int, _frame: object) -> None:
+            self.release()
+            signal.signal(signum, previous.pop(signum, None) or signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGHUP):
+                previous[sig] = signal.signal(sig, on_signal)
+        try:
+            yield
+        except BaseException:
+            self.release()
+            raise
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler if handler is not None else signal.SIG_DFL)

@@ -18,8 +18,9 @@ reads each line before filling it.
 
 Same expressions as ``kernels._adamw_math`` (ATen's CPU AdamW, in float), no FMA contraction; the gradient is read
 as FP32 or as bf16 (a narrow gradient: its exact FP32 value); the compute copy, if any, is bf16, rounded to nearest
-even as torch rounds. Built once per process with the system C compiler (a fraction of a second) into a private
-temporary directory: ``-march=native`` code never outlives the machine it was built for.
+even as torch rounds. Built with the system C compiler (a fraction of a second) once per source, flags, compiler
+and CPU, into a private per-user cache (core/build_cache.py): ``-march=native`` code only ever runs on the kind of
+CPU it was built for, and no run leaves a directory in /tmp.
 """
 
 from __future__ import annotations
@@ -27,12 +28,12 @@ from __future__ import annotations
 import ctypes
 import os
 import shutil
-import subprocess
-import tempfile
 import threading
 from typing import Any
 
 import torch
+
+from .build_cache import shared_library
 
 _SOURCE = r"""
 #include <stdint.h>
@@ -126,14 +127,7 @@ def _compiler() -> str:
 def build(source: str = _SOURCE) -> Any:
     """Compile ``source`` (the kernel, or a variant of it: integration/probes) and load it; RuntimeError saying why
     when it cannot be built."""
-    d = tempfile.mkdtemp(prefix="hf_megatrain_adamw_")
-    src, so = os.path.join(d, "adamw.c"), os.path.join(d, "adamw.so")
-    with open(src, "w") as f:
-        f.write(source)
-    r = subprocess.run([_compiler(), *_FLAGS, src, "-o", so], capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RuntimeError(f"building the native AdamW kernel failed: {r.stderr.strip()[-400:]}")
-    lib = ctypes.CDLL(so)  # (CDLL: the GIL is released for the duration of each call)
+    lib = shared_library(source, _compiler(), _FLAGS, "adamw", ctypes.CDLL)  # (CDLL: each call releases the GIL)
     lib.adamw_span.restype = None
     lib.adamw_span.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]

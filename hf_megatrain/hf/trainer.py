@@ -103,6 +103,7 @@ class MegaTrainTrainer(Trainer):
     def _mt_after_init(self) -> None:
         if self._mt:  # first, so it runs before any callback that reads gradients around the optimizer step
             self.callback_handler.callbacks.insert(0, _LandForGradientReaders(self))
+            self.callback_handler.callbacks.insert(0, _SkippedStepKeepsLR(self))
         if self._mt and self.args.n_gpu > 1:
             self.args._n_gpu = 1  # one GPU; never DataParallel
         if self._mt and self.args.world_size > 1:
@@ -446,7 +447,8 @@ class _LandForGradientReaders(TrainerCallback):
     def _hooked(self, hook: str) -> bool:
         base = getattr(TrainerCallback, hook)
         return self.trainer.engine is not None and any(
-            getattr(type(cb), hook, base) is not base for cb in self.trainer.callback_handler.callbacks if cb is not self)
+            getattr(type(cb), hook, base) is not base for cb in self.trainer.callback_handler.callbacks
+            if cb is not self and not isinstance(cb, _SkippedStepKeepsLR))  # (ours: reads no gradient)
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._hooked("on_pre_optimizer_step"):
@@ -455,3 +457,18 @@ class _LandForGradientReaders(TrainerCallback):
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._hooked("on_optimizer_step"):
             self.trainer.engine.widen_gradients()  # (landed by step(); the step's units keep their gradients)
+
+
+class _SkippedStepKeepsLR(TrainerCallback):
+    """Plain Trainer does not advance the LR schedule after a skipped optimizer step (it asks
+    ``accelerator.optimizer_step_was_skipped``, which accelerate's fp16 scaler sets on an overflow); a step our
+    optimizer skips for a non-finite gradient norm is the same case, so it is reported the same way, right after
+    ``step()`` and before Trainer reads it. ``global_step`` still counts the step, as in plain Trainer."""
+
+    def __init__(self, trainer: MegaTrainTrainer) -> None:
+        self.trainer = trainer
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        wrapped, ours = self.trainer.optimizer, getattr(self.trainer.engine, "optimizer", None)
+        if ours is not None and hasattr(wrapped, "_is_overflow"):  # (accelerate's AcceleratedOptimizer)
+            wrapped._is_overflow = bool(getattr(ours, "last_step_skipped", False))

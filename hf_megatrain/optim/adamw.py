@@ -115,6 +115,7 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
         self._reached: dict[int, list[bool] | None] = {}
         self._missed: dict[int, list[int]] = {}
         self.skipped_steps = 0
+        self.last_step_skipped = False  # the last step() was skipped (non-finite norm): Trainer keeps its LR then
         # Wall time of the last *finished* step's unit updates; published by wait(), so reading it right after
         # step() returns gives the previous step, never a partial figure.
         self.last_step_seconds = 0.0
@@ -151,6 +152,7 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
         self.last_norm_seconds = time.perf_counter() - t0
         self.last_grad_norm = norm
         skip = not math.isfinite(norm) and self.skip_nonfinite
+        self.last_step_skipped = skip
         hyper = self._hyper()
         grad_scale = None if skip else self._grad_scale(norm)
         done = self._judge_speculation(skip, hyper, grad_scale)

@@ -170,6 +170,7 @@ class LeanAdamW(UnitAdamW):
         self.last_grad_norm = norm
         hyper = self._hyper()
         skip = not math.isfinite(norm) and self.skip_nonfinite
+        self.last_step_skipped = skip
         grad_scale = None if skip else self._grad_scale(norm)
         decision = self.policy.decide(skip, self._key(hyper, grad_scale), self.skip_nonfinite)
         if decision.rerun:

@@ -96,7 +96,7 @@ def file_crc32(path: str, chunk: int = 64 << 20) -> str:
     """CRC-32 of a file's bytes, read in large chunks (zlib releases the GIL on them: files hash in parallel)."""
     crc = 0
     with open(path, "rb", buffering=0) as f:
-        buf = bytearray(chunk)
+        buf = bytearray(max(1, min(chunk, os.fstat(f.fileno()).st_size)))  # (a small file: no 64 MiB to zero)
         view = memoryview(buf)
         while n := f.readinto(buf):
             crc = zlib.crc32(view[:n], crc)

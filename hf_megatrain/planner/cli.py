@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     gpu_target = gpu_avail if gpu_avail is not None and not a.gpu_memory else (gpu_plan if a.gpu_memory else None)
     gpu_ok = None if gpu_target is None else plan.device_total <= gpu_target
     if a.json:
-        print(json.dumps({"params": {"trainable": shape.trainable, "frozen": shape.frozen},
+        print(json.dumps({"params": {"trainable": shape.trainable, "frozen": shape.frozen, "active": shape.active},
                           "shape": asdict(shape) | {"layer_numels": None, "layer_frozen": None},
                           "host": plan.host, "gpu": plan.device, "gpu_phases": plan.phases,
                           "gpu_peak_phase": plan.peak_phase, "disk": plan.disk,
@@ -130,13 +130,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{a.model}: {shape.trainable / 1e9:.3f}B trainable parameters ({shape.num_layers} streamed layers, "
           f"{shape.resident_numel / 1e6:.1f}M resident), {config.compute_dtype} compute, seq_len={a.seq_len}, "
           f"batch_size={a.batch_size}")
+    if shape.routed_inactive:  # an MoE: FLOPs (and so time / MFU) follow the experts a token is routed to
+        print(f"  {shape.active / 1e9:.3f}B active per token of {(shape.trainable + shape.frozen) / 1e9:.3f}B "
+              "(routed experts: top_k / num_experts of theirs)")
     host_v = (("fits" if host_ok else "DOES NOT FIT") + f" ({config.host_memory_fraction:g} x "
               f"{format_bytes(host_avail)} available)")
     gpu_v = "no GPU here" if gpu_ok is None else (("fits" if gpu_ok else "DOES NOT FIT") + (
         f" (a {format_bytes(gpu_target)} GPU, --gpu-memory)" if a.gpu_memory else f" ({format_bytes(gpu_target)} free)"))
     print("\n".join(_report(plan, host_v, gpu_v)))
     f = plan.flops_per_token
-    print(f"FLOPs per token: {f['model']:.3g} = 6N {f['dense_6n']:.3g} + attention {f['attention']:.3g} "
+    print(f"FLOPs per token: {f['model']:.3g} = 6N {f['dense_6n']:.3g} (N active) + attention {f['attention']:.3g} "
           f"(12 x layers x heads*head_dim x seq_len: {f['attention_over_6n']:.1f}x 6N); executed with the layer "
           f"recompute and a causal kernel ~{f['hardware_with_recompute_causal']:.3g}")
     for note in plan.notes + ([] if gpu_here else [f"no GPU here: placement planned for a "

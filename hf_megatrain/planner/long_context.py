@@ -6,7 +6,8 @@
 - ``offload_layers`` is how many layers' saved inputs go to pinned host memory (engine/activations.py): none
   with ``activation_offload="off"``, all with "on", and with "auto" the fewest that make the step's GPU peak fit
   the budget (none without a GPU: there the device *is* host memory). The first layers are the offloaded ones.
-- ``flops_per_token``: 6N for the weights plus attention, 12 x layers x (heads x head_dim) x seq per token (the
+- ``flops_per_token``: 6N for the weights (N: the parameters one token runs through; an MoE's routed experts
+  count top_k / num_experts of theirs: active.py) plus attention, 12 x layers x (heads x head_dim) x seq per token (the
   QK^T and AV products, forward + backward, full T x T as in PaLM's MFU convention; a causal kernel does half).
   At 512k tokens and 7B width that term is ~14x the 6N one. The hardware also runs the layer recompute (one
   more forward: +2N and a third more attention), reported apart.
@@ -83,11 +84,13 @@ def offload_layers(config: MegaTrainConfig, num_layers: int, device_type: str, g
 
 
 def flops_per_token(shape: ModelShape, seq_len: int) -> dict[str, float]:
-    """Training FLOPs per token (see the module docstring)."""
-    n = shape.trainable + shape.frozen
+    """Training FLOPs per token (see the module docstring). N is the *active* parameter count: an MoE token runs
+    through top_k of num_experts routed experts (planner/active.py), not all of them."""
+    n = shape.active
     dense = 6.0 * n
     attention = 12.0 * shape.num_layers * shape.q_dim * seq_len
-    return {"dense_6n": dense, "attention": attention, "model": dense + attention,
+    return {"params_active": float(n), "params_total": float(shape.trainable + shape.frozen),
+            "dense_6n": dense, "attention": attention, "model": dense + attention,
             "attention_over_6n": attention / dense if dense else 0.0,
             # executed: forward, recompute, backward (8N); causal attention: half of the 16/12 x full term
             "hardware_with_recompute_causal": 8.0 * n + attention * (16.0 / 12.0) / 2}

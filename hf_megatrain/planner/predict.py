@@ -23,6 +23,7 @@ from ..config import MegaTrainConfig
 from ..core.memory import CUDA_CONTEXT_GPU_BYTES, available_host_bytes, format_bytes, gpu_budget
 from ..core.plan import CAST_STAGING_BYTES, PlanInputs, Plans, Stepper, Where, build_plans, stepper_buffer_bytes
 from ..model.layers import UnitLayouts, find_layer_stack, unit_layouts
+from .active import routed_inactive_numel
 from .long_context import (activation_bytes, attention_workspace_bytes, flops_per_token, offload_layers,
                            positionwise_bytes, seq_chunk, tiled)
 
@@ -75,10 +76,17 @@ class ModelShape:
     intermediate: int  # MLP width one token goes through (MoE: top_k experts + shared expert)
     max_weight: int  # largest single weight of a layer (its gradient is one transient of the recompute)
     tied: bool = False  # lm_head shares the input embedding
+    # parameters of routed experts a token does not go through (active.py; 0: dense): FLOPs count the others
+    routed_inactive: int = 0
 
     @property
     def num_layers(self) -> int:
         return len(self.layer_numels)
+
+    @property
+    def active(self) -> int:
+        """Parameters one token runs through (trainable + frozen less the routed experts it is not sent to)."""
+        return self.trainable + self.frozen - self.routed_inactive
 
     @property
     def trainable(self) -> int:
@@ -98,19 +106,24 @@ class ModelShape:
         """From layouts already computed (the engine's own, before it allocates: no second walk of the model)."""
         numels, frozen = ul.numels, ul.frozen_numels
         layer_weights = [math.prod(x[2]) for lay in ul.layouts[:-1] + ul.frozen[:-1] for x in lay]
-        return cls._with_dims(model, numels[:-1], frozen[:-1], numels[-1], frozen[-1], max(layer_weights, default=0))
+        return cls._with_dims(model, numels[:-1], frozen[:-1], numels[-1], frozen[-1], max(layer_weights, default=0),
+                              routed_inactive_numel([model], getattr(model, "config", None)))
 
     @classmethod
     def from_engine(cls, engine: Any) -> "ModelShape":
         units, res = engine.layer_units, engine.resident_unit
         frozen = [getattr(u, "frozen_numel", 0) for u in units]
         weights = [p.numel for u in units for p in list(u.params) + list(getattr(u, "frozen_params", []))]
+        # the layers' modules live in the executor's templates (one per kind of layer), the model keeps the rest
+        ex = getattr(engine, "executor", None)
+        layer_modules = [ex.templates[k].module for k in ex.kinds] if ex is not None else []
+        inactive = routed_inactive_numel([engine.model, *layer_modules], getattr(engine.model, "config", None))
         return cls._with_dims(engine.model, [u.numel for u in units], frozen, res.numel,
-                              getattr(res, "frozen_numel", 0), max(weights, default=0))
+                              getattr(res, "frozen_numel", 0), max(weights, default=0), inactive)
 
     @classmethod
     def _with_dims(cls, model: Any, layers: list[int], frozen: list[int], resident: int, resident_frozen: int,
-                   max_weight: int) -> "ModelShape":
+                   max_weight: int, routed_inactive: int = 0) -> "ModelShape":
         cfg = getattr(model, "config", None)
         cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
         head = model.get_output_embeddings().weight
@@ -132,7 +145,7 @@ class ModelShape:
                          + get("shared_expert_intermediate_size", 0))
             inter = max(inter, width)
         return cls(layers, frozen, resident, resident_frozen, int(vocab), int(hidden), int(q_dim), int(kv_dim),
-                   int(inter), max_weight, tied)
+                   int(inter), max_weight, tied, routed_inactive)
 
 
 def _largest(value: Any) -> int | None:

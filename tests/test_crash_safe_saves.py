@@ -8,7 +8,6 @@ last byte of the file written before it, so the kill points cover every complete
 
 from __future__ import annotations
 
-import copy
 import errno
 import os
 import shutil
@@ -24,7 +23,6 @@ from safetensors.torch import load_file
 from hf_megatrain import MegaTrainConfig, MegaTrainEngine, MegaTrainTrainer
 from hf_megatrain import checkpoint as ckpt
 from hf_megatrain.checkpoint import CheckpointError
-from transformers.trainer_utils import get_last_checkpoint
 
 from .models import tiny
 from .test_trainer import dataset, mt_args
@@ -264,8 +262,8 @@ def test_multi_shard_export_never_mixes_old_and_new(tmp_path, monkeypatch, new_s
 
 
 def test_resave_killed_between_renames_is_recovered(tmp_path, caplog):
-    """Item 2: re-saving checkpoint-N killed between its two renames: the next save restores a complete copy (and
-    says so) instead of deleting both."""
+    """Item 2: re-saving checkpoint-N killed between its two renames: resuming (or the next save) restores a
+    complete copy, and says so, instead of deleting both."""
     run = tmp_path / "run"
     tr = MegaTrainTrainer(model=tiny("llama"), args=mt_args(run, max_steps=2, save_strategy="steps", save_steps=2),
                           train_dataset=dataset())
@@ -286,10 +284,12 @@ def test_resave_killed_between_renames_is_recovered(tmp_path, caplog):
     finally:
         os.rename = real
     assert not (run / "checkpoint-2").exists()  # the window: neither copy has the final name
-    with caplog.at_level("WARNING"):
-        with ckpt.output_dir_lock(str(run)):
-            ckpt.recover_interrupted_saves(str(run))
+    with caplog.at_level("WARNING"):  # resuming recovers it first (then finds it: no step left to train)
+        again = MegaTrainTrainer(model=tiny("llama"), args=mt_args(run, max_steps=2), train_dataset=dataset())
+        again.train(resume_from_checkpoint=True)
     assert "restored" in caplog.text
+    for n, t in tr.engine.named_master_tensors():
+        assert torch.equal(again.engine.store.master_tensor(n), t), n
     assert sorted(f for f in os.listdir(run) if f.startswith("checkpoint-")) == ["checkpoint-2"]
     ckpt.verify_checkpoint(str(run / "checkpoint-2"))
     assert same(_folder_tensors(str(run / "checkpoint-2")), before)

@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from .atomic import (LOCK_NAME, OutputDirBusy, atomic_directory, output_dir_lock, recover_interrupted_saves,
+from .atomic import (OutputDirBusy, atomic_directory, output_dir_lock, recover_interrupted_saves,
                      remove_stale_temp_dirs, rotate_checkpoints)
 from .safetensors_io import (DEFAULT_MAX_SHARD_SIZE, WEIGHTS_PREFIX, CheckpointError, LazyTensors, copy_tensor_into,
                              open_safetensors, parse_size, read_json_key, save_weights, weight_files, write_json,

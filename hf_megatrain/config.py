@@ -164,6 +164,16 @@ class MegaTrainConfig:
             taken back and redone exactly (optim/speculation.py). After a clipping step the next one does not
             speculate. Needs ``overlap_optimizer`` to overlap anything; custom loops set
             ``engine.state.final_backward = True`` before their last backward of a step to use it.
+        exact_take_back: make taking back a speculative update (``speculative_step``, the lean store) bit-exact: each
+            speculative update first copies the master and moments it overwrites (12 host bytes per parameter, held
+            until ``step()``, within the host's available memory; a layer without room is not speculated on), so a
+            skipped step leaves every layer untouched and a clipped redo equals a step that never speculated, bit for
+            bit. Off (the default), a take-back is the arithmetic inverse: within an ulp of the untouched state on
+            the speculated layers. The copies double the host AdamW's memory traffic for those layers (measured
+            0.43x tokens/s at 8k tokens/step streamed, where the host update bounds the step), and take-backs are
+            rare: a step that clips after one that did not (the next ones take their norm first), or one whose
+            non-finite gradient lands after others were updated (a non-finite gradient stops further updates, so
+            the usual overflow, a non-finite loss, updates nothing and is skipped exactly either way).
         host_kernel: how the CPU runs AdamW over host units (core/kernels.py): "fused" (torch's fused AdamW kernel,
             then the compute copy as a second pass), "compiled" (one inductor-generated pass that also writes the
             compute copy: fewer bytes over host memory, which bounds this step; needs a C++ compiler, compiled once
@@ -215,6 +225,7 @@ class MegaTrainConfig:
     lean_compute_copy: bool = False
     torch_compile: bool = False
     speculative_step: bool = True
+    exact_take_back: bool = False
     host_kernel: str = "auto"
     seq_chunk_tokens: int = 0
     activation_offload: str = "auto"

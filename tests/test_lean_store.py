@@ -246,8 +246,8 @@ def test_nonfinite_loss_skips_bit_identical_without_rerun():
 
 def test_one_nonfinite_layer_gradient_undoes_the_others():
     """Layer 0's gradient (the last to arrive) is non-finite: layers 2 and 1 were already updated (speculate mode);
-    the step is skipped and their state is restored from the copies made before their updates (bit-exact, no
-    re-run), and the next steps match the reference that skipped that batch."""
+    the step is skipped, their masters are taken back and the re-run undoes their moments, and the next steps match
+    the reference that skipped that batch."""
     model = tiny("llama")
     ref, ours = copy.deepcopy(model), copy.deepcopy(model)
     engine = MegaTrainEngine(ours, lean(), device="cpu")
@@ -273,11 +273,12 @@ def test_one_nonfinite_layer_gradient_undoes_the_others():
         opt.step()
         opt.zero_grad()
         if poison:
-            assert opt.skipped_steps == 1 and opt.regenerated_steps == 1  # the first step's norm pass only
+            assert opt.skipped_steps == 1 and opt.regenerated_steps == 2  # the first step's norm pass + this
             after = layer_state(engine)
             assert torch.equal(opt.unit_steps, counts)
-            for a, b in zip(before, after):  # layer 0 never touched; layers 2, 1 updated as they landed, restored
-                assert torch.equal(a, b)
+            assert torch.equal(before[0], after[0])  # layer 0 (non-finite) was never touched
+            for a, b in zip(before, after):  # layers 2, 1: updated as they landed, taken back to rounding
+                assert rel(b, a) <= 1e-6
     opt.wait()
     for n, p in ref.named_parameters():
         assert rel(engine.store.master_tensor(n), p.detach()) <= 1e-5 or n.endswith("k_proj.bias"), n
@@ -286,8 +287,7 @@ def test_one_nonfinite_layer_gradient_undoes_the_others():
 @pytest.mark.parametrize("clip", [None, 1.0])
 def test_zero_grad_without_step_takes_back_the_speculation(clip):
     """Without clipping the first step speculates (layers updated as their gradients land): zero_grad() takes the
-    updates back bit-exactly, from the copies made before them (no re-run). With clipping on, the first step only
-    collects norms: nothing to take back."""
+    updates back through a re-run. With clipping on, the first step only collects norms: nothing to take back."""
     model = tiny("llama")
     engine = MegaTrainEngine(copy.deepcopy(model), lean(), device="cpu")
     opt = engine.create_optimizer(lr=1e-3, weight_decay=0.1, max_grad_norm=clip)
@@ -296,8 +296,8 @@ def test_zero_grad_without_step_takes_back_the_speculation(clip):
     engine(input_ids=ids, labels=lab).loss.backward()
     opt.zero_grad()
     after = layer_state(engine)
-    assert opt.regenerated_steps == 0 and opt.skipped_steps == 0
-    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    assert opt.regenerated_steps == (1 if clip is None else 0) and opt.skipped_steps == 0
+    assert all(rel(b, a) <= 1e-6 if a.norm() > 0 else b.abs().max() < 1e-12 for a, b in zip(before, after))
     assert int(opt.unit_steps.sum()) == 0
     engine(input_ids=ids, labels=lab).loss.backward()  # a new step may start
     opt.step()

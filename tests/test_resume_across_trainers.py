@@ -83,3 +83,19 @@ def test_megatrain_checkpoint_tells_plain_trainer_users_how_to_resume(tmp_path):
     assert "MegaTrainTrainer" in note and "restarts AdamW and the" in note
     import json
     assert RESUME_NOTE in json.loads((folder / "megatrain_manifest.json").read_text())["files"]
+
+
+def test_unverifiable_checkpoint_is_refused_unless_accepted_knowingly(tmp_path):
+    ours = MegaTrainTrainer(model=tiny("llama"), args=MegaTrainTrainingArguments(**_kw(tmp_path, max_steps=2)),
+                            train_dataset=_data())
+    ours.train()
+    folder = tmp_path / "checkpoint-2"
+    (folder / "megatrain_manifest.json").unlink()
+    again = MegaTrainTrainer(model=tiny("llama"), args=MegaTrainTrainingArguments(**_kw(tmp_path / "b", max_steps=3)),
+                             train_dataset=_data())
+    with pytest.raises(Exception, match="manifest"):
+        again.train(resume_from_checkpoint=str(folder))
+    knowingly = MegaTrainTrainer(model=tiny("llama"), train_dataset=_data(), args=MegaTrainTrainingArguments(
+        **_kw(tmp_path / "c", max_steps=3), megatrain_allow_unverified_checkpoint=True))
+    knowingly.train(resume_from_checkpoint=str(folder))
+    assert knowingly.state.global_step == 3

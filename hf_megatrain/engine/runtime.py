@@ -400,7 +400,7 @@ class MegaTrainEngine:
         self.optimizer = cls(self.store, self.state, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                              max_grad_norm=max_grad_norm, unit_order=order, skip_nonfinite=self.config.skip_nonfinite,
                              overlap=self.config.overlap_optimizer, grad_reach=self.executor.reach,
-                             host_kernel=host_kernel,
+                             host_kernel=host_kernel, exact_take_back=self.config.exact_take_back,
                              **({} if cls is LeanAdamW else {"speculate": self.config.speculative_step,
                                                              "dp": self.dp}))
         return self.optimizer

@@ -404,7 +404,9 @@ class MegaTrainTrainer(Trainer):
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         if not self._mt:
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        ckpt.verify_checkpoint(resume_from_checkpoint)  # everything checked before any state is touched
+        # everything checked before any state is touched
+        ckpt.verify_checkpoint(resume_from_checkpoint,
+                               allow_unverified=self.args.megatrain_allow_unverified_checkpoint)
         ckpt.check_training_state(self.engine, os.path.join(resume_from_checkpoint, ckpt.OPTIMIZER_TENSORS))
         self._mt_load_weights(resume_from_checkpoint)
 
@@ -430,7 +432,8 @@ class MegaTrainTrainer(Trainer):
             return super()._load_best_model()
         logger.info("Loading best model from %s (score: %s).", self.state.best_model_checkpoint,
                     self.state.best_metric)
-        ckpt.verify_checkpoint(self.state.best_model_checkpoint, training_state=False)
+        ckpt.verify_checkpoint(self.state.best_model_checkpoint, training_state=False,
+                               allow_unverified=self.args.megatrain_allow_unverified_checkpoint)
         self._mt_load_weights(self.state.best_model_checkpoint)
 
 

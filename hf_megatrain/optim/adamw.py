@@ -60,7 +60,8 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
                  eps: float = 1e-8, weight_decay: float = 0.0, max_grad_norm: float | None = None,
                  unit_order: list[int] | None = None, skip_nonfinite: bool = True, overlap: bool = False,
                  host_kernel: kernels.HostKernel = kernels.HostKernel.FUSED, speculate: bool = False,
-                 grad_reach: GradReach | None = None, dp: DataParallel | None = None) -> None:
+                 grad_reach: GradReach | None = None, dp: DataParallel | None = None,
+                 exact_take_back: bool = False) -> None:
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"invalid AdamW hyper-parameters lr={lr} betas={betas} eps={eps} "
                              f"weight_decay={weight_decay}")
@@ -130,7 +131,7 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
         self._workers: list[threading.Thread] = []
         state.add_joiner(self._join)
         self._dp_reached: dict[int, list[bool]] = {}  # data parallel: each unit's flags OR-ed over the ranks
-        self._init_speculation(speculate)  # (speculative_step.py)
+        self._init_speculation(speculate, exact_take_back)  # (speculative_step.py)
 
     # -- phases ------------------------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -117,6 +117,8 @@ class LeanAdamW(UnitAdamW):
         """Keep what a speculative update of unit ``i`` overwrites, so its take-back is a restore; without room for
         the copy the update still runs (its gradient is consumed now) and a take-back is arithmetic."""
         u = self.store.units[i]
+        if not self.exact_take_back:
+            return  # (the default: a take-back is the arithmetic inverse, within an ulp; no copy traffic)
         if self.take_back_copies.reserve(i, u.numel):
             self.take_back_copies.save(i, u.master, u.exp_avg, u.exp_avg_sq, 0, u.numel)
         elif not self._warned_inexact:
@@ -124,7 +126,7 @@ class LeanAdamW(UnitAdamW):
             logger.warning("hf_megatrain: lean_store: not enough free host memory to keep an exact copy of layer "
                            "unit %d's state during its speculative update (12 bytes per parameter); if this step "
                            "is skipped or clips, such layers are taken back within an ulp instead of bit-exactly. "
-                           "Free host memory, or set %s to the bytes to use", i, "HF_MEGATRAIN_TAKE_BACK_BYTES")
+                           "Free host memory for exact_take_back=True", i)
 
     def _undo_master(self, i: int, key: Key) -> None:
         u = self.store.units[i]

@@ -62,7 +62,7 @@ class LeanPolicy:
         if not math.isfinite(sq):  # the global norm is non-finite too: the step is skipped, nothing to take back
             self.nonfinite.add(i)
             return Act.KEEP
-        if self.mode:
+        if self.mode or self.nonfinite:  # (a non-finite gradient landed: the step will be skipped, apply no more)
             return Act.KEEP
         self.applied[i] = key_now
         return Act.UPDATE
@@ -70,7 +70,7 @@ class LeanPolicy:
     def would_update(self, sq: float) -> bool:
         """Whether ``first_pass`` with squared norm ``sq`` would return UPDATE now (asked before it, so a unit that
         cannot get an exact take-back copy can be left to ``step()`` without entering the policy)."""
-        return math.isfinite(sq) and not (self.norm_first if self.mode is None else self.mode)
+        return math.isfinite(sq) and not self.nonfinite and not (self.norm_first if self.mode is None else self.mode)
 
     def decide(self, skip: bool, want: Key, skip_nonfinite: bool) -> StepDecision:
         """At ``step()``: which speculated updates are wrong and whether the step must re-run."""

@@ -12,8 +12,8 @@ copied back on take-back: bit-exact by construction.
 Cost: 12 host bytes per speculated parameter, held from the update until ``step()`` judges it. The buffers are kept
 and reused every step (no page faults per step), and their total is bounded by a budget: by default what the host
 has available when speculation first needs it (``MemAvailable``, less a reserve of 10 % of RAM and at least
-2 GiB, split over the data-parallel ranks on this host), or ``HF_MEGATRAIN_TAKE_BACK_BYTES`` (bytes; 0 turns the
-copies off). A unit that does not fit is handled by the caller: ``UnitAdamW`` does not speculate on it (it is
+2 GiB, split over the data-parallel ranks on this host), or the ``budget`` given (bytes; 0 turns the copies off: the
+optimizers pass 0 unless the config's ``exact_take_back`` is on). A unit that does not fit is handled by the caller: ``UnitAdamW`` does not speculate on it (it is
 stepped after the backward, exactly); the lean store, which has no gradient left for a later update, speculates
 and takes it back arithmetically (within an ulp), and says so once.
 """
@@ -28,7 +28,6 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-ENV_BUDGET = "HF_MEGATRAIN_TAKE_BACK_BYTES"
 _MIN_RESERVE = 2 << 30
 
 
@@ -53,13 +52,6 @@ class TakeBackCopies:
     ``forget`` once the update is judged right or restored."""
 
     def __init__(self, budget: int | None = None, ranks_on_host: int = 1) -> None:
-        env = os.environ.get(ENV_BUDGET)
-        if budget is None and env is not None:
-            try:
-                budget = int(env)
-            except ValueError:
-                raise ValueError(f"{ENV_BUDGET}={env!r}: give a number of bytes (0 turns exact take-back copies "
-                                 "off)") from None
         self.budget = budget  # None: fixed from the available host memory on first use
         self.ranks_on_host = max(ranks_on_host, 1)
         self.used = 0
@@ -81,7 +73,7 @@ class TakeBackCopies:
                 if i not in self.refused:
                     self.refused.add(i)
                     logger.info("hf_megatrain: exact take-back copies: unit %d (%d bytes) does not fit the "
-                                "budget (%d of %d bytes used; %s)", i, need, self.used, self.budget, ENV_BUDGET)
+                                "budget (%d of %d bytes used)", i, need, self.used, self.budget)
                 return False
             self._buffers[i] = torch.empty(3 * numel, dtype=torch.float32)
             self.used += need
@@ -96,6 +88,11 @@ class TakeBackCopies:
             buf[k * n:(k + 1) * n].copy_(src[lo:hi])
         with self._lock:
             self._saved[i] = (lo, hi)
+
+    def reserved(self, i: int) -> bool:
+        """Whether unit ``i`` has a copy buffer (``reserve`` succeeded for it)."""
+        with self._lock:
+            return i in self._buffers
 
     def has(self, i: int) -> bool:
         with self._lock:

@@ -12,7 +12,8 @@ when ``softcap`` is set.
 ``compiled``: the chunk's loss and logit gradient come from one ``torch.compile``d function (``_ce_chunk``) that
 reads the [chunk, vocab] logits once and writes their gradient once, instead of autograd's chain of fp32 copies,
 log-softmax, NLL and casts (~8x the memory traffic; ~100 ms per step at 32k tokens and a 152k vocabulary).
-Same math, fp32 throughout; eager mode keeps the autograd chain (bit-for-bit HF).
+Same math, fp32 throughout; eager mode keeps the autograd chain (bit-for-bit HF). The chunk's token count is a
+dynamic dimension (core/compiling.py): the last, shorter chunk of every batch length runs the same graph.
 
 ``stats``: a ``TokenStats`` to fill, per counted token, with what TRL's SFT trainer logs from its logits (entropy
 of the next-token distribution, whether the label is its first argmax): read off each chunk's logits while they
@@ -22,11 +23,15 @@ exist, so no second lm_head pass. ``token_stats`` is that pass on its own, for t
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 
+from ..core.compiling import CompiledCall, mark_token_dims
+
 IGNORE_INDEX = -100
+logger = logging.getLogger(__name__)
 
 
 class TokenStats:
@@ -86,7 +91,7 @@ def _ce_chunk(z: torch.Tensor, t: torch.Tensor, inv_norm: torch.Tensor,
     return loss, g.to(z.dtype)
 
 
-_ce_chunk_compiled = torch.compile(_ce_chunk, dynamic=False)
+_ce_chunk_compiled = CompiledCall(_ce_chunk, _ce_chunk, "the loss's compiled chunk", logger.warning)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -114,6 +119,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if compiled:
                 h = hidden[a:a + chunk]
                 z = _logits(h, weight, bias, None)
+                mark_token_dims(z.shape[0], z.shape[0], (z, t))  # (the vocab dim stays static)
                 part, gz = _ce_chunk_compiled(z, t, inv_norm, softcap)  # gz [n, V]
                 total += part
                 if stats is not None:

@@ -10,7 +10,9 @@ become leaves with ``.grad`` in the backward, frozen views stay plain tensors.
 ``compile``: run the call through ``torch.compile`` (inductor), which fuses the layer's elementwise work (RMSNorm
 in FP32, rotary embeddings, SiLU-gating, residual adds) into a few kernels; at 14B width and 32k tokens that work
 is ~20% of the GPU step in eager mode. The compiled graph takes the bound views as inputs, so one compilation
-serves every layer of a kind; a call dynamo cannot trace falls back to eager once, with a warning.
+serves every layer of a kind; a call dynamo cannot trace falls back to eager once, with a warning. The batch and
+token dimensions of the inputs are dynamic (core/compiling.py): one graph serves every sequence length, padded or
+packed, and a recompile limit is never hit in silence.
 
 ``seq_chunk_tokens`` > 0: the template's position-wise children (MLP, norms) run over sequence chunks of that many
 tokens, forward and backward (model/seq_tiling.py); ``tiling`` reports what was tiled and what was left whole.
@@ -29,7 +31,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from ..core.compiling import is_concurrent_trace
+from ..core.compiling import CompiledCall, is_concurrent_trace, mark_token_dims
 from ..core.store import ParamSlice
 from .seq_tiling import TilingReport, tile_positionwise
 
@@ -59,7 +61,8 @@ class LayerTemplate:
         self.stochastic = is_stochastic(self.module)
         self.tiling = (tile_positionwise(self.module, seq_chunk_tokens, is_stochastic) if seq_chunk_tokens > 0
                        else TilingReport())
-        self.compiled = torch.compile(self._functional, dynamic=False) if compile else None
+        self.compiled = (CompiledCall(self._functional, self._functional, f"torch.compile of {type(layer).__name__}",
+                                      logger.warning) if compile else None)
 
     def bind(self, flat: torch.Tensor, requires_grad: bool = False, frozen: bool = True) -> dict[str, torch.Tensor]:
         """Views into ``flat`` [>= numel (+ frozen_numel)] named like the layer's parameters: trainable ones (leaves
@@ -84,6 +87,9 @@ class LayerTemplate:
             # eager rerun starts from the same RNG state, as the backward's recompute will.
             rng = self._rng_state() if self.stochastic and training else None
             try:
+                h = args[0]  # the hidden state [batch, tokens, hidden]: its two leading sizes vary between calls
+                if isinstance(h, torch.Tensor) and h.dim() >= 2:
+                    mark_token_dims(h.shape[0], h.shape[1], (args, kwargs))
                 return self.compiled(tensors, args, kwargs)
             except Exception as e:  # noqa: BLE001 - any tracing/codegen failure: eager is always correct
                 if rng is not None:

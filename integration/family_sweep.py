@@ -77,6 +77,40 @@ TINY = {
 LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 N_LAYERS = 2
 
+# Hand-made tiny settings for the types the generic ones above do not build (issue 32): the fields each family's
+# config class requires to agree with each other (documented in its configuration_*.py), given to the config
+# class at construction and kept over the generic tiny values. Each entry says what the generic config got wrong.
+HAND: dict[str, dict] = {
+    # per-layer-type RoPE: the parameters keyed by the layer types the tiny stack has
+    "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_theta": 10000.0, "rope_type": "default"}}},
+    # DBRX keeps attention / FFN settings in sub-dicts; rope_theta belongs to its attention config
+    "dbrx": {"attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+             "ffn_config": {"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2}},
+    "deepseek_v2": {"num_experts_per_tok": 2},  # default None (every published config sets it)
+    "dots1": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1},  # defaults None
+    "ernie4_5_moe": {"moe_k": 2},  # top-k 6 of the tiny 4 experts
+    "kimi_linear": {"num_experts_per_token": 2},  # top-k 8 of the tiny 4 experts
+    "falcon_h1": {"mamba_d_ssm": 64, "mamba_chunk_size": 4},  # SSM width = mamba heads (4) x head dim (16)
+    "mamba2": {"num_heads": 8, "head_dim": 8, "chunk_size": 4},  # heads x head_dim = expand (2) x hidden (32)
+    "zamba2": {"n_mamba_heads": 4, "mamba_headdim": 16, "hybrid_layer_ids": [1], "chunk_size": 4,
+               "attention_head_dim": 16, "num_query_groups": 4},  # mamba heads x head dim = 2 x hidden
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},  # default None
+    "xlstm": {"embedding_dim": 32, "hidden_size": 32, "num_blocks": 2, "num_heads": 4, "chunk_size": 4},
+    "reformer": {"is_decoder": True, "axial_pos_embds": False, "attn_layers": ["local", "local"],
+                 "local_attn_chunk_length": 4},  # a causal LM only as a decoder; axial shapes fix the length
+    "xmod": {"default_language": "en_XX"},  # adapters are per language: one must be chosen
+    # the QSA indexer's sizes default to None (published configs set them): 4 query heads of 8 over one shared key head
+    "qwen4_exp_text": {"indexer_n_heads": 4, "indexer_kv_heads": 1, "indexer_head_dim": 8, "indexer_budget": 8,
+                       "indexer_compress_ratio": 2},
+    "flint": {"mlp_only_layers": [0]},  # the generic cut keeps [0, 1]: no MoE layer left, no router logits
+    "deepseek_v4": {"mlp_layer_types": ["hash_moe", "moe"]},  # both tiny layers hash-routed: no router logits
+    # KV sharing (the last num_kv_shared_layers layers read the K/V of earlier ones) needs layers of both kinds
+    # before the shared ones: 4 layers, the last 2 shared
+    "gemma3n_text": {"num_hidden_layers": 4, "num_kv_shared_layers": 2, "activation_sparsity_pattern": [0.0] * 4,
+                     "intermediate_size": [64] * 4,
+                     "layer_types": ["sliding_attention", "full_attention"] * 2},
+}
+
 
 def _tiny_overrides(d: dict) -> dict:
     """The tiny settings for one config's dict (``to_dict()``), nested sub-configs (``text_config``,
@@ -177,13 +211,33 @@ def _invalid(cfg) -> bool:
         return True
 
 
+def _config_class(model_type: str):
+    """The config class the type's causal-LM class takes: a composite (multimodal) type's ``...ForCausalLM`` is its
+    text model (qwen3_5, llama4, emu3 ...) and takes the text config, not the type's own composite one."""
+    import transformers
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    try:
+        own = type(AutoConfig.for_model(model_type))
+    except Exception:  # noqa: BLE001  # defaults its own validator rejects
+        own = type(AutoConfig.for_model(model_type, **HAND.get(model_type, {})))
+    wanted = getattr(getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type], None), "config_class", None)
+    return wanted if isinstance(wanted, type) and wanted is not own and getattr(wanted, "model_type", "") else own
+
+
 def tiny_config(model_type: str):
     import torch  # noqa: F401
-    from transformers import AutoConfig
 
-    base = AutoConfig.for_model(model_type)
+    hand = HAND.get(model_type, {})
+    cls = _config_class(model_type)
+    hand = hand or HAND.get(getattr(cls, "model_type", ""), {})  # a composite type's text model: the text type's
+    try:  # (the hand values alone can disagree with the full-size defaults; with the tiny ones they agree)
+        base = cls()
+    except Exception:  # noqa: BLE001  # a default its own validator rejects
+        base = cls(**hand)
     d = base.to_dict()
-    over = _tiny_overrides(d)
+    over = {**_tiny_overrides(d), **hand}
     cfg = _build_config(base, d, over)
     if _invalid(cfg):  # transformers' validators (run again by save_pretrained) reject a tiny value: put back the
         trials = [{kk: vv for kk, vv in over.items() if kk != k}  # default of the first one that fixes it

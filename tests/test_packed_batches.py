@@ -64,3 +64,29 @@ def test_packed_batch_respects_sequence_boundaries():
         one_by_one = sum(model(input_ids=s[None], labels=s[None], num_items_in_batch=torch.tensor(n_items)).loss
                          for s in seqs)
     assert rel(packed, one_by_one) <= 1e-5
+
+
+@pytest.mark.parametrize("opts", [{"padding_free": True, "max_length": None}, {"packing": True, "max_length": 24}],
+                         ids=["padding_free", "packing"])
+def test_trl_padding_free_and_packing_match_plain_sfttrainer(tmp_path, opts):
+    pytest.importorskip("trl")
+    from trl import SFTConfig, SFTTrainer
+
+    from hf_megatrain.hf.trl_support import MegaTrainSFTConfig, MegaTrainSFTTrainer
+
+    from .test_trl import logs, sft_dataset, sft_kwargs, tokenizer
+
+    model = tiny("llama")
+    ref = SFTTrainer(model=copy.deepcopy(model), args=SFTConfig(**sft_kwargs(tmp_path / "r", eval_strategy="no"),
+                                                                **opts),
+                     train_dataset=sft_dataset(), processing_class=tokenizer())
+    ref.train()
+    ours = MegaTrainSFTTrainer(model=copy.deepcopy(model), args=MegaTrainSFTConfig(
+        **sft_kwargs(tmp_path / "o", eval_strategy="no"), **opts, megatrain_config={"compute_dtype": "float32"}),
+        train_dataset=sft_dataset(), processing_class=tokenizer())
+    ours.train()
+    theirs, mine = logs(ref), logs(ours)
+    assert len(theirs) == len(mine) == 4
+    for a, b in zip(theirs, mine):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]), (a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * abs(a["grad_norm"]), (a, b)

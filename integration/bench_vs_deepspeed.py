@@ -80,10 +80,12 @@ def attempts(system: str, batch: int, a: argparse.Namespace, regime: str = "stre
         # torch_compile on by default for the real model (docs/configuration.md: ~17 % faster steps); the tiny CPU
         # smoke run skips it (compilation would dominate). The regime's overlay last (parse_args refuses a
         # --megatrain-config that contradicts it).
-        base = {"torch_compile": not a.tiny, **(json.loads(a.megatrain_config) if a.megatrain_config else {}),
-                **REGIMES[regime]}
+        # The fine-tune regime runs the config's defaults (issue 31: only the regime's placement forced).
+        default = {} if a.data == "finetune" else {"torch_compile": not a.tiny}
+        base = {**default, **(json.loads(a.megatrain_config) if a.megatrain_config else {}), **REGIMES[regime]}
         if regime == "auto":  # as a user who knows the batch: auto placement plans the GPU for this step's tokens
-            base.setdefault("placement_tokens", batch * (a.seq or (TINY_SEQ if a.tiny else FULL_SEQ)))
+            base.setdefault("placement_tokens", batch if a.data == "finetune" else
+                            batch * (a.seq or (TINY_SEQ if a.tiny else FULL_SEQ)))
         if a.megatrain_split == "auto":
             splits = [int(base.get("micro_batch_size", 0))] + ([4] if batch > 4 and not base.get(
                 "micro_batch_size") else [])
@@ -92,18 +94,24 @@ def attempts(system: str, batch: int, a: argparse.Namespace, regime: str = "stre
         return [{"mode": megatrain_mode(a.megatrain_mode), "regime": regime,
                  "megatrain_config": {**base, "micro_batch_size": s}} for s in splits]
     choice = {"deepspeed": a.ds_micro, "fsdp2": a.fsdp_micro, "plain": a.plain_micro}[system]
+    if a.data == "finetune":  # rows per step vary: the step in 1, 2, 4 micro-batches (gradient accumulation)
+        gas = [1, 2, 4] if choice == "auto" else [int(choice)]
+        return [{"micro_batch": None, "grad_accum": g, **peer_extra(system, a)} for g in gas]
     if choice == "auto":
         micros = [m for m in (batch, batch // 2, batch // 4) if m >= 1 and batch % m == 0]
         micros = list(dict.fromkeys(micros))
     else:
         micros = [int(choice)]
-    extra: dict[str, Any] = {}
+    return [{"micro_batch": m, "grad_accum": batch // m, **peer_extra(system, a)} for m in micros]
+
+
+def peer_extra(system: str, a: argparse.Namespace) -> dict[str, Any]:
     if system == "deepspeed":
-        extra = {"ds": ds_overrides(a), "ds_model_dtype": a.ds_model_dtype}
-    elif system == "fsdp2":
-        extra = {"fsdp": {"reshard_after_forward": a.fsdp_reshard_after_forward == "true",
-                          "optimizer": a.fsdp_optimizer, "no_sync_during_accumulation": not a.fsdp_sync_every_micro}}
-    return [{"micro_batch": m, "grad_accum": batch // m, **extra} for m in micros]
+        return {"ds": ds_overrides(a), "ds_model_dtype": a.ds_model_dtype}
+    if system == "fsdp2":
+        return {"fsdp": {"reshard_after_forward": a.fsdp_reshard_after_forward == "true",
+                         "optimizer": a.fsdp_optimizer, "no_sync_during_accumulation": not a.fsdp_sync_every_micro}}
+    return {}
 
 
 def ds_overrides(a: argparse.Namespace) -> dict[str, Any]:
@@ -281,6 +289,24 @@ def _versus(r: dict, rat: dict) -> str:
     return "—"
 
 
+def step_tokens(spec: dict, batch: int) -> int:
+    """Tokens per step of a record's ``batch``: sequences x seq, or (fine-tune) the real-token budget itself."""
+    return batch if spec.get("data") == "finetune" else batch * spec["seq"]
+
+
+def finetune_note(spec: dict) -> list[str]:
+    if spec.get("data") != "finetune":
+        return []
+    return [f"**Fine-tune regime** (`--data finetune --layout {spec['layout']}`): variable-length sequences from "
+            "integration/bench/sft_lengths.json (a SYNTHETIC log-normal fit, median 600 tokens, truncated at "
+            f"{spec['seq']:,}; see its provenance), each step exactly the stated REAL tokens; "
+            + ("padded to the step's longest (length-grouped like Trainer's group_by_length)"
+               if spec["layout"] == "padded" else "packed into rows of "
+               f"{spec['seq']:,} tokens, position_ids restarting per sequence, no attention mask")
+            + "; hf_megatrain with the config's defaults (only the regime's placement forced); tokens/s, TFLOP/s "
+            "and MFU count real tokens only (6·N·real tokens/s), totals over the timed steps.", ""]
+
+
 def markdown(doc: dict) -> str:
     recs, rat = doc["records"], doc["ratios"]
     n = next((r.get("n_params") for r in recs.values() if r.get("n_params")), None)
@@ -293,7 +319,8 @@ def markdown(doc: dict) -> str:
              f"model TFLOP/s = 6·N·tokens/s; MFU vs {spec['peak_tflops']:.0f} TFLOP/s. hf_megatrain regimes: "
              "**streamed** = every decoder layer streamed, no per-parameter state of a streamed layer on the GPU "
              "(`device_layers=0, device_step_layers=0`: a model many times the GPU's memory), compared with the "
-             "best offload peer; **auto** = the planner's placement (the model fits), compared with plain.", "",
+             "best offload peer; **auto** = the planner's placement (the model fits), compared with plain.", ""] + \
+        finetune_note(spec) + [
              "| tokens/step | system | micro x GA (split) | step s | tokens/s | TFLOP/s | MFU | GPU alloc / reserved "
              "GiB | host RSS GiB | hf_megatrain vs reference |",
              "|---:|---|---|---:|---:|---:|---:|---:|---:|---|"]
@@ -301,7 +328,7 @@ def markdown(doc: dict) -> str:
     for k in keys:
         r = recs[k]
         b = int(r["batch"])
-        tokens = b * spec["seq"]
+        tokens = step_tokens(spec, b)
         label = LABEL[r["system"]]
         if r["system"] == "megatrain":
             label += f" ({record_regime(r)})"
@@ -309,11 +336,12 @@ def markdown(doc: dict) -> str:
             why = (r.get("error") or r.get("status", "")).splitlines()[0][:90]
             lines.append(f"| {tokens:,} | {label} | — | — | **{r.get('status')}**: {why} | | | | | |")
             continue
-        shape = f"{r.get('micro_batch')} x {r.get('grad_accum')}"
+        shape = f"{r.get('micro_batch') or 'rows/GA'} x {r.get('grad_accum')}"
         if r["system"] == "megatrain":
             shape = f"{b} x 1 (split {r.get('in_layer_split') or 'none'}, {r.get('mode')})"
         lines.append(
-            f"| {tokens:,} | {label} | {shape} | {r['step_time_s']:.3f} | {r['tokens_per_s']:,.0f} | "
+            f"| {tokens:,} | {label} | {shape} | {r['step_time_s']:.3f} | {r['tokens_per_s']:,.0f}"
+            + (f" ({r['total_tokens_per_s']:,.0f} with padding)" if r.get("timed_padding_frac") else "") + " | "
             f"{r['model_tflops']:.1f} | {r['mfu']:.1%} | {_f(r.get('peak_gpu_alloc_gib'), '{:.1f}')} / "
             f"{_f(r.get('peak_gpu_reserved_gib'), '{:.1f}')} | {_f(r.get('peak_host_rss_gib'), '{:.1f}')} | "
             f"{_versus(r, rat)} |")
@@ -332,7 +360,7 @@ def markdown(doc: dict) -> str:
         for r in phase_rows:
             p, c, h = r.get("phases") or {}, r.get("cpu_optimizer") or {}, r.get("host_adamw") or {}
             idle = f"{p['gpu_idle_ms']:.0f} ({p['gpu_idle_frac']:.0%})" if "gpu_idle_ms" in p else "—"
-            lines.append(f"| {int(r['batch']) * spec['seq']:,} | {record_regime(r)} | "
+            lines.append(f"| {step_tokens(spec, int(r['batch'])):,} | {record_regime(r)} | "
                          f"{_f(p.get('window_ms'), '{:.0f}')} | "
                          f"{_f(p.get('compute_ms'), '{:.0f}')} ({_f(p.get('compute_busy_ms'), '{:.0f}')}) | "
                          f"{_f(p.get('h2d_ms'), '{:.0f}')} | {_f(p.get('d2h_ms'), '{:.0f}')} | {idle} | "
@@ -425,6 +453,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "the same with layer 0 stepped on the GPU, its state streamed each step; auto = the planner's "
                          "placement (the model fits; vs plain). The peers run once whatever the regime")
     ap.add_argument("--sizes", default="4,16", help="sequences per optimizer step (x seq tokens)")
+    ap.add_argument("--data", choices=("fixed", "finetune"), default="fixed",
+                    help="fixed: random tokens, --seq each (the headline); finetune: variable lengths from "
+                         "bench/sft_lengths.json, --tokens REAL tokens per step, hf_megatrain on the config's "
+                         "defaults (issue 31; bench/finetune_data.py)")
+    ap.add_argument("--layout", choices=("padded", "packed"), default="padded",
+                    help="finetune: pad each step's sequences to its longest, or pack them into rows of the "
+                         "longest length with position_ids restarting per sequence (DataCollatorWithFlattening)")
+    ap.add_argument("--tokens", default=None,
+                    help="finetune: real tokens per optimizer step, comma list (default 32768; 512 with --tiny); "
+                         "a multiple of the longest length (4096; 64 with --tiny) for --layout packed")
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default 8; 2 with --tiny)")
     ap.add_argument("--seq", type=int, default=None, help=f"default {FULL_SEQ} ({TINY_SEQ} with --tiny)")
     ap.add_argument("--steps", type=int, default=4, help="timed steps (median)")
@@ -505,15 +543,23 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"unknown systems {bad}; choose from {list(RUNNERS)}")
     sizes = [int(s) for s in a.sizes.split(",") if s.strip()]
     seq = a.seq or (TINY_SEQ if a.tiny else FULL_SEQ)
+    if a.data == "finetune":  # a record's "batch" is then its real-token budget; seq the longest sequence
+        from bench.finetune_data import FULL_MAX_LEN, TINY_MAX_LEN
+
+        sizes = [int(t) for t in (a.tokens or ("512" if a.tiny else "32768")).split(",") if t.strip()]
+        seq = a.seq or (TINY_MAX_LEN if a.tiny else FULL_MAX_LEN)
     a.layers = a.layers or (2 if a.tiny else 8)
     gpu_name, slug = gpu_slug(a.tiny)
     os.makedirs(os.path.join(a.out, "logs"), exist_ok=True)
-    path_json = os.path.join(a.out, f"bench_vs_deepspeed_{slug}.json")
+    kind = f"finetune_{a.layout}_" if a.data == "finetune" else ""
+    path_json = os.path.join(a.out, f"bench_vs_deepspeed_{kind}{slug}.json")
     base = {"tiny": a.tiny, "layers": a.layers, "seq": seq, "warmup": a.warmup, "steps": a.steps,
             "max_grad_norm": a.max_grad_norm,
             "profile": not a.no_profile, "profile_steps": a.profile_steps, "keep_trace": a.keep_trace,
             "peak_tflops": a.peak_tflops, "seed": 0, "timeline": a.timeline, "clock_sync": a.clock_sync,
             "trace_dir": os.path.abspath(a.out) if a.keep_trace else None}
+    if a.data == "finetune":
+        base.update(data="finetune", layout=a.layout, max_len=seq)
     command = "python " + shlex.join([os.path.relpath(os.path.abspath(sys.argv[0]), ROOT)] + sys.argv[1:]) \
         if argv is None else "bench_vs_deepspeed.main(" + shlex.join(argv) + ")"
     started = time.strftime("%Y-%m-%d %H:%M:%S")
@@ -522,7 +568,8 @@ def main(argv: list[str] | None = None) -> int:
             for r in (a.regimes if s == "megatrain" else [""]) for b in sizes]
     print(f"[bench] {gpu_name}: {len(plan)} runs -> {path_json}", flush=True)
     for s, r, b, tries in plan:
-        print(f"[bench]   {s}{' ' + r if r else ''} batch {b} ({b * seq:,} tokens/step): attempts {tries}",
+        print(f"[bench]   {s}{' ' + r if r else ''} batch {b} ({b if a.data == 'finetune' else b * seq:,} "
+              f"tokens/step): attempts {tries}",
               flush=True)
     if a.dry_run:
         return 0
@@ -543,6 +590,8 @@ def main(argv: list[str] | None = None) -> int:
                           "error": f"time budget (--budget {a.budget:.0f}s) used up before this run"}
                 break
             spec = {**base, **over, "system": system, "batch": batch}
+            if a.data == "finetune":
+                spec["tokens"] = batch
             log = os.path.join(a.out, "logs", f"{name}_b{batch}" + (f"_try{i + 1}" if i else "") + ".log")
             print(f"[bench] {name} batch {batch} attempt {i + 1}/{len(tries)} {over} (timeout "
                   f"{min(a.timeout, left - 20):.0f}s)", flush=True)
@@ -563,7 +612,8 @@ def main(argv: list[str] | None = None) -> int:
         record["env"] = env_note
         doc = merge_and_write(path_json, {
             "gpu": gpu_name, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "versions": versions(),
-            "spec": {k: base[k] for k in ("tiny", "layers", "seq", "peak_tflops", "max_grad_norm")},
+            "spec": {k: base[k] for k in ("tiny", "layers", "seq", "peak_tflops", "max_grad_norm", "data", "layout")
+                     if k in base},
             "run": {"command": command, "started": started, "systems": systems, "sizes": sizes},
             "records": {"new": record}}, fresh=a.fresh and not doc)
         if a.mirror:

@@ -242,3 +242,47 @@ def test_negative_clip_threshold_is_refused(capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(["--max-grad-norm", "-1"])
     assert "use 0 (no clipping) or a positive threshold" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # (~17 s each: two runner subprocesses)
+@pytest.mark.parametrize("layout,mode", [("padded", "engine"), ("packed", "trainer")])
+def test_tiny_finetune_regime_end_to_end(tmp_path, layout, mode):
+    """--data finetune (issue 31): variable-length steps of exactly --tokens real tokens, the same for every system;
+    hf_megatrain on the config's defaults (no torch_compile forced), clipping at Trainer's default 1.0; rates count
+    real tokens, padding reported beside them."""
+    assert bench.main(["--tiny", "--data", "finetune", "--layout", layout, "--systems", "megatrain,plain",
+                       "--megatrain-mode", mode, "--steps", "2", "--warmup", "1", "--no-profile",
+                       "--out", str(tmp_path), "--fresh"] + FAST) == 0
+    doc = json.load(open(tmp_path / f"bench_vs_deepspeed_finetune_{layout}_cpu_tiny.json"))
+    recs = doc["records"]
+    assert set(recs) == {"megatrain:streamed@512", "plain@512"}, recs
+    mt, plain = recs["megatrain:streamed@512"], recs["plain@512"]
+    assert mt["status"] == "ok" and plain["status"] == "ok", (mt.get("error"), plain.get("error"))
+    assert mt["spec"]["max_grad_norm"] == 1.0 and "torch_compile" not in mt["spec"]["megatrain_config"]
+    for r in (mt, plain):
+        assert r["tokens_per_step"] == 512 and r["real_tokens_per_s"] == r["tokens_per_s"] > 0
+        assert r["data"]["layout"] == layout and r["data"]["lengths"]["synthetic"]
+        assert len(set(r["data"]["total_tokens_per_step"])) > 1 or layout == "packed"
+    assert mt["data"]["total_tokens_per_step"] == plain["data"]["total_tokens_per_step"]  # the same batches
+    if layout == "padded":
+        assert mt["timed_padding_frac"] > 0 and mt["total_tokens_per_s"] > mt["tokens_per_s"]
+    else:
+        assert mt["timed_padding_frac"] == 0 and set(mt["data"]["rows_per_step"]) == {8}
+    assert "Fine-tune regime" in open(tmp_path / f"bench_vs_deepspeed_finetune_{layout}_cpu_tiny.md").read()
+
+
+def test_finetune_steps_hold_exact_real_tokens():
+    from bench.finetune_data import IGNORE, label_items, micro_batches, real_tokens, step_batches
+
+    for layout in ("padded", "packed"):
+        spec = {"tokens": 512, "tiny": True, "layout": layout, "vocab_size": 512, "seed": 0}
+        steps = step_batches(spec, 6)
+        assert all(real_tokens(b) == 512 for b in steps)
+        assert [b["input_ids"].shape for b in step_batches(spec, 6)] == [b["input_ids"].shape for b in steps]
+        for b in steps:
+            parts = micro_batches(b, 2)
+            assert sum(label_items(p) for p in parts) <= label_items(b) and sum(real_tokens(p) for p in parts) == 512
+        if layout == "packed":  # positions restart at each sequence; its first token predicts nothing
+            b = steps[0]
+            starts = (b["position_ids"] == 0)
+            assert (b["labels"][starts] == IGNORE).all() and "attention_mask" not in b

@@ -136,6 +136,31 @@ def token_rows(spec: dict, n_steps: int) -> torch.Tensor:
     return torch.randint(0, vocab, (n_steps * int(spec["batch"]), int(spec["seq"])), generator=gen)
 
 
+def is_finetune(spec: dict) -> bool:
+    """The fine-tune regime (``--data finetune``, bench/finetune_data.py): variable lengths, ``spec['tokens']`` real
+    tokens per step; ``spec['batch']`` then names that budget, not a sequence count."""
+    return spec.get("data") == "finetune"
+
+
+def finetune_steps(spec: dict, n_steps: int) -> list[dict[str, torch.Tensor]]:
+    from bench.finetune_data import step_batches
+
+    vocab = (TINY_WIDTH if spec.get("tiny") else FULL_WIDTH)["vocab_size"]
+    return step_batches({**spec, "vocab_size": vocab}, n_steps)
+
+
+def trainer_data(spec: dict, n_steps: int, micro: int, ga: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(Trainer kwargs, TrainingArguments kwargs) for ``n_steps`` steps of ``micro`` x ``ga``. Fine-tune: the step's
+    rows in ``ga`` pre-collated micro-batches, one Trainer item each, taken in order (a step's micro-batches
+    together, every system the same steps in the same order)."""
+    if not is_finetune(spec):
+        return {"train_dataset": TokenDataset(token_rows(spec, n_steps))}, {"per_device_train_batch_size": micro}
+    from bench.finetune_data import MicroBatchDataset, unwrap
+
+    return ({"train_dataset": MicroBatchDataset(finetune_steps(spec, n_steps), ga), "data_collator": unwrap},
+            {"per_device_train_batch_size": 1, "train_sampling_strategy": "sequential"})
+
+
 class TokenDataset(torch.utils.data.Dataset):
     """Rows of random tokens as Trainer examples (``input_ids`` and ``labels``; no attention mask)."""
 
@@ -202,15 +227,32 @@ def memory_stats() -> dict[str, Any]:
 
 
 def throughput(spec: dict, n_params: int, periods: list[float]) -> dict[str, Any]:
-    """Median step time and the derived rates over the timed steps (the ones after the warm-up)."""
+    """Median step time and the derived rates over the timed steps (the ones after the warm-up). Fine-tune: steps
+    differ, so the rates are totals over the timed steps (tokens / seconds), ``tokens_per_s`` counts REAL tokens
+    (padding excluded; also ``real_tokens_per_s``) and ``total_tokens_per_s`` what was computed, padding included."""
     warm, steps = int(spec["warmup"]), int(spec["steps"])
     timed = periods[warm:warm + steps]
     if not timed:
         raise RuntimeError(f"no timed steps: {len(periods)} step periods for warmup={warm} steps={steps}")
-    tokens = int(spec["batch"]) * int(spec["seq"])
-    med = statistics.median(timed)
-    tps = tokens / med
     peak = float(spec.get("peak_tflops", PEAK_TFLOPS))
+    med = statistics.median(timed)
+    if is_finetune(spec):
+        from bench.finetune_data import summary
+
+        batches = finetune_steps(spec, warm + steps)
+        data = summary(batches, spec)
+        tokens = int(spec["tokens"])
+        tps = tokens * len(timed) / sum(timed)
+        tflops = 6.0 * n_params * tps / 1e12
+        total = data["total_tokens_per_step"][warm:warm + steps]
+        return {"tokens_per_step": tokens, "step_time_s": sum(timed) / len(timed), "step_time_median_s": med,
+                "step_times_s": timed, "warmup_times_s": periods[:warm], "tokens_per_s": tps,
+                "real_tokens_per_s": tps, "total_tokens_per_s": sum(total) / sum(timed),
+                "timed_padding_frac": 1 - tokens * len(timed) / sum(total), "data": data,
+                "first_step_over_steady": periods[0] / med if periods else None,
+                "model_tflops": tflops, "mfu": tflops / peak, "peak_tflops": peak}
+    tokens = int(spec["batch"]) * int(spec["seq"])
+    tps = tokens / med
     tflops = 6.0 * n_params * tps / 1e12
     return {"tokens_per_step": tokens, "step_time_s": med, "step_times_s": timed, "warmup_times_s": periods[:warm],
             "tokens_per_s": tps, "model_tflops": tflops, "mfu": tflops / peak, "peak_tflops": peak,
@@ -425,8 +467,9 @@ def run_hf_trainer(model: torch.nn.Module, spec: dict, *, micro: int, ga: int, c
 
     warm, steps = int(spec["warmup"]), int(spec["steps"])
     cuda = torch.cuda.is_available()
+    data, data_args = trainer_data(spec, warm + steps, micro, ga)
     args = TrainingArguments(
-        output_dir=tempfile.mkdtemp(prefix=prefix), per_device_train_batch_size=micro,
+        output_dir=tempfile.mkdtemp(prefix=prefix), **data_args,
         gradient_accumulation_steps=ga, max_steps=warm + steps, bf16=True, use_cpu=not cuda,
         gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False}, learning_rate=lr,
         weight_decay=0.0, max_grad_norm=spec.get("max_grad_norm", max_grad_norm), lr_scheduler_type="constant",
@@ -434,7 +477,7 @@ def run_hf_trainer(model: torch.nn.Module, spec: dict, *, micro: int, ga: int, c
         remove_unused_columns=False, dataloader_num_workers=0, dataloader_pin_memory=cuda,
         seed=int(spec.get("seed", 0)), **extra)
     t = time.perf_counter()
-    trainer = Trainer(model=model, args=args, train_dataset=TokenDataset(token_rows(spec, warm + steps)),
+    trainer = Trainer(model=model, args=args, **data,
                       callbacks=[Timer()])
     init_s = time.perf_counter() - t
     t = time.perf_counter()

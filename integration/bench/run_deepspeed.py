@@ -83,7 +83,7 @@ def run(spec: dict) -> dict[str, Any]:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     batch = int(spec["batch"])
     micro, ga = int(spec.get("micro_batch") or batch), int(spec.get("grad_accum") or 1)
-    if micro * ga != batch:
+    if micro * ga != batch and spec.get("data") != "finetune":  # (fine-tune: batch = real tokens)
         raise ValueError(f"micro_batch {micro} x grad_accum {ga} != batch {batch}")
     dtype = torch.float32 if spec.get("ds_model_dtype") == "float32" else torch.bfloat16
 

@@ -24,8 +24,8 @@ sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 import torch  # noqa: E402
 
 from bench.timeline import HostTimeline  # noqa: E402
-from bench.common import (Profiled, StepClock, TokenDataset, build_model, count_params, runner_main,  # noqa: E402
-                          throughput, token_rows)
+from bench.common import (Profiled, StepClock, build_model, count_params, finetune_steps,  # noqa: E402
+                          is_finetune, runner_main, throughput, token_rows, trainer_data)
 
 LR, MAX_GRAD_NORM = 1e-5, 1.0
 
@@ -107,8 +107,17 @@ def run_engine(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str,
     warm, steps, batch = int(spec["warmup"]), int(spec["steps"]), int(spec["batch"])
     n_prof = _profile_steps(spec)
     total = warm + steps + n_prof
-    rows = token_rows(spec, total)
-    items = batch * (int(spec["seq"]) - 1)  # what Trainer passes: label tokens after the shift (no padding)
+    if is_finetune(spec):  # variable-length steps (bench/finetune_data.py), one collated batch each
+        from bench.finetune_data import label_items
+
+        batches = finetune_steps(spec, total)
+        items_of = [label_items(b) for b in batches]
+    else:
+        rows = token_rows(spec, total)
+        items = batch * (int(spec["seq"]) - 1)  # what Trainer passes: label tokens after the shift (no padding)
+        batches = [{"input_ids": rows[i * batch:(i + 1) * batch], "labels": rows[i * batch:(i + 1) * batch]}
+                   for i in range(total)]
+        items_of = [items] * total
     clock, losses, per_step, phases, prof = StepClock(spec.get("clock_sync") == "stream"), [], [], {}, None
     snaps: list[dict | None] = []
     clock.mark()
@@ -116,9 +125,8 @@ def run_engine(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str,
         if n_prof and i == warm + steps:
             prof = Profiled(_trace_path(spec), keep=bool(spec.get("keep_trace")), steps=n_prof)
             prof.start()
-        ids = rows[i * batch:(i + 1) * batch]
         w0 = getattr(ex, "wait_optimizer_s", None)
-        loss = engine(input_ids=ids, labels=ids, num_items_in_batch=items).loss
+        loss = engine(**batches[i], num_items_in_batch=items_of[i]).loss
         loss.backward()
         t0 = time.perf_counter()
         opt.step()
@@ -226,17 +234,17 @@ def run_trainer(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str
                              and state.get("w0") is not None else None})
 
     out_dir = tempfile.mkdtemp(prefix="bench_mt_")
+    data, data_args = trainer_data(spec, total, batch, 1)
     args = MegaTrainTrainingArguments(
-        output_dir=out_dir, megatrain=True, megatrain_config=mt_config, per_device_train_batch_size=batch,
+        output_dir=out_dir, megatrain=True, megatrain_config=mt_config,
         # bf16=False: layers compute in megatrain_config's compute_dtype; Trainer's autocast would only wrap the
         # resident ops (embedding, loss head) and add casts.
         gradient_accumulation_steps=1, max_steps=total, bf16=False, use_cpu=not cuda, learning_rate=LR,
         weight_decay=0.0, max_grad_norm=spec.get("max_grad_norm", MAX_GRAD_NORM), lr_scheduler_type="constant", warmup_steps=0,
         logging_steps=10 ** 6, save_strategy="no", report_to=[], disable_tqdm=True, remove_unused_columns=False,
-        dataloader_num_workers=0, seed=int(spec.get("seed", 0)))
+        dataloader_num_workers=0, seed=int(spec.get("seed", 0)), **data_args)
     t = time.perf_counter()
-    trainer = MegaTrainTrainer(model=model, args=args, train_dataset=TokenDataset(token_rows(spec, total)),
-                               callbacks=[Timer()])
+    trainer = MegaTrainTrainer(model=model, args=args, **data, callbacks=[Timer()])
     setup_s = time.perf_counter() - t
     result = trainer.train()
     opt = state.get("opt")

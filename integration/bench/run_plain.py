@@ -29,7 +29,7 @@ LR, MAX_GRAD_NORM = 1e-5, 1.0
 def run(spec: dict) -> dict[str, Any]:
     batch = int(spec["batch"])
     micro, ga = int(spec.get("micro_batch") or batch), int(spec.get("grad_accum") or 1)
-    if micro * ga != batch:
+    if micro * ga != batch and spec.get("data") != "finetune":  # (fine-tune: batch = real tokens)
         raise ValueError(f"micro_batch {micro} x grad_accum {ga} != batch {batch}")
     cuda = torch.cuda.is_available()
 

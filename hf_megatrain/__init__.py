@@ -11,7 +11,6 @@ from .core.store import UnitStore
 from .engine import MegaTrainEngine, MegaTrainOutput
 from .model.loss import linear_cross_entropy
 from .optim.adamw import CPUAdamW, UnitAdamW
-from .hf.plugin import MegaTrainPlugin
 
 __version__ = "0.1.0"
 
@@ -23,9 +22,11 @@ _LAZY_MODULES = ("trainer", "default_job", "peft_support", "training_args", "plu
 __all__ += list(_LAZY_TRAINER)
 
 
-def __getattr__(name: str):  # the Trainer integration imports transformers.Trainer: load it on first use only
+def __getattr__(name: str):  # the Trainer integration imports transformers.Trainer and accelerate: on first use only
     import importlib
 
+    if name == "MegaTrainPlugin":  # (accelerate: imported on first use, like the Trainer integration)
+        return importlib.import_module(".hf.plugin", __name__).MegaTrainPlugin
     if name in _LAZY_TRAINER:
         return getattr(importlib.import_module(".hf.trainer", __name__), name)
     if name in _LAZY_MODULES:

@@ -78,3 +78,13 @@ def test_trainer_files_and_logs_the_run_summary(tmp_path, caplog):
     assert "bf16 not set" in s["config_source"] and "megatrain_config (a dict)" in s["config_source"]
     assert s["micro_batch_size"] == 2 and s["versions"]["transformers"]
     assert any("compute float32" in r.getMessage() for r in caplog.records)
+
+
+def test_import_does_not_pull_in_accelerate_or_the_trainer():
+    import subprocess
+    import sys
+
+    code = ("import sys, hf_megatrain; print('accelerate' in sys.modules, 'transformers.trainer' in sys.modules); "
+            "hf_megatrain.MegaTrainPlugin; print('accelerate' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "False", "True"]

@@ -37,11 +37,16 @@ class SavedInput:
 
     def __init__(self, store: ActivationStore, index: int, prev: SavedInput | None, offloaded: bool) -> None:
         self.store, self.index, self.prev, self.offloaded = store, index, prev, offloaded
-        self.host: torch.Tensor | None = None  # flat pinned buffer (kept flat: it owns the page-locking)
+        self.host: torch.Tensor | None = None  # flat pinned buffer, maybe larger (pooled): its first numel(shape)
         self.shape: torch.Size | None = None
         self.d2h_done: Any = None  # event: the host copy is complete
         self.device: torch.Tensor | None = None  # prefetched copy, handed to the backward once
         self.h2d_done: Any = None
+
+    def view(self) -> torch.Tensor:
+        """The host copy as the saved input's shape (the front of a pooled buffer that may be larger)."""
+        assert self.host is not None and self.shape is not None
+        return self.host[:self.shape.numel()].view(self.shape)
 
     def __del__(self) -> None:
         if self.host is not None:
@@ -53,7 +58,9 @@ class ActivationStore:
         self.device, self.prefetch, self.pin = device, prefetch, pin
         self.streams = StreamSet(device)
         self.offload: frozenset[int] = frozenset()  # layer indices whose input goes to host (set per step shape)
-        self._pool: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}  # free flat buffers by (numel, dtype)
+        # Free flat pinned buffers by dtype, reused for any input that fits: with variable-length data every step
+        # has another (batch, seq) shape, and pinning fresh host memory per shape costs seconds per step.
+        self._pool: dict[torch.dtype, list[torch.Tensor]] = {}
         self._last: weakref.ref[SavedInput] | None = None  # the latest save (chains a forward's layers)
         self.d2h_bytes = self.h2d_bytes = 0
         self.host_bytes = 0  # pinned host bytes this store holds (in use + pooled)
@@ -78,7 +85,7 @@ class ActivationStore:
             s = self.streams
             s.wait(s.d2h, s.record(s.compute))  # the input is complete on the compute stream
             with s.on(s.d2h):
-                h.host.view(h.shape).copy_(hidden, non_blocking=s.is_cuda)
+                h.view().copy_(hidden, non_blocking=s.is_cuda)
                 h.d2h_done = s.record(s.d2h)
             if s.is_cuda:
                 hidden.record_stream(s.d2h)  # its memory is reused only after the copy has read it
@@ -112,7 +119,7 @@ class ActivationStore:
         s.wait(s.h2d, s.record(s.compute))  # ... and free there: the copy starts after its previous use
         s.wait(s.h2d, h.d2h_done)
         with s.on(s.h2d):
-            dev.copy_(h.host.view(h.shape), non_blocking=s.is_cuda)
+            dev.copy_(h.view(), non_blocking=s.is_cuda)
             h.h2d_done = s.record(s.h2d)
         if s.is_cuda:
             dev.record_stream(s.h2d)  # freed unused (graph dropped before its backward): reused after the copy
@@ -121,14 +128,24 @@ class ActivationStore:
 
     # -- host buffers ------------------------------------------------------------------------------------------------
     def _take(self, like: torch.Tensor) -> torch.Tensor:
-        free = self._pool.get((like.numel(), like.dtype))
+        """The smallest free buffer that holds ``like``; else a new one, replacing the largest free buffer too small
+        for it (so the pool never holds more buffers than a forward used at once)."""
+        free = self._pool.setdefault(like.dtype, [])
+        n = like.numel()
+        fits = [b for b in free if b.numel() >= n]
+        if fits:
+            buf = min(fits, key=lambda b: b.numel())
+            free.remove(buf)
+            return buf
         if free:
-            return free.pop()
-        self.host_bytes += like.numel() * like.element_size()
-        return alloc_host(like.numel(), like.dtype, self.pin)
+            small = max(free, key=lambda b: b.numel())
+            free.remove(small)
+            self.host_bytes -= small.numel() * small.element_size()
+        self.host_bytes += n * like.element_size()
+        return alloc_host(n, like.dtype, self.pin)
 
     def _release(self, host: torch.Tensor) -> None:
-        self._pool.setdefault((host.numel(), host.dtype), []).append(host)
+        self._pool.setdefault(host.dtype, []).append(host)
 
     def clear_pool(self) -> None:
         """Free the pooled (unused) host buffers, e.g. after the sequence length changed."""

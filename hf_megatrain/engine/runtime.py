@@ -327,8 +327,7 @@ class MegaTrainEngine:
         key = (int(ref.shape[0]), int(ref.shape[1]))
         if key == self._activation_shape:
             return
-        acts = self.executor.activations
-        acts.clear_pool()  # buffers of another shape are not reused
+        acts = self.executor.activations  # (its pooled host buffers serve any shape that fits them)
         n = planner.offloaded_layers_for(self, seq_len=key[1], batch_size=key[0])
         acts.offload = frozenset(range(n))
         self._activation_shape = key

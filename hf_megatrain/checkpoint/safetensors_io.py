@@ -21,7 +21,7 @@ from typing import Any, Iterator
 import torch
 from safetensors import safe_open
 
-from .staged import check_free_space, disk_full, staged_export
+from .staged import check_free_space, disk_full, staged_export, write_json
 
 WEIGHTS_PREFIX = "model"  # HF: model.safetensors / model-0000x-of-0000y.safetensors
 DEFAULT_MAX_SHARD_SIZE = "50GB"  # transformers 5 save_pretrained default
@@ -137,14 +137,6 @@ def save_weights(save_dir: str, items: list[tuple[str, torch.Tensor]], *, dtype:
     os.makedirs(save_dir, exist_ok=True)
     with staged_export(save_dir) as stage:
         return write_weights(stage, items, dtype=dtype, max_shard_size=max_shard_size, prefix=prefix)
-
-
-def write_json(path: str, obj: Any) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
 
 
 # -- reading ---------------------------------------------------------------------------------------------------------

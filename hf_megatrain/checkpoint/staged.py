@@ -140,9 +140,10 @@ def commit_staged(stage: str, save_dir: str) -> None:
     fsync_dir(save_dir)
 
 
-def _write_index(path: str, index: dict) -> None:
+def write_json(path: str, obj: object) -> None:
+    """``obj`` as JSON at ``path``, fsynced (its rename or its folder's commit follows)."""
     with open(path, "w") as f:
-        json.dump(index, f, indent=2, sort_keys=True)
+        json.dump(obj, f, indent=2, sort_keys=True)
         f.write("\n")
         f.flush()
         os.fsync(f.fileno())
@@ -176,7 +177,7 @@ def _commit_weights(stage: str, save_dir: str, prefix: str) -> None:
         staged_name = os.path.basename(stage)
         first = dict(index, weight_map={k: f"{staged_name}/{v}" if v in clash else v
                                         for k, v in index["weight_map"].items()})
-        _write_index(os.path.join(stage, index_name + ".first"), first)
+        write_json(os.path.join(stage, index_name + ".first"), first)
         os.replace(os.path.join(stage, index_name + ".first"), os.path.join(save_dir, index_name))  # the switch
         fsync_dir(save_dir)
         if single in live:

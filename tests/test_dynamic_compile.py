@@ -13,7 +13,8 @@ from torch._dynamo.utils import counters
 from transformers import DataCollatorWithFlattening
 
 from hf_megatrain import MegaTrainConfig, MegaTrainEngine
-from hf_megatrain.core.compiling import SHAPES_ENV, CompiledCall
+from hf_megatrain.core import compiling
+from hf_megatrain.core.compiling import CompiledCall
 
 from .models import tiny
 from .parity import rel, run_parity
@@ -81,11 +82,11 @@ def test_compiled_packed_rows_of_varying_total_reuse_one_graph():
 
 
 def test_recompile_limit_is_never_a_silent_fall_back(monkeypatch):
-    """One graph per shape (HF_MEGATRAIN_COMPILE_SHAPES=static) and recompile_limit=1: the second shape would be
+    """One graph per shape (compiling.DYNAMIC_SHAPES = False) and recompile_limit=1: the second shape would be
     run eagerly by dynamo in silence; here it runs eagerly with one warning naming the limit, the results are the
     function's, and the first shape still runs its graph."""
     _fresh_dynamo()
-    monkeypatch.setenv(SHAPES_ENV, "static")
+    monkeypatch.setattr(compiling, "DYNAMIC_SHAPES", False)
     warned: list[str] = []
 
     def f(x: torch.Tensor) -> torch.Tensor:

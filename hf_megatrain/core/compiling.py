@@ -15,8 +15,8 @@ kernels over the hidden dimension are the same as a static compile's: only the t
 automatic dynamic shapes as the backstop: an input dim this marking misses becomes dynamic on its second value,
 one extra graph, never one per length.
 
-``HF_MEGATRAIN_COMPILE_SHAPES=static`` restores the old one-graph-per-shape compile (``dynamic=False``, nothing
-marked), for A/B timing of the fixed-length benchmark only.
+``DYNAMIC_SHAPES = False`` (a module constant, not a user setting: mechanism code reads no environment) restores the
+old one-graph-per-shape compile (``dynamic=False``, nothing marked), for tests and A/B timing only.
 
 **Recompile limits.** ``call_compiled`` runs a compiled call with ``fail_on_recompile_limit_hit``: when dynamo would
 give up on a function (more than ``torch._dynamo.config.recompile_limit`` graphs), the call raises before running
@@ -34,22 +34,17 @@ for the next.
 from __future__ import annotations
 
 import inspect
-import os
 from typing import Any, Callable
 
 import torch
 from torch.utils import _pytree as pytree
 
 NESTED_FX = "FX to symbolically trace a dynamo-optimized function"
-SHAPES_ENV = "HF_MEGATRAIN_COMPILE_SHAPES"
+DYNAMIC_SHAPES = True  # token dims compiled symbolically; False: one graph per shape (tests, A/B timing)
 
 
 def dynamic_shapes() -> bool:
-    """Token dims compiled symbolically (default), or one graph per shape (``HF_MEGATRAIN_COMPILE_SHAPES=static``)."""
-    value = os.environ.get(SHAPES_ENV, "dynamic").strip().lower()
-    if value not in ("dynamic", "static"):
-        raise ValueError(f"{SHAPES_ENV}={value!r}: use 'dynamic' (default) or 'static'")
-    return value == "dynamic"
+    return DYNAMIC_SHAPES
 
 
 def compile_fn(fn: Callable) -> Callable:

@@ -31,21 +31,28 @@ def test_mixed_class_stack_is_found_and_trains_with_parity():
     model = tiny("jamba")
     assert len({type(m).__name__ for m in model.model.layers}) == 2
     assert find_layer_stack(model).path == "model.layers"
-    # (transformers 5.24 reorders jetmoe's fp32 sums: the embedding rows of rare tokens, Adam-normalised noise, are
-    # 2e-5 from the fp32 reference and as far from a float64 run as the fp32 reference itself is: the referee.)
-    run_parity(model, steps=2, referee64=True)
+    run_parity(model, steps=2)
 
 
 def test_stack_with_shared_block_is_refused_clearly():
-    cfg = transformers.Zamba2Config(**{**COMMON, "num_hidden_layers": 4, "mamba_d_state": 4, "mamba_headdim": 8,
-                                       "n_mamba_heads": 8, "mamba_ngroups": 1,
-                                       "layer_types": ["mamba", "hybrid", "mamba", "hybrid"]})
+    cfg = _zamba2_config()
     with torch.device("meta"):
         model = transformers.Zamba2ForCausalLM(cfg)
     with pytest.raises(ValueError, match=r"layers 1 and 3 of its decoder stack \(model.layers\) share the parameter"):
         find_layer_stack(model)
     with pytest.raises(ValueError, match="share the parameter"):
         find_layer_stack(model, "model.layers")
+
+
+def _zamba2_config() -> transformers.Zamba2Config:
+    """Two mamba and two hybrid layers (the hybrid ones share one transformer block). The mamba layers' type name
+    differs across transformers releases ("mamba" from 5.24, "conv" before): whichever this one takes."""
+    kw = {**COMMON, "num_hidden_layers": 4, "mamba_d_state": 4, "mamba_headdim": 8, "n_mamba_heads": 8,
+          "mamba_ngroups": 1}
+    try:
+        return transformers.Zamba2Config(**kw, layer_types=["mamba", "hybrid", "mamba", "hybrid"])
+    except Exception:  # (a ValueError, wrapped by huggingface_hub's strict dataclass validation in some releases)
+        return transformers.Zamba2Config(**kw, layer_types=["conv", "hybrid", "conv", "hybrid"])
 
 
 def test_helper_list_of_mixed_classes_is_not_the_stack():

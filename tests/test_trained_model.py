@@ -170,7 +170,13 @@ def test_generate_matches_across_families(tmp_path, family):
     model.eval()
     prompts = torch.tensor([[5, 17, 33, 41, 9, 60, 2, 7], [70, 3, 88, 12, 25, 44, 1, 8]])
     kw = dict(attention_mask=torch.ones_like(prompts), max_new_tokens=8, do_sample=False, pad_token_id=0)
-    assert torch.equal(model.generate(prompts, **kw), plain.generate(prompts, **kw))
+    try:
+        want = plain.generate(prompts, **kw)
+    except RuntimeError as e:  # (some releases fail in plain transformers itself, e.g. 5.17's MoE aux loss)
+        with pytest.raises(type(e)):
+            model.generate(prompts, **kw)  # the same call fails the same way, not silently otherwise
+    else:
+        assert torch.equal(model.generate(prompts, **kw), want)
     with torch.no_grad():
         ours, theirs = model(prompts, labels=prompts), plain(prompts, labels=prompts)
     assert torch.allclose(ours.loss, theirs.loss, atol=1e-5)

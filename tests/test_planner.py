@@ -351,3 +351,23 @@ def test_engine_gpu_step_check_is_advisory(monkeypatch, caplog):
     with caplog.at_level("WARNING"):
         engine._check_step_fits(torch.zeros(2, 12, dtype=torch.long), {})
     assert "reduce micro_batch_size" in caplog.text
+
+
+def test_activation_estimate_is_per_token_not_per_row():
+    """Issue 31's padded batches (many short rows): the GPU peak and the activation-offload decision depend on the
+    step's tokens (rows x padded width), not on how they are split into rows -- there is no per-row or rows x
+    width^2 term to inflate many short rows (SDPA's mask is not counted at all: <= 0.3 GiB at 10 x 4067 bf16).
+    At 14B width (8 layers, streamed, resident state on the GPU) the benchmark's padded steps plan 55-61 GiB
+    against an H100's ~79 GiB: no layer offloads."""
+    cfg = transformers.Qwen2Config(vocab_size=152064, hidden_size=5120, intermediate_size=13824, num_hidden_layers=8,
+                                   num_attention_heads=40, num_key_value_heads=8, max_position_embeddings=32768)
+    with torch.device("meta"):
+        shape = planner.ModelShape.from_model(transformers.Qwen2ForCausalLM(cfg))
+    config = MegaTrainConfig(device_layers=0, device_step_layers=0)
+    gib, budget = 1024 ** 3, 79 * 1024 ** 3
+    plans = [planner.estimate(shape, config, t, b, device_type="cuda", gpu_free=budget)
+             for b, t in ((117, 486), (2, 28431), (1, 56862))]
+    assert plans[0].device_total == plans[1].device_total == plans[2].device_total
+    for b, t in ((117, 486), (56, 739), (16, 2524), (39, 1056), (10, 4067)):
+        plan = planner.estimate(shape, config, t, b, device_type="cuda", gpu_free=budget)
+        assert plan.offloaded_layers == 0 and 50 * gib < plan.device_total < 62 * gib, (b, t, plan.device_total / gib)

@@ -12,6 +12,7 @@ calibrated on CPU against the allocator; CUDA context sizes are named constants 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -30,6 +31,8 @@ from .long_context import (activation_bytes, attention_workspace_bytes, flops_pe
 __all__ = ["HOST_BASELINE_BYTES", "CUDA_CONTEXT_HOST_BYTES", "CUDA_CONTEXT_GPU_BYTES", "GiB", "ModelShape",
            "layer_recompute_bytes", "step_reserve_bytes", "placement_budget", "unit_plans", "MemoryPlan", "estimate",
            "check_fits", "sum_values", "offloaded_layers_for", "seq_chunk", "flops_per_token", "activation_bytes"]
+
+logger = logging.getLogger(__name__)
 
 GiB = 1024 ** 3
 # Host RSS of python + torch + transformers + hf_megatrain imported (394 MiB measured, torch 2.13 CPU build), plus
@@ -494,6 +497,13 @@ def offloaded_layers_for(engine: Any, seq_len: int, batch_size: int, gpu_availab
     plan = estimate(shape, config, seq_len, batch_size, device_type=dev.type, gpu_free=gpu_available,
                     plans=engine.plans)
     n = plan.offloaded_layers
+    if n and config.activation_offload == "auto":  # say why, with the numbers a measured peak can refute
+        kept = estimate(shape, config, seq_len, batch_size, device_type=dev.type, gpu_free=gpu_available,
+                        plans=engine.plans, offloaded_layers=0)
+        logger.info("hf_megatrain: batch %d x seq %d (%d tokens): planned GPU peak %s with every layer input kept "
+                    "(%s), budget %s: %d layers offload their input (planned peak %s)", batch_size, seq_len,
+                    batch_size * seq_len, format_bytes(kept.device_total), kept.peak_phase,
+                    format_bytes(gpu_available or 0), n, format_bytes(plan.device_total))
     if n:
         need = plan.host["offloaded activations (pinned, layer inputs)"]
         avail = available_host_bytes() + engine.executor.activations.host_bytes  # (its pool is reused)

@@ -21,14 +21,13 @@ import copy
 import json
 import logging
 import os
-import zlib
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
 from .atomic import (OutputDirBusy, atomic_directory, output_dir_lock, recover_interrupted_saves,
                      remove_stale_temp_dirs, rotate_checkpoints)
+from .fast_io import crc32_files, recorded_crc32
 from .safetensors_io import (DEFAULT_MAX_SHARD_SIZE, WEIGHTS_PREFIX, CheckpointError, LazyTensors, copy_tensor_into,
                              open_safetensors, parse_size, read_json_key, save_weights, weight_files, write_json,
                              write_safetensors, write_weights)
@@ -93,28 +92,27 @@ def save_training_state(engine: Any, save_dir: str, *, master: bool) -> list[str
 
 
 def file_crc32(path: str, chunk: int = 64 << 20) -> str:
-    """CRC-32 of a file's bytes, read in large chunks (zlib releases the GIL on them: files hash in parallel)."""
-    crc = 0
-    with open(path, "rb", buffering=0) as f:
-        buf = bytearray(max(1, min(chunk, os.fstat(f.fileno()).st_size)))  # (a small file: no 64 MiB to zero)
-        view = memoryview(buf)
-        while n := f.readinto(buf):
-            crc = zlib.crc32(view[:n], crc)
-    return f"{crc:08x}"
+    """CRC-32 of a file's bytes (8 hex digits), read once in large chunks, ranges of a large file in parallel."""
+    return crc32_files([path], chunk=chunk)[0]
 
 
 def _crc32_all(paths: list[str]) -> list[str]:
-    with ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1))) as pool:
-        return list(pool.map(file_crc32, paths))
+    """CRC-32 of each file: all files and ranges of large ones read in parallel, every byte once (``fast_io``)."""
+    return crc32_files(paths)
 
 
 def write_manifest(save_dir: str) -> None:
     """Record every file in ``save_dir`` with its size and CRC-32; ``verify_checkpoint`` checks against both, so
-    a truncated file and a same-size corrupt one are refused before anything is loaded."""
+    a truncated file and a same-size corrupt one are refused before anything is loaded.
+
+    The safetensors writers computed their files' CRC-32 over the bytes as they wrote them (``fast_io``): those
+    files are not read back. Only the others (JSON, torch files, a file changed since it was written) are read."""
     names = [f for f in sorted(os.listdir(save_dir)) if os.path.isfile(os.path.join(save_dir, f)) and f != MANIFEST]
-    sums = _crc32_all([os.path.join(save_dir, f) for f in names])
+    sums = {f: recorded_crc32(os.path.join(save_dir, f)) for f in names}
+    unknown = [f for f in names if sums[f] is None]
+    sums.update(zip(unknown, _crc32_all([os.path.join(save_dir, f) for f in unknown])))
     files = {f: os.path.getsize(os.path.join(save_dir, f)) for f in names}
-    write_json(os.path.join(save_dir, MANIFEST), {"format": 2, "files": files, "crc32": dict(zip(names, sums))})
+    write_json(os.path.join(save_dir, MANIFEST), {"format": 2, "files": files, "crc32": {f: sums[f] for f in names}})
 
 
 # -- verifying and loading -------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ so loading never holds more than one chunk beyond the destination.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import errno
 import json
@@ -15,17 +16,26 @@ import math
 import os
 import re
 import struct
+import threading
+import zlib
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
 import torch
 from safetensors import safe_open
+
+from .fast_io import DEFAULT_WORKERS, crc32_combine, record_crc32
 
 from .staged import check_free_space, disk_full, staged_export, write_json
 
 WEIGHTS_PREFIX = "model"  # HF: model.safetensors / model-0000x-of-0000y.safetensors
 DEFAULT_MAX_SHARD_SIZE = "50GB"  # transformers 5 save_pretrained default
 _CHUNK_BYTES = 64 << 20  # casts/copies happen in pieces of this size, never a whole large tensor at once
+# Each written chunk's pages are handed to writeback at once (POSIX_FADV_DONTNEED starts it without waiting), so
+# the disk streams during the save instead of idling until the dirty limit or the final fsync, and a checkpoint
+# larger than the free RAM does not push the model's pages out. Module constant for A/B measurements.
+_ADVISE = hasattr(os, "posix_fadvise")
 
 _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
               torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -58,10 +68,51 @@ def _nbytes(t: torch.Tensor, dtype: torch.dtype | None) -> int:
     return t.numel() * torch.empty((), dtype=_out_dtype(t, dtype)).element_size()
 
 
+def _pieces(items: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None,
+            start: int) -> list[tuple[int, torch.Tensor, int, int, torch.dtype]]:
+    """(file offset, flat tensor, first element, end element, output dtype) of every chunk of the data section."""
+    out = []
+    off = start
+    for _, t in items:
+        dt = _out_dtype(t, dtype)
+        flat = t.detach().reshape(-1)  # (a view of a contiguous tensor: no copy)
+        osz = torch.empty((), dtype=dt).element_size()
+        step = max(1, _CHUNK_BYTES // max(flat.element_size(), osz, 1))
+        for a in range(0, flat.numel(), step):
+            b = min(a + step, flat.numel())
+            out.append((off, flat, a, b, dt))
+            off += (b - a) * osz
+    return out
+
+
+def _write_pieces(fd: int, pieces: list, stop: threading.Event) -> tuple[int, int]:
+    """pwrite ``pieces`` (consecutive in the file) from the tensors' own memory (a cast or a device copy only
+    where needed, one chunk at a time); returns the CRC-32 and byte count of the bytes written."""
+    crc, total = 0, 0
+    for off, flat, a, b, dt in pieces:
+        if stop.is_set():
+            break
+        piece = flat[a:b]
+        if piece.device.type != "cpu" or piece.dtype != dt:
+            piece = piece.to("cpu", dt)
+        view = memoryview(piece.contiguous().view(torch.uint8).numpy())
+        crc = zlib.crc32(view, crc)
+        done = 0
+        while done < len(view):
+            done += os.pwrite(fd, view[done:], off + done)
+        if _ADVISE:  # start the chunk's writeback now (the disk works while we copy the next), keep it uncached
+            os.posix_fadvise(fd, off, len(view), os.POSIX_FADV_DONTNEED)
+        total += len(view)
+    return crc, total
+
+
 def write_safetensors(path: str, items: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None,
-                      metadata: dict[str, str] | None = None) -> None:
-    """Write ``items`` as one safetensors file, casting floating tensors to ``dtype`` chunk by chunk; fsynced. A
-    full disk raises ENOSPC naming the folder and the bytes the file needs; the partial file is removed."""
+                      metadata: dict[str, str] | None = None, *, workers: int = DEFAULT_WORKERS) -> str:
+    """Write ``items`` as one safetensors file, casting floating tensors to ``dtype`` chunk by chunk; fsynced.
+    ``workers`` threads write consecutive ranges of the data section (``pwrite``), each computing the CRC-32 of
+    the bytes it writes; the file's CRC-32 (returned, 8 hex digits) is combined from theirs and recorded for
+    ``write_manifest`` (``fast_io``): the file is never read back. A full disk raises ENOSPC naming the folder and
+    the bytes the file needs; the partial file is removed."""
     header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
     off = 0
     for name, t in items:
@@ -71,24 +122,39 @@ def write_safetensors(path: str, items: list[tuple[str, torch.Tensor]], dtype: t
         off += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned
+    head = struct.pack("<Q", len(raw)) + raw
+    pieces = _pieces(items, dtype, len(head))
+    workers = max(1, min(workers, len(pieces)))
+    bounds = [round(i * off / workers) for i in range(workers + 1)]  # ~equal byte ranges, split at chunk starts
+    groups: list[list] = [[] for _ in range(workers)]
+    for p in pieces:
+        groups[min(workers - 1, bisect.bisect_right(bounds, p[0] - len(head)) - 1)].append(p)
+    groups = [g for g in groups if g]
     try:
         with open(path, "wb") as f:
-            f.write(struct.pack("<Q", len(raw)))
-            f.write(raw)
-            for _, t in items:
-                dt = _out_dtype(t, dtype)
-                flat = t.detach().reshape(-1)
-                step = max(1, _CHUNK_BYTES // max(flat.element_size(), 1))
-                for a in range(0, flat.numel(), step):
-                    piece = flat[a:a + step].to("cpu", dt).contiguous()
-                    f.write(memoryview(piece.view(torch.uint8).numpy()))
-            f.flush()
-            os.fsync(f.fileno())
+            fd = f.fileno()
+            os.pwrite(fd, head, 0)
+            crc = zlib.crc32(head)
+            stop = threading.Event()
+            if len(groups) <= 1:
+                parts = [_write_pieces(fd, g, stop) for g in groups]
+            else:
+                with ThreadPoolExecutor(len(groups)) as pool:
+                    futures = [pool.submit(_write_pieces, fd, g, stop) for g in groups]
+                    try:
+                        parts = [fut.result() for fut in futures]
+                    finally:
+                        stop.set()  # (an error: the other writers stop at their next chunk)
+            for c, n in parts:
+                crc = crc32_combine(crc, c, n)
+            os.fsync(fd)
+            record_crc32(fd, crc)
     except OSError as e:
         if e.errno == errno.ENOSPC:
             with contextlib.suppress(OSError):
                 os.remove(path)  # (a partial file would keep the disk full)
         raise disk_full(e, os.path.dirname(os.path.abspath(path)), 8 + len(raw) + off) from e
+    return f"{crc & 0xFFFFFFFF:08x}"
 
 
 def _shard_files(prefix: str, n: int) -> list[str]:
@@ -96,12 +162,14 @@ def _shard_files(prefix: str, n: int) -> list[str]:
 
 
 def write_weights(save_dir: str, items: list[tuple[str, torch.Tensor]], *, dtype: torch.dtype | None,
-                  max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, prefix: str = WEIGHTS_PREFIX) -> list[str]:
+                  max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, prefix: str = WEIGHTS_PREFIX,
+                  workers: int = DEFAULT_WORKERS) -> list[str]:
     """Write ``items`` in HF's sharded safetensors layout straight into ``save_dir`` (a new folder: a staging or a
     checkpoint's temp folder); returns the file names written, the index last.
 
     Shards are filled greedily in order (a tensor larger than the limit gets its own shard), like
-    ``huggingface_hub.split_torch_state_dict_into_shards``."""
+    ``huggingface_hub.split_torch_state_dict_into_shards``. Shards are written ``workers`` at a time (one file a
+    thread; with fewer shards than workers, each file's ranges in parallel: ``write_safetensors``)."""
     limit = parse_size(max_shard_size)
     shards: list[list[tuple[str, torch.Tensor]]] = [[]]
     size = 0
@@ -115,9 +183,15 @@ def write_weights(save_dir: str, items: list[tuple[str, torch.Tensor]], *, dtype
     total = sum(_nbytes(t, dtype) for _, t in items)
     check_free_space(save_dir, total)
     names = _shard_files(prefix, len(shards))
+    files = max(1, min(workers, len(shards)))  # one file a worker; a file's ranges share what is left
     try:
-        for fname, shard in zip(names, shards):
-            write_safetensors(os.path.join(save_dir, fname), shard, dtype)
+        if files == 1:
+            for fname, shard in zip(names, shards):
+                write_safetensors(os.path.join(save_dir, fname), shard, dtype, workers=workers)
+        else:
+            with ThreadPoolExecutor(files) as pool:
+                list(pool.map(lambda fs: write_safetensors(os.path.join(save_dir, fs[0]), fs[1], dtype,
+                                                           workers=max(1, workers // files)), zip(names, shards)))
     except OSError as e:  # (the caller removes the folder it gave: no partial file keeps the disk full)
         raise disk_full(e, save_dir, total) from e
     if len(shards) > 1:

@@ -18,7 +18,7 @@ from ..config import MegaTrainConfig, resolve_config
 from ..core.memory import available_host_bytes, format_bytes, gpu_budget
 from .predict import GiB, MemoryPlan, ModelShape, estimate, sum_values
 
-__all__ = ["load_shape", "main"]
+__all__ = ["checkpoint_sizes", "load_shape", "main"]
 
 
 # -- megatrain estimate ----------------------------------------------------------------------------------------------
@@ -62,6 +62,20 @@ def _report(plan: MemoryPlan, host_verdict: str, gpu_verdict: str) -> list[str]:
             + _rows(plan.disk) + [f"  {'total':<54} {format_bytes(sum_values(plan.disk)):>11}"])
 
 
+def checkpoint_sizes(plan: MemoryPlan, disk_gbps: float) -> dict[str, float]:
+    """Bytes of a Trainer checkpoint (the export at save_dtype + the training state: AdamW moments, and the FP32
+    master when the export is not FP32) and of a model export, with the seconds each takes at ``disk_gbps``."""
+    export = plan.disk.get("model export (save_dtype)", 0)
+    trainer = export + plan.disk.get("training state (AdamW m, v [+ fp32 master])", 0)
+    rate = disk_gbps * 1e9
+    return {"disk_gbps": disk_gbps, "trainer_bytes": trainer, "trainer_s": trainer / rate,
+            "export_bytes": export, "export_s": export / rate}
+
+
+def _duration(s: float) -> str:
+    return f"{s:.1f} s" if s < 120 else (f"{s / 60:.1f} min" if s < 7200 else f"{s / 3600:.1f} h")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="megatrain estimate", description="Host RAM, GPU memory and disk a "
                                 "hf_megatrain run needs, from the model config alone (nothing is allocated).")
@@ -89,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-memory", type=float, default=None,
                    help="GiB of the target GPU when planning for another machine (default: this GPU, else 80)")
     p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--disk-gbps", type=float, default=1.0,
+                   help="disk write/read rate in GB/s (1e9 B/s) for the checkpoint save/load times (default 1.0; "
+                        "measure yours with integration/bench_checkpoint_io.py or dd conv=fsync)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     a = p.parse_args(argv)
     try:
@@ -98,8 +115,8 @@ def main(argv: list[str] | None = None) -> int:
                                   ("lean_compute_copy", a.lean_compute_copy or None), ("seq_chunk_tokens", a.seq_chunk_tokens),
                                   ("activation_offload", a.activation_offload)) if v is not None}
         config = MegaTrainConfig.from_dict({**resolve_config(a.config).to_dict(), **over})
-        if a.seq_len <= 0 or a.batch_size <= 0 or a.gpus <= 0:
-            raise ValueError("--seq-len, --batch-size and --gpus must be positive")
+        if a.seq_len <= 0 or a.batch_size <= 0 or a.gpus <= 0 or not a.disk_gbps > 0:
+            raise ValueError("--seq-len, --batch-size, --gpus and --disk-gbps must be positive")
         shape = load_shape(a.model, config.layers_path, a.trust_remote_code)
     except (FileNotFoundError, ValueError) as e:
         print(f"megatrain estimate: error: {e}", file=sys.stderr)
@@ -124,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
                           "disk_total": sum(plan.disk.values()),
                           "host_available": host_avail, "gpu_available": gpu_target, "host_fits": host_ok,
                           "gpu_fits": gpu_ok, "notes": plan.notes, "offloaded_layers": plan.offloaded_layers,
-                          "seq_chunk_tokens": plan.seq_chunk_tokens, "flops_per_token": plan.flops_per_token},
+                          "seq_chunk_tokens": plan.seq_chunk_tokens, "flops_per_token": plan.flops_per_token,
+                          "checkpoint": checkpoint_sizes(plan, a.disk_gbps)},
                          indent=1))
         return 0
     print(f"{a.model}: {shape.trainable / 1e9:.3f}B trainable parameters ({shape.num_layers} streamed layers, "
@@ -138,6 +156,12 @@ def main(argv: list[str] | None = None) -> int:
     gpu_v = "no GPU here" if gpu_ok is None else (("fits" if gpu_ok else "DOES NOT FIT") + (
         f" (a {format_bytes(gpu_target)} GPU, --gpu-memory)" if a.gpu_memory else f" ({format_bytes(gpu_target)} free)"))
     print("\n".join(_report(plan, host_v, gpu_v)))
+    ck = checkpoint_sizes(plan, a.disk_gbps)
+    print(f"Checkpoint time at {a.disk_gbps:g} GB/s (--disk-gbps; each save and each load streams these bytes)")
+    print(f"  {'Trainer checkpoint (export + FP32 master + AdamW m, v)':<54} {format_bytes(ck['trainer_bytes']):>11}"
+          f"   {_duration(ck['trainer_s'])}")
+    print(f"  {'model export (save_model, save_dtype)':<54} {format_bytes(ck['export_bytes']):>11}"
+          f"   {_duration(ck['export_s'])}")
     f = plan.flops_per_token
     print(f"FLOPs per token: {f['model']:.3g} = 6N {f['dense_6n']:.3g} (N active) + attention {f['attention']:.3g} "
           f"(12 x layers x heads*head_dim x seq_len: {f['attention_over_6n']:.1f}x 6N); executed with the layer "

@@ -1,0 +1,126 @@
+"""Checkpoint bytes at disk speed (issue 29): CRC-32 computed while writing (never a second pass), parallel writers
+giving the same files as one, reads in one parallel pass, and ``megatrain estimate``'s checkpoint size and time."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import zlib
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hf_megatrain import MegaTrainConfig, MegaTrainEngine, planner
+from hf_megatrain import checkpoint as ckpt
+from hf_megatrain.checkpoint import fast_io, folders, safetensors_io
+
+from .models import tiny
+from .test_planner import _config_dir
+
+
+def _items(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    big = torch.randn(3, 1000, generator=g)
+    return [("a", torch.randn(37, 11, generator=g)), ("b", big[:, 100:400]),  # (a non-contiguous view)
+            ("c", torch.arange(5, dtype=torch.int64)), ("d", torch.randn(4097, generator=g)),
+            ("e", torch.tensor(1.5)), ("f", torch.zeros(0, 3))]
+
+
+def _crc(path) -> str:
+    with open(path, "rb") as f:
+        return f"{zlib.crc32(f.read()):08x}"
+
+
+def test_crc32_combine_matches_zlib():
+    rng = random.Random(0)
+    for _ in range(30):
+        a, b = rng.randbytes(rng.randint(0, 5000)), rng.randbytes(rng.randint(0, 5000))
+        assert fast_io.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_crc_recorded_while_writing_equals_zlib_over_file(tmp_path, monkeypatch, dtype):
+    monkeypatch.setattr(safetensors_io, "_CHUNK_BYTES", 4096)  # many chunks, ranges split across workers
+    path = tmp_path / "x.safetensors"
+    got = ckpt.write_safetensors(str(path), _items(), dtype, workers=3)
+    assert got == _crc(path) == fast_io.recorded_crc32(str(path))
+    back = load_file(str(path))
+    for name, t in _items():
+        want = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+        assert torch.equal(back[name], want), name
+    os.rename(path, tmp_path / "y.safetensors")  # a rename keeps the inode: still recorded
+    assert fast_io.recorded_crc32(str(tmp_path / "y.safetensors")) == got
+    with open(tmp_path / "y.safetensors", "r+b") as f:  # changed after the write: not trusted any more
+        f.seek(100)
+        f.write(b"\x00\x01")
+    os.utime(tmp_path / "y.safetensors", ns=(1, 1))
+    assert fast_io.recorded_crc32(str(tmp_path / "y.safetensors")) is None
+
+
+def test_parallel_write_identical_to_serial(tmp_path, monkeypatch):
+    monkeypatch.setattr(safetensors_io, "_CHUNK_BYTES", 1000)
+    items = _items(1)
+    for w in (1, 2, 4, 7):
+        ckpt.write_safetensors(str(tmp_path / f"w{w}.safetensors"), items, torch.bfloat16, workers=w)
+        d = tmp_path / f"shards{w}"
+        d.mkdir()
+        ckpt.write_weights(str(d), items, dtype=None, max_shard_size=20000, workers=w)
+    ref = (tmp_path / "w1.safetensors").read_bytes()
+    ref_shards = {f.name: f.read_bytes() for f in (tmp_path / "shards1").iterdir()}
+    assert len(ref_shards) > 2
+    for w in (2, 4, 7):
+        assert (tmp_path / f"w{w}.safetensors").read_bytes() == ref
+        assert {f.name: f.read_bytes() for f in (tmp_path / f"shards{w}").iterdir()} == ref_shards
+
+
+def test_manifest_reads_back_only_unrecorded_files(tmp_path, monkeypatch):
+    engine = MegaTrainEngine(tiny("llama"), MegaTrainConfig(compute_dtype="float32"), device="cpu")
+    engine.create_optimizer(lr=1e-3)
+    out = tmp_path / "checkpoint-1"
+    with ckpt.atomic_directory(str(out)) as tmp:
+        ckpt.save_pretrained_streamed(engine, tmp, dtype=torch.bfloat16)  # (staged, then renamed into tmp)
+        ckpt.save_training_state(engine, tmp, master=True)
+        (tmp_path / "unused").write_text("x")
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            json.dump({"global_step": 1}, f)
+        read: list[str] = []
+        real = folders.crc32_files
+        monkeypatch.setattr(folders, "crc32_files", lambda paths: read.extend(paths) or real(paths))
+        ckpt.write_manifest(tmp)
+    assert not [p for p in read if p.endswith(".safetensors")], read  # their CRCs were recorded while writing
+    assert any(p.endswith("trainer_state.json") for p in read)
+    manifest = json.loads((out / folders.MANIFEST).read_text())
+    assert manifest["crc32"] == {f: _crc(out / f) for f in manifest["files"]}
+    ckpt.verify_checkpoint(str(out))
+    data = bytearray((out / folders.OPTIMIZER_TENSORS).read_bytes())  # same size, one byte changed: refused
+    data[-3] ^= 0xFF
+    (out / folders.OPTIMIZER_TENSORS).write_bytes(bytes(data))
+    with pytest.raises(ckpt.CheckpointError, match="CRC-32"):
+        ckpt.verify_checkpoint(str(out))
+
+
+def test_crc32_files_one_pass_in_ranges(tmp_path):
+    rng = random.Random(2)
+    paths = []
+    for i, n in enumerate((0, 1, 5000, 70001)):
+        p = tmp_path / f"f{i}"
+        p.write_bytes(rng.randbytes(n))
+        paths.append(str(p))
+    assert fast_io.crc32_files(paths, workers=3, chunk=4096) == [_crc(p) for p in paths]
+    assert folders.file_crc32(paths[-1], chunk=1000) == _crc(paths[-1])
+
+
+def test_estimate_prints_checkpoint_size_and_time(tmp_path, capsys):
+    d = _config_dir(tmp_path)
+    assert planner.main([d, "--seq-len", "128", "--disk-gbps", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "Checkpoint time at 0.5 GB/s" in out and "Trainer checkpoint" in out and "model export" in out
+    assert planner.main([d, "--seq-len", "128", "--disk-gbps", "2", "--json"]) == 0
+    ck = json.loads(capsys.readouterr().out)["checkpoint"]
+    n = sum(p.numel() for p in tiny("llama").parameters())
+    master = 0 if ck["export_bytes"] == 4 * n else 4 * n  # (an FP32 export is the master)
+    assert ck["trainer_bytes"] == ck["export_bytes"] + 8 * n + master  # + AdamW m, v
+    assert ck["trainer_s"] == pytest.approx(ck["trainer_bytes"] / 2e9)
+    assert planner.main([d, "--disk-gbps", "0"]) == 2

@@ -227,7 +227,8 @@ def test_streamed_load_peak_rss(tmp_path):
     assert res["numel"] > 200e6 and res["probe"] == probe
     print(f"peak RSS {res['peak'] / 2**30:.2f} GiB (imports {res['base'] / 2**30:.2f} GiB), "
           f"store {res['store'] / 2**30:.2f} GiB")
-    assert res["peak"] <= 1.15 * res["store"], res
+    # (what the load adds over the imports: a CUDA build of torch imports ~1 GiB more than the CPU one)
+    assert res["peak"] - res["base"] <= 1.15 * res["store"], res
 
 
 def test_push_to_hub_uploads_standard_checkpoint(tmp_path, monkeypatch):

@@ -29,6 +29,7 @@ def _assert_close(a: dict, b: dict, what: str, tol: float = 1e-5) -> None:
     assert worst[0] <= tol, f"{what}: {worst[1]} differs by {worst[0]:.2e} relative"
 
 
+@pytest.mark.slow  # (spawns processes)
 def test_two_processes_match_one_and_resume_across_counts(tmp_path):
     """fp32, 3 steps (2 micro-batches each), every step clipped, weight decay: 2 gloo processes end where one
     process on the same global batch ends (1e-5 relative per tensor); a checkpoint of 2 processes resumed in 1, and
@@ -78,6 +79,7 @@ def test_two_processes_match_one_and_resume_across_counts(tmp_path):
     assert not [d for d in os.listdir(tmp) if d.startswith("megatrain-")]  # (removed once mapped)
 
 
+@pytest.mark.slow  # (spawns processes)
 def test_shared_store_is_one_copy(tmp_path):
     _spawn(W.shared_store_worker, str(tmp_path))
 
@@ -148,6 +150,7 @@ def test_stale_run_dirs_removed(tmp_path):
     assert not dead.exists() and os.path.isdir(fresh) and stale_run_dirs(str(tmp_path)) == []
 
 
+@pytest.mark.slow  # (spawns processes)
 def test_trainer_two_processes_match_one_and_resume(tmp_path):
     """MegaTrainTrainer under 2 gloo processes (accelerate's multi-CPU state; the model is not DDP-wrapped):
     final weights equal one process on the same global batches, resume 1 -> 2 (the model from
@@ -184,6 +187,7 @@ def test_moved_model_refused_rather_than_trained_stale():
         engine(input_ids=ids, labels=labels)
 
 
+@pytest.mark.slow  # (spawns processes)
 def test_conversion_failing_on_one_rank_fails_on_all(tmp_path):
     tmp = str(tmp_path)
     _spawn(W.failing_conversion_worker, tmp)
@@ -279,6 +283,7 @@ def test_planner_counts_the_shared_store_once():
         planner.estimate(shape, MegaTrainConfig(lean_store=True), 64, 2, device_type="cuda", gpus=2)
 
 
+@pytest.mark.slow  # (spawns processes)
 def test_speculative_shard_updates_match_one_process(tmp_path):
     """Speculation across processes: each rank updates its shard as the reduce-scattered gradient lands, the global
     norm judges it at step(); updates that stand count for the other ranks' loads only once judged, a clipping step

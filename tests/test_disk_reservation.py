@@ -89,6 +89,7 @@ def test_shared_files_removed_when_conversion_fails(tmp_path):
     assert not os.path.exists(alloc.run_dir)
 
 
+@pytest.mark.slow  # (spawns processes)
 def test_shared_files_removed_on_sigterm(tmp_path):
     """torchrun ends every rank with SIGTERM when one fails: the run directory goes, and the process still ends by
     that signal."""

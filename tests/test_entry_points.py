@@ -80,6 +80,7 @@ def test_trainer_files_and_logs_the_run_summary(tmp_path, caplog):
     assert any("compute float32" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.slow  # (spawns processes)
 def test_import_does_not_pull_in_accelerate_or_the_trainer():
     import subprocess
     import sys

@@ -99,3 +99,19 @@ def test_unverifiable_checkpoint_is_refused_unless_accepted_knowingly(tmp_path):
         **_kw(tmp_path / "c", max_steps=3), megatrain_allow_unverified_checkpoint=True))
     knowingly.train(resume_from_checkpoint=str(folder))
     assert knowingly.state.global_step == 3
+
+
+def test_resumed_hyper_parameters_are_the_checkpoint_s_as_in_plain_trainer(tmp_path):
+    """Plain Trainer's resume takes each group's betas / eps / weight decay from optimizer.pt (torch's
+    load_state_dict), whatever the new arguments say; so does hf_megatrain's."""
+    model = tiny("llama")
+    plain = Trainer(model=copy.deepcopy(model), train_dataset=_data(),
+                    args=TrainingArguments(**_kw(tmp_path / "plain", adam_beta2=0.99, adam_epsilon=1e-6)))
+    plain.train()
+    reference = {n: p.detach().clone() for n, p in plain.model.named_parameters()}
+    ours = MegaTrainTrainer(model=copy.deepcopy(model), args=MegaTrainTrainingArguments(**_kw(tmp_path / "ours")),
+                            train_dataset=_data())
+    ours.train(resume_from_checkpoint=str(tmp_path / "plain" / "checkpoint-2"))
+    assert ours.optimizer.param_groups[0]["betas"] == (0.9, 0.99) and ours.optimizer.param_groups[0]["eps"] == 1e-6
+    worst = max(rel(ours.engine.store.master_tensor(n), reference[n]) for n in reference)
+    assert worst <= 1e-5, worst

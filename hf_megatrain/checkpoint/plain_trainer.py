@@ -105,8 +105,14 @@ def load_torch_adamw(engine: Any, path: str) -> None:
                                       "this optimizer.pt belongs to another model or parameter order")
         by_name[name] = s
     opt.load_state_tensors(_UnitState(engine, by_name))
-    lrs = {k: groups[0][k] for k in ("lr", "initial_lr") if k in groups[0]}
-    opt.load_hyper_state({"param_groups": [dict(lrs) for _ in opt.param_groups], "skipped_steps": 0})
+    # The hyper-parameters as plain Trainer's resume restores them (torch's load_state_dict takes each group's own:
+    # lr and the scheduler's initial_lr, betas, eps, weight_decay), group for group where the grouping is Trainer's.
+    keys = ("lr", "initial_lr", "betas", "eps", "weight_decay")
+    saved_groups = groups if len(groups) == len(opt.param_groups) else [groups[0]] * len(opt.param_groups)
+    hyper = [{k: g[k] for k in keys if k in g and k in ours} for g, ours in zip(saved_groups, opt.param_groups)]
+    if len(groups) != len(opt.param_groups):  # (an empty group dropped: only the learning rate is common to both)
+        hyper = [{k: v for k, v in h.items() if k in ("lr", "initial_lr")} for h in hyper]
+    opt.load_hyper_state({"param_groups": hyper, "skipped_steps": 0})
 
 
 class _UnitState(Mapping[str, torch.Tensor]):

@@ -2,8 +2,9 @@
 
 Sub-packages: ``core`` (placement plans, the unit store, the step state, AdamW kernels), ``model`` (finding and
 templating an HF model's layers, the loss), ``engine`` (conversion, the streaming executor, the runtime engine),
-``optim`` (the AdamW steppers), ``planner`` (memory prediction), ``checkpoint`` (standard HF checkpoints), ``hf``
-(Trainer, TrainingArguments, Accelerate plugin, PEFT: the only modules importing transformers' Trainer/accelerate).
+``optim`` (the AdamW steppers), ``planner`` (memory prediction), ``checkpoint`` (standard HF checkpoints), ``export``
+(full / adapter / merged model exports), ``hf`` (Trainer, TrainingArguments, Accelerate plugin: the only modules
+importing transformers' Trainer/accelerate).
 """
 
 from .config import MegaTrainConfig
@@ -30,5 +31,5 @@ def __getattr__(name: str):  # the Trainer integration imports transformers.Trai
     if name in _LAZY_TRAINER:
         return getattr(importlib.import_module(".hf.trainer", __name__), name)
     if name in _LAZY_MODULES:
-        return importlib.import_module(f".hf.{name}", __name__)
+        return importlib.import_module(f".{'export' if name == 'peft_support' else 'hf'}.{name}", __name__)
     raise AttributeError(f"module 'hf_megatrain' has no attribute {name!r}")

@@ -237,7 +237,7 @@ def trainer_worker(rank: int, world: int, tmp: str, port: int) -> None:
 
 def failing_conversion_worker(rank: int, world: int, tmp: str) -> None:
     """A conversion that fails on rank 1 only: both ranks raise (none waits forever), rank 0 naming rank 1."""
-    import hf_megatrain.parallel.setup as setup
+    import hf_megatrain.engine.shared_convert as setup
 
     with ranks(rank, world, tmp) as dp:
         if rank == 1:

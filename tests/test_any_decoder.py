@@ -19,7 +19,7 @@ from torch import nn
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from hf_megatrain import MegaTrainConfig, MegaTrainEngine
-from hf_megatrain.hf.export import export_model
+from hf_megatrain.export.weights import export_model
 from hf_megatrain.hf.pretrained import from_pretrained_streamed
 
 from .models import tiny

@@ -19,7 +19,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 
 from hf_megatrain import MegaTrainConfig, MegaTrainEngine, MegaTrainTrainer, MegaTrainTrainingArguments
 from hf_megatrain.engine import default_decay_names
-from hf_megatrain.hf.peft_support import save_adapter, save_merged
+from hf_megatrain.export.peft_support import save_adapter, save_merged
 
 from .models import tiny
 from .parity import random_batches, rel

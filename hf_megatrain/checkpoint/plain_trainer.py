@@ -5,7 +5,7 @@ A user who switches mid-run from plain Trainer to hf_megatrain resumes from a ``
 weights, ``scheduler.pt`` and ``optimizer.pt``: ``torch.optim.AdamW.state_dict()``, whose per-parameter state is
 keyed by position. Trainer builds its optimizer from two groups, in ``model.named_parameters()`` order: the
 trainable parameters that decay, then those that do not (``Trainer.get_decay_parameter_names``). The converted
-model presents the original ``named_parameters`` order (``hf/model_view.py``) and the store knows each parameter's
+model presents the original ``named_parameters`` order (``engine/model_view.py``) and the store knows each parameter's
 decay flag, so the positions map to names; every count, shape and group is checked before anything is written, and a
 mismatch (another optimizer, a grouping of the user's own) is refused with a message rather than loaded into the wrong
 parameters. ``torch.load(weights_only=True)``: tensors and plain containers only, no code runs.

@@ -97,7 +97,7 @@ class Converted:
 def convert(model: nn.Module, config: MegaTrainConfig, device: torch.device, decay_names: set[str] | None,
             host_alloc: Callable[[int, torch.dtype, bool], torch.Tensor] = alloc_host,
             host_available: int | None = None) -> Converted:
-    """``host_alloc``: the store's host allocator (shared memory for data-parallel ranks: parallel/setup.py);
+    """``host_alloc``: the store's host allocator (shared memory for data-parallel ranks: engine/shared_convert.py);
     ``host_available``: the host RAM the fit check measures against (default: available now)."""
     compute_dtype = config.torch_compute_dtype
     if hasattr(model, "config"):

@@ -34,7 +34,7 @@ from .activations import ActivationStore
 from .batch_rows import BatchRows
 from .layer_io import Call, OutLayout, merge_chunks, slice_call
 from .offload import GradientOffload
-from .reach import GradReach
+from ..core.grad_reach import GradReach
 from .slots import WeightSlots
 
 if TYPE_CHECKING:

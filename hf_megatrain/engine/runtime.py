@@ -32,7 +32,7 @@ from ..core.step_state import StepState
 from ..core.threads import apply_host_threads
 from ..parallel.group import DataParallel
 from ..parallel.peer_cells import PeerCells
-from ..parallel.setup import convert_shared, data_parallel_config
+from ..parallel.setup import data_parallel_config
 from ..model.families import ModelHead
 from ..model.loss import TokenStats
 from ..optim.adamw import UnitAdamW
@@ -41,6 +41,7 @@ from ..optim.speculation import GA_MESSAGE
 from .convert import convert, install_proxies
 from .executor import StreamingExecutor
 from .replay import StepReplay
+from .shared_convert import convert_shared
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +112,7 @@ class MegaTrainEngine:
         self.stack.parent.register_forward_pre_hook(self._before_decoder, with_kwargs=True)
         self.stack.parent.register_forward_hook(self._after_decoder, always_call=True)
         setattr(model, ENGINE_ATTR, self)
-        from ..hf.model_view import present_weights  # (hf/ imports the engine: import here, not at the top)
+        from .model_view import present_weights
 
         present_weights(self)
 
@@ -203,7 +204,7 @@ class MegaTrainEngine:
     def named_layer_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(full model name, device tensor) of every persistent buffer inside the streamed layers (router
         score-correction biases, learned constants): conversion moved them out of the model, so exports and
-        checkpoint loads reach them here (hf/export.py, hf/pretrained.py)."""
+        checkpoint loads reach them here (export/weights.py, hf/pretrained.py)."""
         for i, names in enumerate(self.layer_buffer_names):
             bufs = self.executor.buffers[i]
             for n in names:

@@ -32,7 +32,7 @@ from typing import Any, Iterator
 
 import torch
 
-from .export import export_model, model_tensors
+from ..export.weights import export_model, model_tensors
 from ..config import MegaTrainConfig, parse_dtype, resolve_config
 from ..engine.runtime import MegaTrainEngine, MegaTrainOutput
 from ..optim.adamw import UnitAdamW

@@ -21,6 +21,7 @@ from torch import nn
 
 from .. import checkpoint as ckpt
 from ..config import MegaTrainConfig, resolve_config
+from ..engine.model_view import extra_sink
 from ..engine.runtime import MegaTrainEngine
 from ..model.layers import find_layer_stack
 from ..parallel import DataParallel
@@ -39,28 +40,6 @@ def _materialize_resident(model: nn.Module, layers_path: str | None) -> None:
             if id(p) not in new:
                 new[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=torch.float32), requires_grad=p.requires_grad)
             mod._parameters[name] = new[id(p)]
-
-
-def extra_sink(engine: MegaTrainEngine):
-    """Load checkpoint tensors the store does not hold (frozen params, persistent buffers, the streamed layers'
-    included) into the model."""
-    model = engine.model
-    targets = dict(model.named_buffers())
-    targets.update(engine.named_layer_buffers())  # persistent buffers of the streamed layers (on the device)
-    targets.update({n: p for n, p in model.named_parameters() if n not in engine.store.by_name})
-    resident = {id(p) for p in engine.resident_params.values()}
-
-    def sink(name: str, tensor: torch.Tensor) -> bool:
-        t = targets.get(name)
-        if t is None:
-            return False
-        if id(t) not in resident and not t.is_meta:  # a tied alias of a master is already loaded
-            with torch.no_grad():
-                t.copy_(tensor)
-        return True
-
-    sink.names = frozenset(targets)  # type: ignore[attr-defined]  # so renamed / converted keys can reach it
-    return sink
 
 
 def conversion_mapping(model: nn.Module) -> list:

@@ -43,13 +43,13 @@ from transformers.trainer_pt_utils import nested_detach
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .. import checkpoint as ckpt
-from . import peft_support
+from ..export import peft_support
 from ..engine.runtime import ENGINE_ATTR, MegaTrainEngine
 from ..engine.summary import format_summary, run_summary
 from ..checkpoint.plain_trainer import has_torch_optimizer, load_torch_adamw, write_resume_note
 from ..checkpoint.safetensors_io import write_json
 from ..parallel import DataParallel
-from .export import export_model
+from ..export.weights import export_model
 from .pretrained import from_pretrained_streamed, load_weights
 from ..config import parse_dtype, resolve_config
 from .training_args import MegaTrainTrainingArguments, check_lean_accumulation, model_param_dtype

@@ -50,7 +50,7 @@ from .speculative_step import SpeculativeStep
 
 if TYPE_CHECKING:
     from ..parallel.group import DataParallel
-    from ..engine.reach import GradReach
+    from ..core.grad_reach import GradReach
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
         elif host_kernel is kernels.HostKernel.NATIVE:  # (compute copies are bf16: the config allows no other)
             kernels.warm_up_native()
         self._counts = [0] * len(store.units)  # AdamW step count per unit
-        # Parameters without a gradient are skipped, as torch.optim.AdamW skips a None .grad (engine/reach.py says
+        # Parameters without a gradient are skipped, as torch.optim.AdamW skips a None .grad (core/grad_reach.py says
         # which were reached: ``take(unit)`` -> a flag per parameter, or None to step them all). ``_missed`` counts
         # each parameter's skipped steps (its own step count is the unit's minus that), only where it is not zero.
         self.grad_reach = grad_reach

@@ -304,7 +304,7 @@ def estimate(shape: ModelShape, config: MegaTrainConfig, seq_len: int, batch_siz
     are sums of ``UnitPlan.buffers`` over the plans: one formula for the engine and the planner. ``gpus`` > 1:
     that many data-parallel processes of one host (parallel/), the placement they run and one shared store."""
     if gpus > 1:
-        from ..parallel.setup import data_parallel_config  # (lazy: parallel/ imports the engine, which imports us)
+        from ..parallel.setup import data_parallel_config
         config = data_parallel_config(config, SimpleNamespace(world=gpus))
     cdt, odt = config.torch_compute_dtype, config.torch_grad_offload_dtype
     c, o, cuda = _elt(cdt), _elt(odt), device_type == "cuda"

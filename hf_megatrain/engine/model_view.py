@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 from torch import nn
 
-from ..engine.proxy import StreamedLayer
-from .export import export_model, model_tensors
-from .peft_support import adapter_key_aliases, is_peft_model
+from .proxy import StreamedLayer
+from ..export.weights import export_model, model_tensors
+from ..export.peft_support import adapter_key_aliases, is_peft_model
 
 if TYPE_CHECKING:
     from ..engine.runtime import MegaTrainEngine
@@ -129,8 +129,6 @@ def _load_state_dict(engine: MegaTrainEngine, state_dict: dict[str, torch.Tensor
                      assign: bool = False) -> Any:
     """``nn.Module.load_state_dict`` over what ``state_dict()`` presents (moments untouched, as in torch)."""
     from torch.nn.modules.module import _IncompatibleKeys
-
-    from .pretrained import extra_sink
 
     if assign:
         raise ValueError("hf_megatrain: load_state_dict(assign=True) is not supported on a converted model (its "
@@ -227,3 +225,25 @@ def present_weights(engine: MegaTrainEngine) -> None:
 
     for fn in (named_parameters, state_dict, load_state_dict, save_pretrained, zero_grad):
         object.__setattr__(model, fn.__name__, types.MethodType(fn, model))
+
+
+def extra_sink(engine: MegaTrainEngine):
+    """Load checkpoint tensors the store does not hold (frozen params, persistent buffers, the streamed layers'
+    included) into the model."""
+    model = engine.model
+    targets = dict(model.named_buffers())
+    targets.update(engine.named_layer_buffers())  # persistent buffers of the streamed layers (on the device)
+    targets.update({n: p for n, p in model.named_parameters() if n not in engine.store.by_name})
+    resident = {id(p) for p in engine.resident_params.values()}
+
+    def sink(name: str, tensor: torch.Tensor) -> bool:
+        t = targets.get(name)
+        if t is None:
+            return False
+        if id(t) not in resident and not t.is_meta:  # a tied alias of a master is already loaded
+            with torch.no_grad():
+                t.copy_(tensor)
+        return True
+
+    sink.names = frozenset(targets)  # type: ignore[attr-defined]  # so renamed / converted keys can reach it
+    return sink

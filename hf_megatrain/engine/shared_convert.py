@@ -1,0 +1,80 @@
+"""Conversion of one host's data-parallel ranks into one store in shared memory (``convert_shared``).
+
+The followers (local ranks > 0) convert first, then local rank 0, so whatever each rank's copy of the model held, the
+store ends up with rank 0's weights (what DDP's initial broadcast guarantees); the replicated device state is
+broadcast from rank 0 too. Every rank must have mapped the same buffers in the same order (checked), then the files
+are removed. The host-RAM fit check of every rank measures against what was available before any rank allocated the
+store (it counts the one store once; the ranks' private buffers, a few layers each, are not multiplied by the ranks).
+What the data-parallel path supports is decided in parallel/setup.py.
+"""
+
+from __future__ import annotations
+
+import shutil
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..config import MegaTrainConfig
+from ..core.memory import available_host_bytes
+from ..parallel.group import DataParallel
+from ..parallel.setup import check_plans
+from ..parallel.shared_alloc import SharedHostAllocator, new_run_dir
+from .convert import Converted, convert
+
+
+def _in_turn(dp: DataParallel, fn: Callable[[], Converted], mine: bool) -> Converted | None:
+    """``fn()`` on the ranks where ``mine``, then every rank learns whether it failed anywhere (a rank that failed
+    alone would leave the others waiting at the next collective)."""
+    out, error = None, None
+    if mine:
+        try:
+            out = fn()
+        except Exception as e:  # (re-raised below, after the others heard of it)
+            error = e
+    failed = [r for r, ok in enumerate(dp.all_gather_object(error is None)) if not ok]
+    if error is not None:
+        raise error
+    if failed:
+        raise RuntimeError(f"data parallel: conversion failed on rank(s) {failed} (their error is in their log)")
+    return out
+
+
+def convert_shared(model: nn.Module, config: MegaTrainConfig, device: torch.device, decay_names: set[str] | None,
+                   dp: DataParallel) -> Converted:
+    """``convert`` on every rank of ``dp`` into one store in shared memory under ``config.shared_memory_dir``."""
+    root = config.shared_memory_dir
+    run_dir, avail, room = dp.broadcast_object(
+        (new_run_dir(root), available_host_bytes(), shutil.disk_usage(root).free) if dp.is_leader else None)
+    alloc = SharedHostAllocator(run_dir, capacity=room)
+    run = lambda: convert(model, config, device, decay_names, host_alloc=alloc, host_available=avail)  # noqa: E731
+    try:
+        with alloc.removed_on_failure():  # (any rank: a failed conversion leaves no RAM held in shared_memory_dir)
+            conv = _in_turn(dp, run, not dp.is_leader)  # the followers map (and write) every buffer first
+            conv = _in_turn(dp, run, dp.is_leader) or conv
+            # Each rank's count of finished updates per unit (parallel/peer_cells.py): zeros, as the files start.
+            units = len(conv.store.units)
+            conv.peer_cells = alloc(dp.world * units, torch.int64, False).view(dp.world, units)
+            dp.barrier()  # (every rank has mapped the cells before their file goes)
+    finally:
+        if dp.is_leader:
+            alloc.release()
+    signatures = dp.all_gather_object(alloc.signature())
+    if any(s != signatures[0] for s in signatures):
+        raise RuntimeError("data parallel: the ranks built different stores (a different model or config per rank?); "
+                           "every rank must convert the same model with the same config")
+    check_plans(conv.plans)
+    with torch.no_grad():  # replicated state: rank 0's values everywhere (as DDP broadcasts at wrap time)
+        res = conv.store.units[-1]
+        if res.numel:
+            dp.broadcast_(res.master)
+            res.refresh_compute_()
+        for p in {id(p): p for p in conv.frozen_resident.values()}.values():
+            dp.broadcast_(p.data)
+        for bufs in conv.buffers:
+            for b in bufs.values():
+                if b.is_floating_point():
+                    dp.broadcast_(b)
+    dp.barrier()
+    return conv

@@ -28,6 +28,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from ..core.engine_view import EngineView
 from ..checkpoint.safetensors_io import (DEFAULT_MAX_SHARD_SIZE, _nbytes, _shard_files, open_safetensors, parse_size,
                                          write_json, write_safetensors)
 
@@ -39,7 +40,7 @@ def is_peft_model(model: Any) -> bool:
     return hasattr(model, "peft_config") and callable(getattr(model, "get_base_model", None))
 
 
-def _peft_model(engine: Any) -> nn.Module:
+def _peft_model(engine: EngineView) -> nn.Module:
     if not is_peft_model(engine.model):
         raise ValueError(f"the engine's model is a {type(engine.model).__name__}, not a peft.PeftModel: call "
                          "peft.get_peft_model(model, config) before handing the model to hf_megatrain")
@@ -47,7 +48,7 @@ def _peft_model(engine: Any) -> nn.Module:
 
 
 @contextmanager
-def _layers_visible(engine: Any) -> Iterator[None]:
+def _layers_visible(engine: EngineView) -> Iterator[None]:
     """PEFT finds adapter keys by visiting the model's tuner layers, which the converted model keeps only in its
     (meta, weightless) templates: show PEFT one meta skeleton per layer while it builds a state dict."""
     layers = engine.stack.layers
@@ -61,14 +62,14 @@ def _layers_visible(engine: Any) -> Iterator[None]:
             layers[i] = proxy
 
 
-def _state_dict(engine: Any, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _state_dict(engine: EngineView, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Every parameter by its PeftModel name: trainable masters (cast to ``dtype``), frozen values as views."""
     sd = {n: t.to(dtype) for n, t in engine.named_master_tensors()}
     sd.update({n: t for n, t in engine.named_frozen_tensors() if n not in sd})
     return sd
 
 
-def save_adapter(engine: Any, save_dir: str, dtype: torch.dtype = torch.float32, **kwargs: Any) -> list[str]:
+def save_adapter(engine: EngineView, save_dir: str, dtype: torch.dtype = torch.float32, **kwargs: Any) -> list[str]:
     """Write the PEFT adapter folder of ``engine.model`` (a PeftModel); ``kwargs`` go to ``save_pretrained``."""
     model = _peft_model(engine)
     os.makedirs(save_dir, exist_ok=True)
@@ -80,7 +81,7 @@ def save_adapter(engine: Any, save_dir: str, dtype: torch.dtype = torch.float32,
     return sorted(set(os.listdir(save_dir)) - before | {ADAPTER_WEIGHTS, "adapter_config.json"})
 
 
-def adapter_key_aliases(engine: Any) -> dict[str, str]:
+def adapter_key_aliases(engine: EngineView) -> dict[str, str]:
     """PEFT's name without the adapter segment -> the store's name, for the active adapter's parameters: what
     ``set_peft_model_state_dict`` hands ``load_state_dict`` when it cannot see the tuner layers inside streamed
     layers (it inserts the adapter name only for the modules it finds)."""
@@ -91,7 +92,7 @@ def adapter_key_aliases(engine: Any) -> dict[str, str]:
             if seg in n}
 
 
-def load_adapter_into_engine(engine: Any, path: str, adapter_name: str = "default") -> None:
+def load_adapter_into_engine(engine: EngineView, path: str, adapter_name: str = "default") -> None:
     """Copy the adapter weights of a PEFT folder into the engine's FP32 masters (every adapter must be present)."""
     from peft import get_peft_model_state_dict
 
@@ -139,7 +140,7 @@ def _materialize(module: nn.Module, prefix: str, values: dict[str, torch.Tensor]
     return out
 
 
-def _merged_tensors(engine: Any) -> Iterator[tuple[str, torch.Tensor]]:
+def _merged_tensors(engine: EngineView) -> Iterator[tuple[str, torch.Tensor]]:
     """(base-model name, FP32 merged tensor), one layer at a time, in model order."""
     model = _peft_model(engine)
     values = _state_dict(engine, torch.float32)
@@ -159,19 +160,16 @@ def _merged_tensors(engine: Any) -> Iterator[tuple[str, torch.Tensor]]:
     for n, t in values.items():
         if not n.startswith(layer_prefix) and n not in done:
             yield strip(n), t.float()
+    layer_buffers = dict(engine.named_layer_buffers())  # the layers' real buffers (the templates' are meta)
     for i, kind in enumerate(engine.executor.kinds):
         tmpl = engine.executor.templates[kind]
         prefix = f"{layer_prefix}{i}."
         merged = _merge_unwrap(_materialize(tmpl.module, prefix, values))
-        persistent = dict(merged.state_dict())
-        for n, b in engine.executor.buffers[i].items():  # the layer's real buffers (the template's are meta)
-            if n in persistent:
-                persistent[n] = b
-        for n, t in persistent.items():
-            yield strip(prefix + n), t
+        for n, t in merged.state_dict().items():
+            yield strip(prefix + n), layer_buffers.get(prefix + n, t)
 
 
-def save_merged(engine: Any, save_dir: str, dtype: torch.dtype = torch.float32,
+def save_merged(engine: EngineView, save_dir: str, dtype: torch.dtype = torch.float32,
                 max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> list[str]:
     """Standard HF checkpoint of the base model with the adapters merged in (``from_pretrained`` loads it).
 

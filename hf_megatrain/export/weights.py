@@ -27,9 +27,10 @@ import torch
 from . import peft_support
 from .. import checkpoint as ckpt
 from ..config import parse_dtype
+from ..core.engine_view import EngineView
 
 
-def extra_tensors(engine: Any) -> list[tuple[str, torch.Tensor]]:
+def extra_tensors(engine: EngineView) -> list[tuple[str, torch.Tensor]]:
     """What a standard checkpoint holds besides the trainable FP32 masters: frozen parameters (compute dtype;
     streamed layers' from the host store, resident ones from the device) and persistent buffers (the model's and
     those inside the streamed layers). Names in the model's ``_keys_to_ignore_on_save`` are left out; a tied name
@@ -53,14 +54,14 @@ def extra_tensors(engine: Any) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def model_tensors(engine: Any) -> Iterator[tuple[str, torch.Tensor]]:
+def model_tensors(engine: EngineView) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of everything a full export writes: trainable FP32 masters (waits for updates in flight),
     then ``extra_tensors``; values are the live tensors, not copies."""
     yield from engine.named_master_tensors()
     yield from extra_tensors(engine)
 
 
-def export_model(engine: Any, save_dir: str, *, dtype: torch.dtype | str | None = None,
+def export_model(engine: EngineView, save_dir: str, *, dtype: torch.dtype | str | None = None,
                  max_shard_size: int | str | None = None, merged: bool = False,
                  adapter_kwargs: dict[str, Any] | None = None) -> list[str]:
     """Write ``engine.model`` to ``save_dir`` (see the module docstring) and return the files written.

@@ -16,9 +16,10 @@ import torch
 
 from ..config import MegaTrainConfig, resolve_config
 from ..core.memory import available_host_bytes, format_bytes, gpu_budget
-from .predict import GiB, MemoryPlan, ModelShape, estimate, sum_values
+from .predict import GiB, MemoryPlan, ModelShape, estimate, sum_values, unit_plans
+from .step_time import MachineProfile, StepPrediction, predict_step
 
-__all__ = ["checkpoint_sizes", "load_shape", "main"]
+__all__ = ["checkpoint_sizes", "load_shape", "main", "step_time_lines"]
 
 
 # -- megatrain estimate ----------------------------------------------------------------------------------------------
@@ -72,6 +73,21 @@ def checkpoint_sizes(plan: MemoryPlan, disk_gbps: float) -> dict[str, float]:
             "export_bytes": export, "export_s": export / rate}
 
 
+def step_time_lines(preds: dict[str, StepPrediction], machine: MachineProfile) -> list[str]:
+    """The ``Step time`` section: one line per clipping case, then the rates it was predicted from."""
+    out = ["Step time (predicted from measured machine rates, steady state: planner/step_time.py)"]
+    for label, p in preds.items():
+        out.append(f"  {label:<30} {p.step_s:8.3f} s/step  {p.tokens_per_s:10,.0f} tokens/s  MFU {p.mfu:6.1%} "
+                   f"(6N; {p.mfu_with_attention:.1%} with attention)")
+        out.append(f"  {'':<30} bottleneck: {p.bottleneck}" + (
+            "; each step runs forward+backward twice (lean store, norm first)" if p.passes > 1 else ""))
+    m = machine
+    out.append(f"  rates: {m.tflops:g} TFLOP/s bf16 x {m.gemm_efficiency:g} in the layers' GEMMs (--tflops), attention "
+               f"{m.attention_tflops:g}, PCIe {m.pcie_h2d_gbps:g} H2D / {m.pcie_d2h_gbps:g} D2H GB/s (--pcie-gbps), "
+               f"host AdamW {m.host_adamw_gbps:g} GB/s (--host-adamw-gbps)")
+    return out
+
+
 def _duration(s: float) -> str:
     return f"{s:.1f} s" if s < 120 else (f"{s / 60:.1f} min" if s < 7200 else f"{s / 3600:.1f} h")
 
@@ -106,6 +122,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--disk-gbps", type=float, default=1.0,
                    help="disk write/read rate in GB/s (1e9 B/s) for the checkpoint save/load times (default 1.0; "
                         "measure yours with integration/bench_checkpoint_io.py or dd conv=fsync)")
+    p.add_argument("--tflops", type=float, default=None,
+                   help="bf16 matmul TFLOP/s of the GPU for the step-time prediction (default 800: an H100's measured)")
+    p.add_argument("--pcie-gbps", type=float, default=None,
+                   help="PCIe GB/s, each direction (default: the H100 machine's measured 45.5 H2D / 55.1 D2H)")
+    p.add_argument("--host-adamw-gbps", type=float, default=None,
+                   help="host AdamW DRAM traffic in GB/s while the step runs (default 140: the H100 machine's 16 "
+                        "threads, measured in-step; integration/host_adamw_rate.py measures yours alone)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     a = p.parse_args(argv)
     try:
@@ -115,8 +138,10 @@ def main(argv: list[str] | None = None) -> int:
                                   ("lean_compute_copy", a.lean_compute_copy or None), ("seq_chunk_tokens", a.seq_chunk_tokens),
                                   ("activation_offload", a.activation_offload)) if v is not None}
         config = MegaTrainConfig.from_dict({**resolve_config(a.config).to_dict(), **over})
-        if a.seq_len <= 0 or a.batch_size <= 0 or a.gpus <= 0 or not a.disk_gbps > 0:
-            raise ValueError("--seq-len, --batch-size, --gpus and --disk-gbps must be positive")
+        rates = (a.disk_gbps, a.tflops, a.pcie_gbps, a.host_adamw_gbps)
+        if a.seq_len <= 0 or a.batch_size <= 0 or a.gpus <= 0 or not all(r is None or r > 0 for r in rates):
+            raise ValueError("--seq-len, --batch-size, --gpus and the rates (--disk-gbps, --tflops, --pcie-gbps, "
+                             "--host-adamw-gbps) must be positive")
         shape = load_shape(a.model, config.layers_path, a.trust_remote_code)
     except (FileNotFoundError, ValueError) as e:
         print(f"megatrain estimate: error: {e}", file=sys.stderr)
@@ -126,6 +151,17 @@ def main(argv: list[str] | None = None) -> int:
     gpu_plan = a.gpu_memory * GiB if a.gpu_memory else (gpu_avail or 80 * GiB)
     plan = estimate(shape, config, a.seq_len, a.batch_size, device_type="cuda", gpu_free=gpu_plan,
                     grad_accum=a.grad_accum, gpus=a.gpus)
+    machine = MachineProfile().with_overrides(tflops=a.tflops, pcie_h2d_gbps=a.pcie_gbps, pcie_d2h_gbps=a.pcie_gbps,
+                                              host_adamw_gbps=a.host_adamw_gbps, disk_gbps=a.disk_gbps)
+    preds: dict[str, StepPrediction] = {}
+    step_note = None
+    if config.torch_compute_dtype != torch.float32 and a.gpus == 1:
+        plans = unit_plans(shape, config, "cuda", gpu_plan)
+        for label, clip in (("no clipping", False), ("clipping on every step", True)):
+            preds[label] = predict_step(shape, config, plans, a.seq_len, a.batch_size, machine, clipping=clip,
+                                        grad_accum=a.grad_accum)
+    else:
+        step_note = "step time: not predicted for float32 compute or several GPUs (the model covers one GPU, bf16)"
     host_avail = int(a.host_memory * GiB) if a.host_memory else available_host_bytes()
     host_need = plan.host_total
     host_ok = host_need <= config.host_memory_fraction * host_avail
@@ -142,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
                           "host_available": host_avail, "gpu_available": gpu_target, "host_fits": host_ok,
                           "gpu_fits": gpu_ok, "notes": plan.notes, "offloaded_layers": plan.offloaded_layers,
                           "seq_chunk_tokens": plan.seq_chunk_tokens, "flops_per_token": plan.flops_per_token,
-                          "checkpoint": checkpoint_sizes(plan, a.disk_gbps)},
+                          "checkpoint": checkpoint_sizes(plan, a.disk_gbps),
+                          "step_time": {k: asdict(v) for k, v in preds.items()}, "machine": asdict(machine)},
                          indent=1))
         return 0
     print(f"{a.model}: {shape.trainable / 1e9:.3f}B trainable parameters ({shape.num_layers} streamed layers, "
@@ -166,7 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"FLOPs per token: {f['model']:.3g} = 6N {f['dense_6n']:.3g} (N active) + attention {f['attention']:.3g} "
           f"(12 x layers x heads*head_dim x seq_len: {f['attention_over_6n']:.1f}x 6N); executed with the layer "
           f"recompute and a causal kernel ~{f['hardware_with_recompute_causal']:.3g}")
-    for note in plan.notes + ([] if gpu_here else [f"no GPU here: placement planned for a "
+    if preds:
+        print("\n".join(step_time_lines(preds, machine)))
+    for note in plan.notes + ([step_note] if step_note else []) + ([] if gpu_here else [f"no GPU here: placement planned for a "
                                                      f"{format_bytes(gpu_plan)} GPU (--gpu-memory)"]):
         print("note:", note)
     fits = host_ok and gpu_ok is not False

@@ -1,0 +1,284 @@
+"""Step-time model: how long one optimizer step takes, from measured machine rates and the same unit plans the
+engine builds (where each layer's state lives, which stepper updates it).
+
+Per streamed decoder layer (``layer_costs``), for ``T`` tokens of sequences of ``S`` tokens:
+
+- GPU: the forward pass runs the layer once without grad; its backward visit recomputes the forward, then runs the
+  backward (engine/executor.py): matmul FLOPs 2N*T (forward) + 2N*T (recompute) + 4N*T (backward: input and weight
+  gradients; frozen weights get no weight gradient) = 8N*T for a trainable layer, at ``tflops * gemm_efficiency``;
+  causal attention ``A = 2 * q_dim * S * T`` per forward (QK^T and AV, half the square), A + A + 2A at
+  ``attention_tflops``; and element-wise memory traffic (norms, RoPE, SiLU*up, residual adds, their gradients) at
+  ``hbm_gbps``: bytes per token estimated from the layer's widths, ~4x fewer when the layer is compiled (fused).
+- PCIe: the weights cross H2D in the forward and again in the backward (the compute copy, or the FP32 master of a
+  lean layer without one), except the ``num_slots`` layers still held when the pass turns; the gradient crosses D2H
+  once (bf16 when ``narrow_grads`` applies, else ``grad_offload_dtype``).
+- Host: AdamW moves ``kernels.host_bytes_per_param`` bytes per parameter (FP32 master, moments, gradient, the
+  compute copy it writes) at ``host_adamw_gbps``.
+
+The head (lm_head forward + gradient, 6*H*V*T, and the chunked loss's [chunk, vocab] traffic) and the GPU-stepped
+units' AdamW run on the GPU. ``simulate`` then plays the overlap the engine builds, step after step until it
+repeats: layer i+1's weights load while i computes (and wait for the slot i-1 frees), a layer's load waits for its
+update, gradients land as their D2H ends; host updates run on one worker -- during the backward as gradients land
+when the update needs no global norm (``speculative_step`` on a step that does not clip, or lean without
+clipping), else from ``step()`` in the next forward's order, so the next forward waits on them; a lean step that
+clips runs its forward+backward twice (norm first). Not modelled: float32 compute, data-parallel ranks, gradient
+accumulation beyond repeating the micro-step's GPU+PCIe work, activation offload traffic, recompiles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..config import MegaTrainConfig
+from ..core import kernels
+from ..core.plan import Plans, Stepper, Where
+
+if TYPE_CHECKING:
+    from .predict import ModelShape
+
+__all__ = ["MachineProfile", "LayerCost", "StepPrediction", "layer_costs", "predict_step", "simulate"]
+
+# Element-wise bytes per token per layer forward, in units of the compute dtype's size / 2 (bf16 counted).
+# Eager HF layer (counted op by op): each RMSNorm ~36H (fp32 upcast, pow, mean, scale, cast, weight), two residual
+# adds 12H, RoPE on q and k ~20(q+kv), q/k/v/o transposes and contiguous copies ~8(q+kv), SiLU(gate)*up 10I.
+# Compiled: each fused region reads its inputs and writes its outputs once: norms 8H, RoPE + layouts 8q + 12kv, 6I.
+_EAGER = (84, 28, 28, 10)  # (x H, x q_dim, x kv_dim, x intermediate)
+_COMPILED = (8, 8, 12, 6)
+# Bytes per logit of the chunked loss: compiled, one fused pass (fp32 logits written and read, bf16 gradient
+# written and read); eager, autograd's chain of fp32 copies, log-softmax, NLL and casts (model/loss.py: ~100 ms
+# more per step at 32k tokens x 152k vocabulary, measured).
+_LOSS_BYTES = {True: 12, False: 72}
+_GPU_ADAMW_BYTES = 36  # torch's fused AdamW on the GPU: master, grad, m, v read + written, the compute copy
+
+
+@dataclass(frozen=True)
+class MachineProfile:
+    """Measured rates of one machine. Defaults: the H100 80GB HBM3 machine of integration/results/."""
+
+    # bf16 GEMM peak measured (shared/reference/h100_limits.json: bf16_gemm_TFLOPs)
+    tflops: float = 800.0
+    # Fraction of it a decoder layer's GEMMs reach: h100_limits' one 14B-width layer forward+backward, 27.12 ms at
+    # 8,192 tokens, less its attention (1.4 ms) and element-wise (6.1 ms) shares by the rates below -> 687 TFLOP/s.
+    gemm_efficiency: float = 0.86
+    # Flash attention (SDPA), causal FLOPs executed per second: long_context_h100_8layers_262k.json, 1.40 s
+    # forward / 4.44 s backward per 7B-width layer at 262,144 tokens (attention ~5x the layer's matmuls): 404 / 368.
+    attention_tflops: float = 380.0
+    # Element-wise kernels: H100 SXM HBM3 3.35 TB/s spec, ~90 % reached by streaming kernels (not measured here).
+    hbm_gbps: float = 3000.0
+    # Pinned copies measured one way at a time (h100_limits.json: 45.5 H2D, 55.1 D2H GB/s).
+    pcie_h2d_gbps: float = 45.5
+    pcie_d2h_gbps: float = 55.1
+    # Host AdamW DRAM traffic while the step runs (DMA both ways beside it): bench runs of sessions 11-12 report
+    # 131-157 GB/s (5.0 G param/s at 28 B/param; e.g. finetune_packed_ds_h100.json 140.0).
+    host_adamw_gbps: float = 140.0
+    # Checkpoint writes (issue 29): a Trainer checkpoint is written at this rate (integration/bench_checkpoint_io.py).
+    disk_gbps: float = 1.0
+    # Host time between the end of the backward and optimizer.step() (Trainer bookkeeping; ~40 ms measured in the
+    # session-10 timeline, bench_streamed_native_timeline_h100.json).
+    step_overhead_s: float = 0.04
+
+    def with_overrides(self, **over: float | None) -> "MachineProfile":
+        return MachineProfile(**{**asdict(self), **{k: v for k, v in over.items() if v is not None}})
+
+
+@dataclass
+class LayerCost:
+    """Seconds of one streamed layer's work per step."""
+
+    forward: float  # GPU, forward pass (no grad)
+    backward: float  # GPU, recompute + backward
+    load: float  # H2D of its weights, one load
+    d2h: float  # its gradient to the host
+    host_update: float  # host AdamW (0: updated on the GPU)
+    gpu_update: float = 0.0  # GPU AdamW (kept / GPU-stepped layers)
+    speculative: bool = False  # its update may start as its gradient lands
+
+
+@dataclass
+class StepPrediction:
+    step_s: float
+    tokens_per_s: float
+    mfu: float  # 6N model FLOPs (N active) per second over ``tflops``, as the benchmarks report it
+    bottleneck: str
+    forward_wait_s: float  # the next forward's wait for host updates, per step
+    mfu_with_attention: float  # the same with the attention term of ``flops_per_token``
+    busy_s: dict[str, float] = field(default_factory=dict)  # per resource, per step
+    passes: int = 1  # forward+backward passes per step (2: a lean step that clips)
+
+
+def _elt(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _elementwise_bytes(shape: ModelShape, compiled: bool, c: int) -> float:
+    a, b, k, i = _COMPILED if compiled else _EAGER
+    return (a * shape.hidden + b * shape.q_dim + k * shape.kv_dim + i * shape.intermediate) * c / 2
+
+
+def layer_costs(shape: ModelShape, config: MegaTrainConfig, plans: Plans, seq_len: int, tokens: int,
+                machine: MachineProfile, clipping: bool, grad_accum: int = 1) -> list[LayerCost]:
+    """One ``LayerCost`` per decoder layer (see the module docstring)."""
+    m = machine
+    c = _elt(config.torch_compute_dtype)
+    gemm, attn = m.tflops * m.gemm_efficiency * 1e12, m.attention_tflops * 1e12
+    hbm, h2d, d2h, host = m.hbm_gbps * 1e9, m.pcie_h2d_gbps * 1e9, m.pcie_d2h_gbps * 1e9, m.host_adamw_gbps * 1e9
+    total = sum(shape.layer_numels) + sum(shape.layer_frozen)
+    active = 1.0 - shape.routed_inactive / total if total else 1.0  # (MoE: a token runs top_k of the experts)
+    A = 2.0 * shape.q_dim * seq_len * tokens  # causal attention FLOPs of one forward
+    elem = _elementwise_bytes(shape, config.torch_compile, c) * tokens
+    o = _elt(config.torch_grad_offload_dtype)
+    whole = not 0 < config.micro_batch_size < tokens // max(seq_len, 1)
+    narrow = config.narrow_grads and o == 4 and grad_accum == 1 and whole
+    g = c if narrow else o
+    kernel = kernels.HostKernel.NATIVE if config.host_kernel == "auto" else kernels.HostKernel(config.host_kernel)
+    out = []
+    for up in plans.layers:
+        n, fz = up.numel * active, up.frozen_numel * active
+        fwd = 2 * (n + fz) * tokens / gemm + A / attn + elem / hbm
+        bwd = (2 * (n + fz) + 2 * (n + fz) + 2 * n) * tokens / gemm + 3 * A / attn + 3 * elem / hbm
+        kept = up.master is Where.DEVICE
+        weights = 0 if kept else (c if up.compute is Where.HOST or c == 4 else 4) * up.numel + c * up.frozen_numel
+        host_s = gpu_s = 0.0
+        if up.stepper in (Stepper.HOST, Stepper.LEAN) and up.numel:
+            copy = c if (up.compute is Where.HOST and c < 4) else 0
+            host_s = up.numel * kernels.host_bytes_per_param(kernel, clipping, copy, g) / host
+        elif up.numel:
+            gpu_s = up.numel * _GPU_ADAMW_BYTES / hbm
+        state = 12 * up.numel if up.stepper is Stepper.DEVICE_STREAMED else 0  # master + moments in and out
+        speculative = up.stepper is Stepper.LEAN or (
+            up.stepper is Stepper.HOST and config.speculative_step and config.overlap_optimizer and not clipping)
+        out.append(LayerCost(fwd, bwd, (weights + state) / h2d,
+                             (0 if up.grad is Where.DEVICE or kept else g * up.numel + state) / d2h,
+                             host_s, gpu_s, speculative))
+    return out
+
+
+def simulate(layers: list[LayerCost], head_s: float, gpu_step_s: float, *, num_slots: int = 2, passes: int = 1,
+             overlap: bool = True, overhead_s: float = 0.04, steps: int = 4) -> tuple[float, float]:
+    """(step seconds, the forward's wait for host updates per step) in steady state: ``steps`` steps of the engine's
+    overlap, timed between the last two starts of layer 0's forward. Resources: the GPU's compute stream, the H2D
+    and D2H copy engines, one host AdamW worker; the Python thread blocks where the engine waits for an update."""
+    L = len(layers)
+    done = [0.0] * L  # when each layer's last update finished
+    ver = [0] * L
+    held: list[tuple[int, int] | None] = [None] * num_slots
+    ready, free, tick = [0.0] * num_slots, [0.0] * num_slots, [0] * num_slots
+    gpu = h2d = d2h = cpu = py = 0.0
+    starts, waits, clock = [], [], [0]
+
+    def acquire(i: int, step: int) -> int:
+        nonlocal py, h2d
+        slots, protect = [], set()
+        for j in (i + k * step for k in range(num_slots)):
+            if not 0 <= j < L:
+                break
+            waited = max(done[j] - py, 0.0)
+            py += waited
+            acquire.wait += waited
+            if (j, ver[j]) in held:
+                s = held.index((j, ver[j]))
+            else:
+                s = min((k for k in range(num_slots) if k not in protect), key=lambda k: tick[k])
+                start = max(h2d, py, free[s])
+                h2d = ready[s] = start + layers[j].load
+                held[s] = (j, ver[j])
+            protect.add(s)
+            slots.append(s)
+        clock[0] += 1
+        tick[slots[0]] = clock[0]
+        return slots[0]
+
+    for _ in range(steps):
+        acquire.wait = 0.0
+        for p in range(passes):
+            land = [0.0] * L
+            for i in range(L):
+                s = acquire(i, +1)
+                start = max(gpu, ready[s], py)
+                if i == 0 and p == 0:
+                    starts.append(start)
+                gpu = free[s] = start + layers[i].forward
+            gpu += head_s
+            for i in reversed(range(L)):
+                s = acquire(i, -1)
+                gpu = free[s] = max(gpu, ready[s], py) + layers[i].backward
+                d2h = land[i] = max(d2h, gpu) + layers[i].d2h
+            py = max(py, land[0])
+            if passes > 1 and p < passes - 1:
+                continue  # (norm-first: this pass only measures the gradients)
+            py += overhead_s  # the training loop reaches optimizer.step()
+            gpu = max(gpu, py) + gpu_step_s + sum(c.gpu_update for c in layers)
+            todo = {i for i in range(L) if layers[i].host_update}
+            t = cpu
+            while todo:  # one worker; a speculative update as its gradient lands (smallest landed index first)
+                avail = [i for i in todo if layers[i].speculative and land[i] <= t] or \
+                        ([min(todo)] if t >= py else [])
+                if not avail:
+                    pending = [land[i] for i in todo if layers[i].speculative and land[i] > t]
+                    t = min(pending + [py]) if pending else max(t, py)
+                    continue
+                i = min(avail)
+                todo.discard(i)
+                t = done[i] = t + layers[i].host_update
+            cpu = t
+            for i in range(L):
+                ver[i] += 1
+            if not overlap:
+                py = max(py, cpu)
+        waits.append(acquire.wait)
+    return starts[-1] - starts[-2], waits[-1]
+
+
+def head_seconds(shape: ModelShape, config: MegaTrainConfig, tokens: int, machine: MachineProfile) -> float:
+    """lm_head forward + gradients and the chunked loss's traffic, on the GPU."""
+    m = machine
+    matmul = 6.0 * shape.hidden * shape.vocab * tokens / (m.tflops * m.gemm_efficiency * 1e12)
+    fused = config.torch_compile or config.loss_impl in ("liger", "cce")
+    return matmul + _LOSS_BYTES[fused] * tokens * shape.vocab / (m.hbm_gbps * 1e9)
+
+
+def predict_step(shape: ModelShape, config: MegaTrainConfig, plans: Plans, seq_len: int, batch_size: int,
+                 machine: MachineProfile | None = None, *, clipping: bool = False,
+                 grad_accum: int = 1) -> StepPrediction:
+    """Predicted steady-state optimizer step for ``batch_size`` sequences of ``seq_len`` tokens per micro-step;
+    ``clipping``: the global-norm clip applies on every step (updates wait for the norm)."""
+    if config.torch_compute_dtype == torch.float32:
+        raise ValueError("the step-time model covers bf16 compute only (float32 matmul rates are not measured)")
+    m = machine or MachineProfile()
+    tokens = batch_size * seq_len
+    layers = layer_costs(shape, config, plans, seq_len, tokens, m, clipping, grad_accum)
+    lean = any(up.stepper is Stepper.LEAN for up in plans.layers)
+    passes = 2 if lean and clipping else 1
+    head = head_seconds(shape, config, tokens, m)
+    res = plans.resident
+    res_gpu = res.numel * _GPU_ADAMW_BYTES / (m.hbm_gbps * 1e9) if res.master is Where.DEVICE else 0.0
+    if res.master is not Where.DEVICE and res.numel:  # resident state on the host: updated first, on the CPU
+        head += res.numel * (2 * 2 + 4) / (m.pcie_h2d_gbps * 1e9)
+        layers[0].host_update += res.numel * 28 / (m.host_adamw_gbps * 1e9)
+    step, wait = simulate(layers, head, res_gpu, num_slots=config.num_slots, passes=passes,
+                          overlap=config.overlap_optimizer, overhead_s=m.step_overhead_s)
+    if grad_accum > 1:  # the earlier micro-steps: forward + backward and their transfers, no update
+        step += (grad_accum - 1) * (sum(max(c.forward, c.load) + max(c.backward, c.load, c.d2h) for c in layers)
+                                    + head)
+    from .long_context import flops_per_token
+
+    fpt = flops_per_token(shape, seq_len)
+    peak = m.tflops * 1e12
+    busy = {"GPU compute": passes * (sum(c.forward + c.backward for c in layers) + head) + res_gpu
+            + sum(c.gpu_update for c in layers),
+            "PCIe H2D": passes * 2 * sum(c.load for c in layers), "PCIe D2H": passes * sum(c.d2h for c in layers),
+            "host AdamW": sum(c.host_update for c in layers)}
+    if grad_accum > 1:
+        for k in ("GPU compute", "PCIe H2D", "PCIe D2H"):
+            busy[k] *= grad_accum
+    top = max(busy, key=lambda k: busy[k])
+    why = top
+    if top == "GPU compute" and wait > 0.05 * step:
+        why = f"GPU compute + the forward's wait for the host AdamW ({wait / step:.0%} of the step)"
+    elif top != "GPU compute":
+        why = f"{top} ({busy[top] / step:.0%} of the step busy; the GPU {busy['GPU compute'] / step:.0%})"
+    tps = tokens * grad_accum / step
+    return StepPrediction(step, tps, fpt["dense_6n"] * tps / peak, why, wait, fpt["model"] * tps / peak, busy, passes)

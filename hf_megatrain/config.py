@@ -11,11 +11,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
@@ -461,4 +464,8 @@ def resolve_config(source: Any = None, environ: Mapping[str, str] | None = None)
             raise ConfigFileNotFoundError(f"env {CONFIG_ENV}: {e}") from e
         raise
     values.update(MegaTrainConfig.from_env(environ))
-    return MegaTrainConfig.from_dict(values)
+    config = MegaTrainConfig.from_dict(values)
+    # (one record per resolution: an entry point resolves once and hands the MegaTrainConfig down; tests count these)
+    logger.debug("hf_megatrain: config resolved from %s", f"env {CONFIG_ENV}" if from_env and source
+                 else "the defaults" if source is None else type(source).__name__)
+    return config

@@ -51,7 +51,7 @@ from ..checkpoint.safetensors_io import write_json
 from ..parallel import DataParallel
 from ..export.weights import export_model
 from .pretrained import from_pretrained_streamed, load_weights
-from ..config import parse_dtype, resolve_config
+from ..config import parse_dtype
 from .training_args import MegaTrainTrainingArguments, check_lean_accumulation, model_param_dtype
 
 RUN_SUMMARY = "megatrain_run.json"  # what hf_megatrain decided, written at the start of training (_mt_report)
@@ -138,7 +138,7 @@ class MegaTrainTrainer(Trainer):
             device = args.device  # (initialises torch.distributed in a multi-process launch)
             dp = DataParallel.from_process_group() if args.world_size > 1 else None
             engine = MegaTrainEngine(model, self._mt_config, device=device, decay_names=decay, dp=dp)
-        given = resolve_config(args.megatrain_config)  # what the user set (explicit_keys), before the flags
+        given = args.megatrain_base_config()  # what the user set (explicit_keys), before the flags
         want = args.megatrain_compute_dtype(given)  # (None: left to the model, i.e. to the engine's builder)
         if want is not None and parse_dtype(want, "compute_dtype") != engine.compute_dtype:
             why = "an explicit compute_dtype" if "compute_dtype" in given.explicit_keys else "bf16=True"

@@ -7,6 +7,7 @@ message that says what to change -- not minutes later inside the training loop.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from dataclasses import dataclass, field
@@ -129,7 +130,7 @@ class MegaTrainTrainingArguments(TrainingArguments):
 
         ``model_dtype`` is the dtype of the model's parameters (``model_param_dtype``); ``None`` when not known
         yet, and then rule 3 cannot apply: the result is ``None`` (undecided)."""
-        config = resolve_config(self.megatrain_config) if config is None else config
+        config = self.megatrain_base_config() if config is None else config
         if "compute_dtype" in config.explicit_keys:  # (a contradicting bf16=True is warned about at __post_init__)
             return str(config.torch_compute_dtype).replace("torch.", "")
         if self.bf16:
@@ -144,12 +145,27 @@ class MegaTrainTrainingArguments(TrainingArguments):
                            "are FP32). Set megatrain_config['compute_dtype'] to choose.")
         return "bfloat16"
 
+    def megatrain_base_config(self) -> MegaTrainConfig:
+        """``config.resolve_config(megatrain_config)``: that source, else env MEGATRAIN_CONFIG, then the
+        MEGATRAIN_<KEY> env variables; ``explicit_keys`` are what the user set, before the precision flags.
+
+        Resolved once, when the arguments are built (that is when a bad key fails), and kept: the Trainer, its
+        engine and the run summary read this one resolution. Assigning another ``megatrain_config`` (or changing
+        the dict in place) resolves again; env variables set after the arguments were built are not read (set them
+        first, as ``megatrain launch`` does)."""
+        source = self.megatrain_config
+        held = self.__dict__.get("_mt_resolution")  # (source as resolved, its config); not a dataclass field
+        if held is None or held[0] != source:
+            held = (copy.deepcopy(source), resolve_config(source))
+            self.__dict__["_mt_resolution"] = held
+        return held[1]
+
     def megatrain_resolved_config(self, model_dtype: torch.dtype | None = None) -> MegaTrainConfig:
-        """``config.resolve_config(megatrain_config)`` (that source, else env MEGATRAIN_CONFIG, then the
-        MEGATRAIN_<KEY> env variables), with ``compute_dtype`` decided by ``megatrain_compute_dtype``: an explicit
+        """``megatrain_base_config()`` with ``compute_dtype`` decided by ``megatrain_compute_dtype``: an explicit
         key, else ``bf16=True``, else the model's dtype (``model_dtype``; ``MegaTrainTrainer`` passes it). Without
-        an explicit key, a flag or a model dtype the config's default (``bfloat16``) is left in place."""
-        config = resolve_config(self.megatrain_config)
+        an explicit key, a flag or a model dtype the config's default (``bfloat16``) is left in place. No second
+        resolution: the result is derived from the one kept."""
+        config = self.megatrain_base_config()
         dtype = self.megatrain_compute_dtype(config, model_dtype)
         if dtype is None or "compute_dtype" in config.explicit_keys:
             return config
@@ -171,7 +187,7 @@ class MegaTrainTrainingArguments(TrainingArguments):
                                                                                               "MEGATRAIN_ENABLED"))
         if overrides:
             where += " + env " + ", ".join(overrides)
-        config = resolve_config(self.megatrain_config)
+        config = self.megatrain_base_config()
         if "compute_dtype" in config.explicit_keys:
             why = "compute_dtype set explicitly"
         elif self.bf16:

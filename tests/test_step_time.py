@@ -1,0 +1,189 @@
+"""The step-time model (planner/step_time.py) against every measured run of today's engine that is filed in
+integration/results/ (sessions 11-12, H100 80GB) or quoted in issue 31: predicted within +-15 % of the measured step,
+from the default ``MachineProfile`` (no constant per case). Measured numbers are read from the result files; the
+ones only issue 31 states are typed here once, with that source.
+
+Regimes the model does not predict within 15 % are listed in ``OUTSIDE`` with the reason (xfail, not strict: they
+pass once the model or the engine changes what they measure).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+
+import pytest
+import torch
+import transformers
+
+from hf_megatrain import MegaTrainConfig, planner
+from hf_megatrain.planner.step_time import MachineProfile, layer_costs, predict_step
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "integration", "results")
+TOLERANCE = 0.15
+GPU = 79 << 30  # an H100 80GB's budget
+
+# The benchmark models (integration/bench_vs_deepspeed.py, scale_123b.py), built on the meta device.
+WIDTHS = {
+    "14B": dict(hidden_size=5120, intermediate_size=13824, num_attention_heads=40, num_key_value_heads=8,
+                vocab_size=152064),
+    "7B": dict(hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4,
+               vocab_size=152064),
+    "123B": dict(hidden_size=12288, intermediate_size=28672, num_attention_heads=96, num_key_value_heads=8,
+                 head_dim=128, vocab_size=32768),
+}
+STREAMED = dict(device_layers=0, device_step_layers=0)  # --regime streamed
+COMPILE = dict(torch_compile=True)
+LEAN_COPY = dict(lean_store=True, lean_compute_copy=True)
+
+
+@functools.lru_cache(maxsize=None)
+def shape(width: str, layers: int) -> planner.ModelShape:
+    kw = WIDTHS[width]
+    cfg = (transformers.MistralConfig if "head_dim" in kw else transformers.Qwen2Config)(
+        **kw, num_hidden_layers=layers, tie_word_embeddings=False)
+    with torch.device("meta"):
+        return planner.ModelShape.from_model(transformers.AutoModelForCausalLM.from_config(cfg))
+
+
+def measured(path: str, *keys: str) -> float:
+    value = json.load(open(os.path.join(RESULTS, path)))
+    for k in keys:
+        value = value[int(k)] if isinstance(value, list) else value[k]
+    return float(value)
+
+
+def issue31(value: float) -> float:
+    """A step time only issue 31 states (measured on the H100 machine the same day; not filed as a result)."""
+    return value
+
+
+def step(width: str, layers: int, config: dict, seq: int, batch: int, clipping: bool) -> float:
+    sh, cfg = shape(width, layers), MegaTrainConfig(**config)
+    return predict_step(sh, cfg, planner.unit_plans(sh, cfg, "cuda", GPU), seq, batch, clipping=clipping).step_s
+
+
+def layer_visit(width: str, config: dict, seq: int, batch: int, clipping: bool) -> float:
+    """One interior layer's GPU visits per step (what scale_123b.py's ``gpu_per_layer_s`` measures): forward and
+    backward, each paced by its compute or its weight load, twice when a lean step clips (norm first)."""
+    sh, cfg = shape(width, 3), MegaTrainConfig(**config)
+    plans = planner.unit_plans(sh, cfg, "cuda", GPU)
+    c = layer_costs(sh, cfg, plans, seq, seq * batch, MachineProfile(), clipping)[1]
+    return (2 if clipping and cfg.lean_store else 1) * (max(c.forward, c.load) + max(c.backward, c.load))
+
+
+S11, S12 = "session11/", "session12/"
+# (label, predicted seconds, measured seconds); the prediction is a thunk so a failing build shows in its case.
+CASES = [
+    ("14B x8 streamed, 8k tokens, compile, no clip (session 11)",
+     lambda: step("14B", 8, STREAMED | COMPILE, 2048, 4, False),
+     lambda: measured(S11 + "bench_streamed_dynamic_h100.json", "records", "megatrain:streamed@4", "step_time_s")),
+    ("14B x8 streamed, 32k tokens, compile, no clip (session 11)",
+     lambda: step("14B", 8, STREAMED | COMPILE, 2048, 16, False),
+     lambda: measured(S11 + "bench_streamed_dynamic_h100.json", "records", "megatrain:streamed@16", "step_time_s")),
+    ("14B x8 streamed, 8k tokens, compile, no clip (session 12)",
+     lambda: step("14B", 8, STREAMED | COMPILE, 2048, 4, False),
+     lambda: measured(S12 + "compare_commits_streamed_noclip_h100.json", "new", "rows", "8192", "step_time_s")),
+    ("14B x8 streamed, 32k tokens, compile, no clip (session 12)",
+     lambda: step("14B", 8, STREAMED | COMPILE, 2048, 16, False),
+     lambda: measured(S12 + "compare_commits_streamed_noclip_h100.json", "new", "rows", "32768", "step_time_s")),
+    ("14B x8 streamed, 32k tokens, compile, no clip (issue 31 headline)",
+     lambda: step("14B", 8, STREAMED | COMPILE, 2048, 16, False), lambda: issue31(1.299)),
+    ("14B x8 streamed, 32k tokens, compile, clipping every step (issue 31)",
+     lambda: step("14B", 8, STREAMED | COMPILE, 2048, 16, True), lambda: issue31(1.551)),
+    ("14B x8 streamed, 32k tokens, eager, clipping every step (issue 31)",
+     lambda: step("14B", 8, STREAMED, 2048, 16, True), lambda: issue31(1.821)),
+    ("7B x8, 8k tokens, compile, clipping every step (issue 31)",
+     lambda: step("7B", 8, STREAMED | COMPILE, 2048, 4, True), lambda: issue31(0.643)),
+    ("14B x8 fine-tune packed 8 x 4096, eager, clip 1.0 (session 12)",
+     lambda: step("14B", 8, STREAMED, 4096, 8, True),
+     lambda: measured(S12 + "finetune_packed_ds_h100.json", "records", "megatrain:streamed@32768", "step_time_s")),
+    ("14B x8 fine-tune packed 8 x 4096, compile, clip 1.0 (session 12)",
+     lambda: step("14B", 8, STREAMED | COMPILE, 4096, 8, True),
+     lambda: measured(S12 + "finetune_packed_compile_h100.json", "records", "megatrain:streamed@32768",
+                      "step_time_s")),
+    ("123B width, lean + copy, 16k tokens, no clip: per layer (session 11)",
+     lambda: layer_visit("123B", LEAN_COPY, 4096, 4, False),
+     lambda: measured(S11 + "scale_123b_lean_copy_L5_noclip_h100.json", "runs", "0", "events", "gpu_per_layer_s")),
+    ("123B width, lean + copy, 16k tokens, clip 1.0: per layer (session 11)",
+     lambda: layer_visit("123B", LEAN_COPY, 4096, 4, True),
+     lambda: measured(S11 + "scale_123b_lean_copy_L5_clip1_h100.json", "runs", "0", "events", "gpu_per_layer_s")),
+    ("123B width, lean + copy, no clip: per layer (issue 31)",
+     lambda: layer_visit("123B", LEAN_COPY, 4096, 4, False), lambda: issue31(0.329)),
+    ("123B width, lean + copy, clip 1.0: per layer (issue 31)",
+     lambda: layer_visit("123B", LEAN_COPY, 4096, 4, True), lambda: issue31(0.658)),
+]
+
+# Measured runs the model does not predict within 15 %, and why.
+OUTSIDE = [
+    ("14B x8 streamed, 8k tokens, compile, no clip (issue 31 headline: 0.760 s)",
+     lambda: step("14B", 8, STREAMED | COMPILE, 2048, 4, False), lambda: issue31(0.760),
+     "host-bound (the host AdamW is busy ~80 % of the step): the same config measured 0.567 / 0.661 / 0.760 s on "
+     "three machine starts; 0.760 s needs ~100 GB/s of host AdamW against the default 140 (in-step 131-157 GB/s "
+     "measured in the filed runs). Predicted with the run's own host rate it would fit; the profile has one rate"),
+    ("123B width, lean (FP32 H2D + cast on the GPU), no clip: per layer (session 11)",
+     lambda: layer_visit("123B", dict(lean_store=True), 4096, 4, False),
+     lambda: measured(S11 + "scale_123b_lean_L3_h100.json", "runs", "0", "events", "gpu_per_layer_s"),
+     "the FP32 master is cast on the GPU in 128 MiB chunks (slots.py): the forward's load runs at ~35 GB/s "
+     "(5.5 GB in 0.157 s), not the 45.5 GB/s of a plain copy the profile has"),
+    ("123B width, lean + copy, 5 layers, no clip: whole step (session 11)",
+     lambda: step("123B", 5, LEAN_COPY, 4096, 4, False),
+     lambda: measured(S11 + "scale_123b_lean_copy_L5_noclip_h100.json", "runs", "0", "step_time_s"),
+     "LeanAdamW.step() allocated a layer-sized FP32 zero tensor every step (5.2 GiB at this width: the host "
+     "planner's missing 5 GiB) and filled it, ~0.5 s of the step's 1.0 s optimizer.step() call; fixed since"),
+]
+
+
+@pytest.mark.parametrize("label,predict,measure", CASES, ids=[c[0] for c in CASES])
+def test_prediction_within_15_percent(label, predict, measure):
+    p, m = predict(), measure()
+    assert abs(p / m - 1) <= TOLERANCE, f"{label}: predicted {p:.3f} s, measured {m:.3f} s ({p / m - 1:+.1%})"
+
+
+@pytest.mark.parametrize("label,predict,measure,why", OUTSIDE, ids=[c[0] for c in OUTSIDE])
+def test_known_outside_15_percent(label, predict, measure, why):
+    p, m = predict(), measure()
+    if abs(p / m - 1) > TOLERANCE:
+        pytest.xfail(f"{label}: predicted {p:.3f} s, measured {m:.3f} s ({p / m - 1:+.1%}): {why}")
+
+
+def test_overlap_structure():
+    """Clipping makes the updates wait for the norm (never faster); a host-bound step speeds up with the host rate
+    and a GPU-bound one does not; a lean step that clips runs forward+backward twice."""
+    sh, cfg = shape("14B", 8), MegaTrainConfig(**STREAMED, **COMPILE)
+    plans = planner.unit_plans(sh, cfg, "cuda", GPU)
+    slow, fast = MachineProfile(host_adamw_gbps=70), MachineProfile(host_adamw_gbps=280)
+    small = [predict_step(sh, cfg, plans, 2048, 4, m) for m in (slow, fast)]
+    large = [predict_step(sh, cfg, plans, 2048, 16, m) for m in (slow, fast)]
+    assert small[0].step_s > 1.5 * small[1].step_s and small[0].bottleneck.startswith("host AdamW")
+    assert large[1].bottleneck == "GPU compute" and large[1].forward_wait_s < 0.05 * large[1].step_s
+    clip = predict_step(sh, cfg, plans, 2048, 16, clipping=True)
+    assert clip.step_s > large[1].step_s and clip.forward_wait_s > 0.1 * clip.step_s
+    lean_cfg = MegaTrainConfig(**LEAN_COPY)
+    lean = planner.unit_plans(shape("123B", 3), lean_cfg, "cuda", GPU)
+    once, twice = (predict_step(shape("123B", 3), lean_cfg, lean, 4096, 4, clipping=c) for c in (False, True))
+    assert (once.passes, twice.passes) == (1, 2) and twice.step_s > 1.6 * once.step_s
+
+
+def test_estimate_prints_step_time_and_checkpoint(tmp_path, capsys):
+    """``megatrain estimate``: step time, tokens/s, MFU and the bottleneck, with and without clipping; the rates
+    are overridable; the checkpoint's size and write time at --disk-gbps."""
+    transformers.Qwen2Config(**WIDTHS["7B"], num_hidden_layers=2).save_pretrained(tmp_path)
+    base = [str(tmp_path), "--seq-len", "2048", "--batch-size", "4", "--device-layers", "0", "--gpu-memory", "80"]
+    assert planner.main(base + ["--disk-gbps", "2"]) == 0
+    out = capsys.readouterr().out
+    for row in ("Step time", "no clipping", "clipping on every step", "tokens/s", "MFU", "bottleneck:",
+                "host AdamW 140 GB/s", "Checkpoint time at 2 GB/s", "Trainer checkpoint"):
+        assert row in out, out
+    assert planner.main(base + ["--json"]) == 0
+    default = json.loads(capsys.readouterr().out)
+    assert planner.main(base + ["--json", "--host-adamw-gbps", "20", "--pcie-gbps", "10", "--tflops", "400"]) == 0
+    slow = json.loads(capsys.readouterr().out)
+    assert slow["machine"]["pcie_h2d_gbps"] == slow["machine"]["pcie_d2h_gbps"] == 10
+    for k in ("no clipping", "clipping on every step"):
+        assert slow["step_time"][k]["step_s"] > default["step_time"][k]["step_s"] > 0
+    ck = default["checkpoint"]  # FP32 export + master-less training state: 4 + 8 bytes per parameter
+    assert ck["trainer_bytes"] == 12 * default["params"]["trainable"]
+    assert planner.main(base + ["--host-adamw-gbps", "0"]) == 2

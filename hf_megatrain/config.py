@@ -166,7 +166,7 @@ class MegaTrainConfig:
             with the GPU's backward; when the step turns out to clip (or the norm is non-finite) those updates are
             taken back and redone exactly (optim/speculation.py). After a clipping step the next one does not
             speculate. Needs ``overlap_optimizer`` to overlap anything; custom loops set
-            ``engine.state.final_backward = True`` before their last backward of a step to use it.
+            ``engine.set_final_backward(True)`` before their last backward of a step to use it.
         exact_take_back: make taking back a speculative update (``speculative_step``, the lean store) bit-exact: each
             speculative update first copies the master and moments it overwrites (12 host bytes per parameter, held
             until ``step()``, within the host's available memory; a layer without room is not speculated on), so a

@@ -68,7 +68,7 @@ def run_speculative_steps(engine: MegaTrainEngine, opt, rank: int = 0, world: in
         ids, labels = micro[step]
         n_items = int((labels != -100).sum())
         rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
-        engine.state.final_backward = True
+        engine.set_final_backward(True)
         out = engine(input_ids=ids[rows], labels=labels[rows], num_items_in_batch=n_items)
         (out.loss * world).backward()
         if step == 3:

@@ -93,13 +93,13 @@ def run_parity(model, *, steps=3, ga=2, batch=2, seq=12, lr=1e-3, wd=0.1, max_gr
             ids = torch.cat([m[0] for m in micro])
             lab = torch.cat([m[1] for m in micro])
             loss = engine(input_ids=ids, labels=lab, num_items_in_batch=n_items).loss
-            engine.state.final_backward = final_backward
+            engine.set_final_backward(final_backward)
             loss.backward()
             worst["loss"] = max(worst["loss"], rel(loss.detach().cpu(), sum(ref_losses).cpu()))
         else:
             for j, ((ids, lab), rl) in enumerate(zip(micro, ref_losses)):
                 loss = engine(input_ids=ids, labels=lab, num_items_in_batch=n_items).loss
-                engine.state.final_backward = final_backward and j == len(micro) - 1
+                engine.set_final_backward(final_backward and j == len(micro) - 1)
                 loss.backward()
                 worst["loss"] = max(worst["loss"], rel(loss.detach().cpu(), rl.cpu()))
         engine.finish_backward()

@@ -223,7 +223,7 @@ def _train_without_waiting(engine, batches, clip):
     opt = engine.create_optimizer(lr=1e-3, weight_decay=0.1, max_grad_norm=clip)
     for ids in batches:
         loss = engine(input_ids=ids, labels=ids).loss
-        engine.state.final_backward = True
+        engine.set_final_backward(True)
         loss.backward()
         engine.finish_backward()
         opt.step()
@@ -252,7 +252,7 @@ def test_step_does_not_wait_for_the_speculative_updates(clip):
     # Without clipping every step speculates; in step 2 the worker is held until step() has returned.
     for k, ids in enumerate(batches):
         loss = engine(input_ids=ids, labels=ids).loss
-        engine.state.final_backward = True
+        engine.set_final_backward(True)
         gate = threading.Event()
         if k == 1:
             opt._spec_pool.submit(gate.wait)
@@ -289,7 +289,7 @@ def test_zero_grad_without_step_leaves_no_stale_speculation():
     ids = torch.randint(0, 64, (2, 10))
     for k in range(2):
         loss = engine(input_ids=ids, labels=ids).loss
-        engine.state.final_backward = True
+        engine.set_final_backward(True)
         gate = threading.Event()
         if k == 1:
             opt._spec_pool.submit(gate.wait)
@@ -318,7 +318,7 @@ def test_last_layer_gradient_lands_at_the_end_of_the_final_backward():
     engine.create_optimizer(max_grad_norm=1e6)
     ids = torch.randint(0, engine.model.config.vocab_size, (2, 8))
     for final in (False, True):
-        engine.state.final_backward = final
+        engine.set_final_backward(final)
         engine(input_ids=ids, labels=ids).loss.backward()
         assert (engine.state.phase[0] is not Phase.ACCUMULATING) == final
         engine.optimizer.step()

@@ -43,16 +43,17 @@ def poison_first_layer(engine, on: dict, layer: int = 0) -> None:
 
         opt.gradient_hooks.append(hook)
         return
-    state, landed = engine.state, engine.state.landed
+    # Host units: the optimizer is the sink each final gradient is handed to as it lands (optim/gradient_path.py).
+    state, landed = engine.state, opt.landed
 
-    def poisoned(i, sq=None):
+    def poisoned(i, sq):
         if on["now"] and i == unit.index:
             unit.grad.fill_(float("inf"))
             state.grad_sq[i] = torch.tensor(float("inf"))
             sq = None if sq is None else float("inf")
         landed(i, sq)
 
-    state.landed = poisoned
+    opt.landed = poisoned
 
 
 def train(model, config: MegaTrainConfig, budget: int | None = None, poison_layer: int = 0
@@ -68,7 +69,7 @@ def train(model, config: MegaTrainConfig, budget: int | None = None, poison_laye
         opt.max_grad_norm = CLIP[step]
         on["now"] = step == POISON_STEP
         loss = engine(input_ids=ids, labels=lab).loss
-        engine.state.final_backward = True  # (as the Trainer marks a step's last backward: speculation on)
+        engine.set_final_backward(True)  # (as the Trainer marks a step's last backward: speculation on)
         loss.backward()
         engine.finish_backward()
         opt.step()

@@ -315,8 +315,11 @@ def test_gradient_accumulation_is_refused(tmp_path):
     with pytest.raises(ValueError, match="micro_batch_size"):
         MegaTrainTrainer(model=tiny("llama"), args=args)
     engine = MegaTrainEngine(tiny("llama"), lean(), device="cpu")
-    engine.create_optimizer(lr=1e-3)
     (ids, lab), = random_batches(1, 1, 2, 12, 96, seed=8)[0]
+    with pytest.raises(RuntimeError, match="lean_store needs the optimizer"):  # (its gradients have no buffer)
+        engine(input_ids=ids, labels=lab).loss.backward()
+    engine = MegaTrainEngine(tiny("llama"), lean(), device="cpu")
+    engine.create_optimizer(lr=1e-3)
     engine(input_ids=ids, labels=lab).loss.backward()
     with pytest.raises(RuntimeError, match="gradient accumulation.*micro_batch_size"):
         engine(input_ids=ids, labels=lab)

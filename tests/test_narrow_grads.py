@@ -35,7 +35,7 @@ def _train(model, cfg, steps, clip_schedule, ga=1, expose=None):
         opt.max_grad_norm = clip_schedule[s]
         for j, (ids, lab) in enumerate(micro):
             loss = engine(input_ids=ids, labels=lab).loss
-            engine.state.final_backward = j == ga - 1
+            engine.set_final_backward(j == ga - 1)
             loss.backward()
         if expose is not None and s == 1:  # what a .grad reader sees before a step that speculated
             expose.update({n: p.grad.clone() for n, p in engine.model.named_parameters() if p.grad is not None})

@@ -1,30 +1,29 @@
-"""StepState: the one owner of where each unit is in the training step.
+"""StepState: where each unit is in the training step -- the unit lifecycle, and nothing else.
 
 Per unit: ``EMPTY -> ACCUMULATING -> LANDED -> UPDATING -> READY`` (READY behaves as EMPTY for the next backward),
 the squared norm of its gradient when a single layer visit produced it (folded into the gradient's departure from
-the GPU, so the global norm needs no pass over host memory), a ready event and a version that changes whenever
-its master changes. Everyone asks this object instead of each other:
+the GPU, so the global norm needs no pass over host memory), the dtype of a narrow host gradient, a ready event and
+a version that changes whenever its master changes. Everyone asks this object instead of each other:
 
-- the executor reports gradients (``accumulate``, ``landed``) and, before it loads a unit's weights, waits for
-  it to be loadable: ready, or its new weights published on the GPU by a GPU updater (``publish_copy``: the
-  copies back to host memory may still run); its slot cache is keyed by ``version`` (no "invalidate" calls);
-- the optimizer moves units through ``begin_update`` / ``finish_update`` (from worker threads) and lands the
-  step's gradients with ``land()``, which runs the landing functions the engine registered (the executor's
-  in-flight D2H copies, the resident parameters' ``.grad``) -- the one place gradients land;
+- the gradient path (engine/offload.py, engine/landing.py) reports gradients (``accumulate``, ``landed``) and,
+  before it loads a unit's weights, waits for it to be loadable: ready, or its new weights published on the GPU by
+  a GPU updater (``publish_copy``: the copies back to host memory may still run); its slot cache is keyed by
+  ``version`` (no "invalidate" calls);
+- the optimizer moves units through ``begin_update`` / ``finish_update`` (from worker threads);
 - readers of the masters (checkpoints, exports, PEFT saves) call ``wait_all()``;
-- a lean store's gradients go to the one ``consumer`` registered here (the lean optimizer); the recorded forward
-  of the step being computed (``replay``) lives here until the step ends;
 - with data-parallel ranks sharing the host's store (each writes its shard of every update), ``peers`` hears of
   each finished update and makes loads and ``wait_all`` wait for every rank's shard (parallel/peer_cells.py).
 
-Mechanism only: no torch ops besides holding tensors, so it is tested with plain integers and fakes.
+Nothing registers call-backs here: who lands gradients, who hears of a landing and who joins background work is
+decided by the engine when it builds the step (engine/landing.py, optim/adamw.py), and they call each other
+directly. Mechanism only: no torch ops besides holding tensors, so it is tested with plain integers and fakes.
 """
 
 from __future__ import annotations
 
 import enum
 import threading
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -38,10 +37,6 @@ class Phase(enum.Enum):
 
 
 _HAS_GRAD = (Phase.ACCUMULATING, Phase.LANDED)
-
-# A lean store's consumer: (unit index, host slab, host squared-norm cell, D2H event) -> wait() that returns once
-# the slab may be reused.
-Consumer = Callable[[int, torch.Tensor, torch.Tensor, Any], Callable[[], None]]
 
 
 class Peers(Protocol):
@@ -66,15 +61,6 @@ class StepState:
         for e in self._ready + self._loadable:
             e.set()
         self._error: BaseException | None = None
-        self._landers: list[Callable[[], None]] = []
-        self._joiners: list[Callable[[], None]] = []
-        self.consumer: Consumer | None = None
-        self.replay: Any = None  # the recorded forward of the step in progress (lean store)
-        self.unlanded = False  # a backward produced gradients that ``land()`` has not landed yet
-        # The integration says the backward in progress is the step's last (Trainer: ``sync_gradients``): a unit's
-        # gradient that lands now is final, and ``on_landed`` (the optimizer) may update the unit right away.
-        self.final_backward = False
-        self.on_landed: Callable[[int, float | None], None] | None = None
         # (compute copy, event, version) of a unit whose updater made the new compute-dtype weights on the GPU:
         # the next forward may take them from there (event: they are written) instead of waiting for the update's
         # copies back to host memory and loading them again. Valid while the unit is at, or on its way to, that
@@ -88,6 +74,15 @@ class StepState:
 
     def __len__(self) -> int:
         return len(self.phase)
+
+    @property
+    def final_backward(self) -> bool:
+        raise AttributeError("StepState.final_backward is gone: ask engine.final_backward")
+
+    @final_backward.setter
+    def final_backward(self, value: bool) -> None:  # (an old custom loop's write must not pass silently)
+        raise AttributeError("hf_megatrain: StepState.final_backward is gone; call "
+                             "engine.set_final_backward(True) before the last backward of a step")
 
     # -- gradients --------------------------------------------------------------------------------------------------
     def has_grad(self, i: int) -> bool:
@@ -108,40 +103,11 @@ class StepState:
         self.grad_sq[i] = sq if first else None
         if first:
             self.narrow[i] = None
-        self.unlanded = True
         return first
 
-    def landed(self, i: int, sq: float | None = None) -> None:
-        """Unit ``i``'s gradient is complete where its plan keeps it; ``sq``: its squared norm, read on the host
-        (first visit only). In the step's last backward the listener hears of it."""
+    def landed(self, i: int) -> None:
+        """Unit ``i``'s gradient is complete where its plan keeps it."""
         self.phase[i] = Phase.LANDED
-        if self.final_backward and self.on_landed is not None:
-            self.on_landed(i, sq)
-
-    def add_lander(self, fn: Callable[[], None]) -> None:
-        """Register a function that lands gradients still in flight (run, in order, by ``land``)."""
-        self._landers.append(fn)
-
-    def add_joiner(self, fn: Callable[[], None]) -> None:
-        """Register a function that joins background work (run by ``wait_all`` before it checks the units)."""
-        self._joiners.append(fn)
-
-    def clear_joiners(self) -> None:
-        """Forget the joiners (a replaced optimizer's)."""
-        self._joiners.clear()
-
-    def land(self) -> None:
-        """Land every gradient in flight: the one place gradients land (before a step, before the next forward
-        of an accumulation, before ``parameters()`` hands them out)."""
-        for fn in self._landers:
-            fn()
-        self.unlanded = False
-
-    def consume(self, i: int, slab: torch.Tensor, sq: torch.Tensor, ready: Any) -> Callable[[], None]:
-        if self.consumer is None:
-            raise RuntimeError("hf_megatrain: lean_store needs the optimizer before the first backward "
-                               "(engine.create_optimizer)")
-        return self.consumer(i, slab, sq, ready)
 
     # -- updates -----------------------------------------------------------------------------------------------------
     def begin_update(self, i: int) -> None:
@@ -195,8 +161,6 @@ class StepState:
             if p in _HAS_GRAD:
                 self.phase[i] = Phase.READY
             self.grad_sq[i] = None
-        self.replay = None
-        self.final_backward = False
 
     def fail(self, error: BaseException) -> None:
         """A worker failed: remember the error (raised by the next wait) and release every waiter."""
@@ -221,9 +185,8 @@ class StepState:
         return early
 
     def wait_all(self) -> None:
-        """Block until no update is in flight; re-raise a worker's failure."""
-        for fn in self._joiners:
-            fn()
+        """Block until no update is in flight; re-raise a worker's failure. (The optimizer's ``wait()`` also
+        joins its worker threads first, which re-raises a lean update's failure at once.)"""
         for e in self._ready:
             e.wait()
         self._raise()

@@ -85,8 +85,15 @@ class StreamingExecutor:
         return self.weights.wait_optimizer_s
 
     def finish(self) -> None:
-        """Land every in-flight gradient and let the host touch weights again (a lander of the step state)."""
+        """Land every in-flight gradient and let the host touch weights again."""
         self.grads.finish()
+        if self.streams.is_cuda:
+            self.streams.h2d.synchronize()
+
+    def land(self) -> None:
+        """The step's land phase for the streamed layers (engine/landing.py): ``finish``, and nothing is left
+        unlanded."""
+        self.grads.land()
         if self.streams.is_cuda:
             self.streams.h2d.synchronize()
 
@@ -240,7 +247,7 @@ class StreamingExecutor:
         if n > 0:  # (a frozen layer: only the input gradients leave)
             self._record_reach(unit, tmpl, reached)
             self.grads.send(index, k)
-            if index == 0 and self.state.final_backward and unit.plan.grad is Where.HOST:
+            if index == 0 and self.grads.final_backward and unit.plan.grad is Where.HOST:
                 # The step's last layer gradient: land it now (a ~10 ms wait for its D2H), so its update starts at
                 # the end of the backward rather than when step() lands it, after whatever the training loop does
                 # in between (~40 ms of Trainer per step, measured) -- the next forward waits for this unit first.

@@ -8,8 +8,13 @@ two offload buffers (``buffer()``); ``send`` hands it to the sink the unit's pla
                                                  host buffer, later ones (accumulation) through a staging buffer,
                                                  added when they land
     no gradient (lean)                           D2H into one of two FP32 staging slabs, with its squared norm, and
-                                                 handed to the step state's consumer (the lean optimizer), which
+                                                 handed to the sink's ``consume`` (the lean optimizer), which
                                                  releases the slab before it is reused
+
+The sink (optim/gradient_path.py) is the optimizer, attached by the engine where it creates it: the one object
+this module calls besides the step state. In the step's last backward (``final_backward``, which only the engine
+sets: ``MegaTrainEngine.set_final_backward``) each host gradient that lands goes to the sink's ``landed`` right
+here, so its speculative update starts while the backward runs.
 
 A *narrow* gradient (``narrow``, set by the engine when the host kernel reads one): a host unit's gradient that is
 the step's only visit (the step's last backward, first visit) and computed whole (not split into micro-batches,
@@ -18,8 +23,8 @@ first half of the unit's FP32 host buffer in that dtype (``StepState.narrow`` sa
 D2H bytes and half the optimizer's gradient reads, the same values. Readers outside the optimizer widen it first
 (``Unit.widen_grad_``). A lean unit's visit is its step's only one: whole, it lands narrow in its slab.
 
-The two offload buffers alternate, so layer i's D2H overlaps layer i-1's recompute. ``finish`` (a lander of the
-step state) lands whatever is in flight.
+The two offload buffers alternate, so layer i's D2H overlaps layer i-1's recompute. ``finish`` lands whatever is in
+flight (``land``: the step's land phase, engine/landing.py).
 
 Data parallel (``dp``, parallel/group.py): a host gradient is first ``reduce_scatter``ed over the ranks (on the compute
 stream; the buffer padded to ``world`` equal shards), and only this rank's shard -- the mean over ranks of that
@@ -40,6 +45,7 @@ from ..core.store import Unit
 from ..core.streams import StreamSet
 
 if TYPE_CHECKING:
+    from ..optim.gradient_path import GradientSink
     from ..parallel.group import DataParallel
 
 
@@ -64,7 +70,7 @@ class GradientOffload:
         self.pending: list[tuple[Unit, str, int, int] | None] = [None, None]
         self.lean_wait: list[Callable[[], None] | None] = [None, None]  # the consumer's wait() per slab
         sinks = {Where.DEVICE: self._to_device, Where.HOST: self._to_host, Where.NONE: self._to_consumer}
-        self.sink = [sinks[u.plan.grad] for u in units]  # the strategy, per layer (data parallel: see send)
+        self.route = [sinks[u.plan.grad] for u in units]  # the strategy, per layer (data parallel: see send)
         lean = any(u.plan.grad is Where.NONE for u in units)
         self.sq_host = [alloc_host(1, torch.float32, pin) for _ in range(2)] if lean else []
         # Host units: each first visit's squared norm lands beside its gradient (read by a speculative step).
@@ -75,6 +81,16 @@ class GradientOffload:
         # them), else None; per offload buffer, the dtype its current gradient is in when narrow.
         self.narrow: torch.dtype | None = None
         self._narrow_k: list[torch.dtype | None] = [None, None]
+        # Where landed gradients go besides the step state (the optimizer; ``attach``), and whether the backward in
+        # progress is the step's last (written only by engine/landing.py: ``MegaTrainEngine.set_final_backward``,
+        # reset when the step's gradients are discarded).
+        self.sink: GradientSink | None = None
+        self.final_backward = False
+        self.unlanded = False  # a visit sent a gradient that the step's ``land`` has not landed yet
+
+    def attach(self, sink: GradientSink) -> None:
+        """The optimizer the engine created (a replaced one's successor): the one sink of every gradient."""
+        self.sink = sink
 
     def buffer(self, index: int, n: int, whole: bool) -> tuple[int, torch.Tensor]:
         """The next offload buffer (its previous D2H drained on the device), first ``n`` elements, for layer
@@ -90,7 +106,7 @@ class GradientOffload:
             return False
         if unit.plan.grad is Where.NONE:
             return True  # (lean: one backward per step)
-        return unit.plan.grad is Where.HOST and self.state.final_backward and not self.state.has_grad(unit.index)
+        return unit.plan.grad is Where.HOST and self.final_backward and not self.state.has_grad(unit.index)
 
     def _off(self, k: int, n: int) -> torch.Tensor:
         dt = self._narrow_k[k]
@@ -103,11 +119,12 @@ class GradientOffload:
         # The gradient-norm reduction rides along with the gradient's departure (first visit of the step only; a
         # lean unit's every gradient is a whole step's, a re-run's included).
         first = unit.plan.grad is Where.NONE or not self.state.has_grad(unit.index)
+        self.unlanded = True
         if self.dp is not None and unit.plan.grad is Where.HOST:
             self._to_shard(k, unit, first)
             return
         sq = torch.linalg.vector_norm(off, dtype=torch.float32).square() if first else None
-        self.sink[index](k, unit, off, sq)
+        self.route[index](k, unit, off, sq)
 
     def _to_shard(self, k: int, unit: Unit, first: bool) -> None:
         dp = self.dp
@@ -126,7 +143,7 @@ class GradientOffload:
             unit.grad.copy_(off)
         else:
             unit.grad.add_(off)
-        self.state.landed(unit.index)
+        self.landed(unit.index, None)
         self.done[k] = self.streams.record(self.streams.compute)
 
     def _to_host(self, k: int, unit: Unit, off: torch.Tensor, sq: torch.Tensor | None, at: int = 0) -> None:
@@ -168,7 +185,10 @@ class GradientOffload:
         self.d2h_bytes += unit.numel * slab.element_size()
         self.pending[k] = (unit, "", 0, unit.numel)
         self.state.accumulate(unit.index, sq)  # (keeps the device scalar alive until its copy is done)
-        self.lean_wait[k] = self.state.consume(unit.index, slab, sq_host, self.done[k])
+        if self.sink is None:
+            raise RuntimeError("hf_megatrain: lean_store needs the optimizer before the first backward "
+                               "(engine.create_optimizer)")
+        self.lean_wait[k] = self.sink.consume(unit.index, slab, sq_host, self.done[k])
 
     def _drain(self, k: int) -> None:
         wait = self.lean_wait[k]
@@ -188,7 +208,14 @@ class GradientOffload:
             unit.grad[at:at + n].copy_(self.staging[k][:n])
         self.pending[k] = None
         sq = self.state.grad_sq[unit.index]
-        self.state.landed(unit.index, None if sq is None else float(self.sq_cells[unit.index]))
+        self.landed(unit.index, None if sq is None else float(self.sq_cells[unit.index]))
+
+    def landed(self, index: int, sq: float | None) -> None:
+        """Unit ``index``'s gradient is complete where its plan keeps it (``sq``: its squared norm, read on the host,
+        first visit only); in the step's last backward it is final, and the sink hears of it now."""
+        self.state.landed(index)
+        if self.final_backward and self.sink is not None:
+            self.sink.landed(index, sq)
 
     def _widen(self, unit: Unit) -> None:
         """Make a narrow host gradient FP32 in place, once no update reads it (its D2H landed with the step's
@@ -201,3 +228,8 @@ class GradientOffload:
         """Land every gradient in flight."""
         for k in (0, 1):
             self._drain(k)
+
+    def land(self) -> None:
+        """The step's land phase (engine/landing.py): every gradient sent so far has landed."""
+        self.finish()
+        self.unlanded = False

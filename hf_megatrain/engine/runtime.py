@@ -3,15 +3,18 @@
 Conversion (engine/convert.py) decides and allocates everything; this module only runs it. ``forward`` runs the
 HF model's own decoder loop (so masks, rotary, per-layer attention types are exactly HF's), whose layers are
 ``StreamedLayer`` proxies driven by the ``StreamingExecutor``, and a chunked linear cross-entropy head;
-``loss.backward()`` streams the layers back. One ``StepState`` is shared by the executor and the optimizer: the
-engine registers the two gradient landers (the executor's in-flight copies, the resident parameters' ``.grad``)
-and publishes the resident masters to their device copies when their version changed.
+``loss.backward()`` streams the layers back. One ``StepState`` (the unit lifecycle) is shared by the executor
+and the optimizer; the optimizer owns the step and lands its gradients through the engine's ``GradientLanding``
+(engine/landing.py), which it is handed at construction; the engine attaches the optimizer to the offload as the
+one sink of landed gradients, says which backward is the step's last (``set_final_backward``) and publishes the
+resident masters to their device copies when their version changed.
 
 One training step, start to end:
 
     forward   wait until the resident unit is ready, publish it; HF loop -> proxies -> executor (layer i's
               weights in while i-1 computes); loss in chunks
-    backward  proxies in reverse; each layer recomputed, its gradient to where its plan keeps it (+ squared norm)
+    backward  proxies in reverse; each layer recomputed, its gradient to where its plan keeps it (+ squared norm);
+              in the step's last backward each landed gradient goes on to the optimizer (speculation, lean)
     step      land -> norm -> decide -> launch (optim/adamw.py); the next forward waits per unit, not per step
 """
 
@@ -40,6 +43,7 @@ from ..optim.lean import LeanAdamW
 from ..optim.speculation import GA_MESSAGE
 from .convert import convert, install_proxies
 from .executor import StreamingExecutor
+from .landing import GradientLanding
 from .replay import StepReplay
 from .shared_convert import convert_shared
 
@@ -98,8 +102,8 @@ class MegaTrainEngine:
         # Family extras of the HF head (soft-capping, logit scaling, MoE router aux loss): model/families.py.
         self.head_extras = ModelHead(model, self.stack, self.executor, loss_impl=config.loss_impl, device=self.device,
                                        compute_dtype=config.torch_compute_dtype)
-        self.state.add_lander(self.executor.finish)
-        self.state.add_lander(self._land_resident)
+        # The one place gradients land (the optimizer's land phase calls it; so do accumulation and parameters()).
+        self.landing = GradientLanding(self.state, self.executor, self.resident_unit, self.resident_params)
         self._published = -1  # version of the resident unit last copied into its device working parameters
         self.publish_resident()
         self.optimizer: UnitAdamW | None = None
@@ -169,7 +173,7 @@ class MegaTrainEngine:
 
     def sync_device_(self) -> None:
         """After masters changed outside the optimizer (loading a checkpoint): every copy is stale."""
-        self.state.wait_all()
+        self.wait_updates()
         if self.dp is None:
             self.store.refresh_all_compute_()
         else:  # the shared masters are written (by local rank 0): each rank refreshes the compute copy it owns
@@ -190,7 +194,7 @@ class MegaTrainEngine:
     def named_master_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF parameter name, FP32 master) for every trainable parameter, tied names once; waits for updates in
         flight first, so every reader (checkpoints, exports, PEFT saves) sees finished weights."""
-        self.state.wait_all()
+        self.wait_updates()
         for unit in self.store.units:
             for p in unit.params:
                 yield p.name, unit.view(unit.master, p)
@@ -215,43 +219,35 @@ class MegaTrainEngine:
         return self.store.numel + (sum(p.numel() for _, p in self.named_frozen_tensors()) if include_frozen else 0)
 
     # -- gradients ---------------------------------------------------------------------------------------------------
-    def _land_resident(self) -> None:
-        """Lander: the resident parameters' compute-dtype ``.grad`` into the unit's FP32 gradient."""
-        u = self.resident_unit
-        grads = {p.name: self.resident_params[p.name].grad for p in u.params}
-        if all(g is None for g in grads.values()):
-            return
-        first = self.state.accumulate(u.index)
-        self.executor.reach.record(u.index, [g is not None for g in grads.values()], first)
-        for p in u.params:
-            g, dst = grads[p.name], u.view(u.grad, p)
-            if g is None:  # no gradient reached this parameter: it contributes zeros
-                if first:
-                    dst.zero_()
-                continue
-            if first:
-                dst.copy_(g)
-            else:
-                dst.add_(g.to(torch.float32))
-            self.resident_params[p.name].grad = None
-        self.state.landed(u.index)
+    def set_final_backward(self, final: bool = True) -> None:
+        """Say whether the backward about to run is the step's last (the Trainer: ``sync_gradients``; a custom loop:
+        True before its last backward of a step): its gradients are final as they land, so the optimizer may
+        update units during it (``speculative_step``) and a host unit's only visit may land narrow. The only
+        writer of that mark; it holds until the step's gradients are discarded or the next call."""
+        self.landing.set_final_backward(final)
+
+    @property
+    def final_backward(self) -> bool:
+        """Whether the backward in progress (or just run) is the step's last (``set_final_backward``)."""
+        return self.landing.final_backward
+
+    def wait_updates(self) -> None:
+        """Block until no update is in flight (joins the optimizer's workers); re-raise a worker's failure."""
+        if self.optimizer is not None:
+            self.optimizer.wait()
+        else:
+            self.state.wait_all()
 
     def finish_backward(self) -> None:
         """Land every gradient of the backward(s) so far where the plans keep them."""
-        self.state.land()
+        self.landing.land()
 
     def land_gradients(self) -> None:
         """Land every gradient and give units no backward reached a zero gradient (what ``parameters()`` shows)."""
-        self.state.wait_all()
-        self.state.land()
+        self.wait_updates()
+        self.landing.land()
         self.widen_gradients()
-        if self.state.any_grad():
-            for u in self.store.units:
-                if u.plan.grad is not Where.NONE and not self.state.has_grad(u.index):
-                    u.grad.zero_()
-                    self.state.accumulate(u.index)
-                    self.state.landed(u.index)
-                    self.executor.reach.record(u.index, [False] * len(u.params), first=True)  # none reached
+        self.landing.zero_unreached()
 
     def widen_gradients(self) -> None:
         """Every narrow host gradient (engine/offload.py) made FP32 in place, for readers of ``.grad``: once its
@@ -259,7 +255,7 @@ class MegaTrainEngine:
         and the updates that may read it (a speculative one, started by a landing) are done."""
         if any(dt is not None for dt in self.state.narrow):
             self.executor.finish()
-            self.state.wait_all()
+            self.wait_updates()
             for u in self.store.units:
                 dt = self.state.narrow[u.index]
                 if dt is not None:
@@ -274,8 +270,8 @@ class MegaTrainEngine:
                                            num_items_in_batch=num_items_in_batch, return_logits=return_logits,
                                            **kwargs))
         self.publish_resident()
-        if self.state.unlanded or any(p.grad is not None for p in self.resident_params.values()):
-            self.state.land()  # an accumulation step: FP32-accumulate before the next backward adds more
+        if self.landing.unlanded:
+            self.landing.land()  # an accumulation step: FP32-accumulate before the next backward adds more
         self.executor.training = self.model.training
         self._check_step_fits(input_ids, kwargs)
         self._place_activations(input_ids, kwargs)
@@ -345,15 +341,15 @@ class MegaTrainEngine:
         """Lean units, training forward: keep what re-running it needs (inputs, RNG, autocast, mode)."""
         if not self._lean or self._replaying or not torch.is_grad_enabled():
             return None
-        if self.state.replay is not None:
+        if self.landing.replay is not None:
             raise RuntimeError(GA_MESSAGE.format(what="a second training forward came after a backward"))
         return StepReplay(kwargs, self.device, self.model.training, self._rerun)
 
     def _bind_replay(self, replay: StepReplay) -> None:
         """First gradient into a recorded forward's outputs: this is the forward of the step being computed."""
-        if self.state.replay is not None and self.state.replay is not replay:
+        if self.landing.replay is not None and self.landing.replay is not replay:
             raise RuntimeError(GA_MESSAGE.format(what="the outputs of two forwards received gradients"))
-        self.state.replay = replay
+        self.landing.replay = replay
 
     def _rerun(self, replay: StepReplay) -> None:
         """Run the step's forward+backward again (same inputs, RNG, autocast, weights), so every layer's gradient
@@ -386,8 +382,7 @@ class MegaTrainEngine:
     def create_optimizer(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                          weight_decay: float = 0.0, max_grad_norm: float | None = None) -> UnitAdamW:
         if self.optimizer is not None:  # replaced (a second Trainer on the same engine): its work ends first
-            self.state.wait_all()
-            self.state.clear_joiners()
+            self.optimizer.wait()
         order = [self.resident_unit.index] + [u.index for u in self.layer_units]
         cls = LeanAdamW if self._lean else UnitAdamW
         host_kernel = self._host_kernel()
@@ -397,10 +392,11 @@ class MegaTrainEngine:
                   and self.config.torch_grad_offload_dtype == torch.float32 and self.compute_dtype.itemsize == 2)
         self.widen_gradients()  # (a replaced optimizer's step may have left some)
         self.executor.grads.narrow = self.compute_dtype if narrow else None
-        self.optimizer = cls(self.store, self.state, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+        self.optimizer = cls(self.store, self.state, self.landing, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                              max_grad_norm=max_grad_norm, unit_order=order, skip_nonfinite=self.config.skip_nonfinite,
                              overlap=self.config.overlap_optimizer, grad_reach=self.executor.reach,
                              host_kernel=host_kernel, exact_take_back=self.config.exact_take_back,
                              **({} if cls is LeanAdamW else {"speculate": self.config.speculative_step,
                                                              "dp": self.dp}))
+        self.executor.grads.attach(self.optimizer)  # the one sink of landed gradients (speculation, lean)
         return self.optimizer

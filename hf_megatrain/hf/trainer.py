@@ -171,7 +171,7 @@ class MegaTrainTrainer(Trainer):
             return super().train(*args, **kwargs)
         finally:
             if self._mt and self.engine is not None:
-                self.engine.state.wait_all()
+                self.engine.wait_updates()
 
     def call_model_init(self, trial: Any = None) -> nn.Module:
         model = super().call_model_init(trial)
@@ -246,8 +246,8 @@ class MegaTrainTrainer(Trainer):
             self._mt_log_token_stats(out.token_stats, inputs)
         # The backward about to run is the step's last when accelerate will sync (step) after it: its gradients are
         # final as they land, so the optimizer may update CPU-stepped layers during it (speculative_step).
-        self.engine.state.final_backward = bool(model.training and torch.is_grad_enabled()
-                                                and self.accelerator.sync_gradients)
+        self.engine.set_final_backward(model.training and torch.is_grad_enabled()
+                                       and self.accelerator.sync_gradients)
         outputs = CausalLMOutputWithPast(loss=out.loss, logits=out.logits)
         if self.compute_loss_func is not None:
             loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)

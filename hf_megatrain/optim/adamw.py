@@ -3,7 +3,8 @@
 A real ``torch.optim.Optimizer``: ``param_groups`` hold the master views (group 0 decayed, group 1 not, as Trainer
 splits them), so LR schedulers drive it unchanged. ``step()`` runs in named phases:
 
-    land    the step state lands every gradient in flight (executor D2H copies, resident ``.grad``)
+    land    the engine lands every gradient in flight (``GradientPath.land``: executor D2H copies, resident
+            ``.grad``; engine/landing.py), handed to the optimizer at construction
     norm    global L2 norm from the per-unit squared norms folded into each gradient's departure from the GPU
     decide  clip factor (folded into the kernel as ``grad_scale``) or, on a non-finite norm, skip the step
     launch  each unit goes to the stepper its plan names: HOST and DEVICE units on one worker (the fused kernel on
@@ -13,8 +14,10 @@ With ``overlap=True`` the workers run in background threads in the order the nex
 first, then layer 0, 1, ...); the executor waits, per layer, until the step state says that unit is ready. Every
 unit uses the same norm, hyper-parameters and kernel, so the math does not depend on who steps it.
 
-With ``speculate=True`` the CPU's work also overlaps the backward: in the step's last backward (the integration
-sets ``StepState.final_backward``), each HOST unit is updated on a worker as soon as its gradient lands, with no
+The optimizer is also the one sink of landed gradients (``GradientSink``, optim/gradient_path.py): the engine's
+offload calls ``landed`` / ``consume`` directly. With ``speculate=True`` the CPU's work overlaps the backward: in the
+step's last backward (``engine.set_final_backward``), each HOST unit is updated on a worker as soon as its gradient
+lands, with no
 clip factor; ``step()`` then takes back and redoes only the updates the true global norm proves wrong (exact to
 rounding: optim/speculation.py), and launches the rest. It does not wait for speculative updates still running:
 those judged right finish as ready, so the next forward starts after layer 0's update, not after all of them.
@@ -46,6 +49,7 @@ from ..core.step_state import StepState
 from ..core.store import Unit, UnitStore
 from ..parallel.shards import clip_spans
 from .device_stepper import DeviceStepper
+from .gradient_path import GradientPath
 from .speculative_step import SpeculativeStep
 
 if TYPE_CHECKING:
@@ -56,7 +60,7 @@ logger = logging.getLogger(__name__)
 
 
 class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
-    def __init__(self, store: UnitStore, state: StepState, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+    def __init__(self, store: UnitStore, state: StepState, grads: GradientPath, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, max_grad_norm: float | None = None,
                  unit_order: list[int] | None = None, skip_nonfinite: bool = True, overlap: bool = False,
                  host_kernel: kernels.HostKernel = kernels.HostKernel.FUSED, speculate: bool = False,
@@ -65,7 +69,7 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"invalid AdamW hyper-parameters lr={lr} betas={betas} eps={eps} "
                              f"weight_decay={weight_decay}")
-        self.store, self.step_state = store, state
+        self.store, self.step_state, self.grads = store, state, grads
         self.dp = dp if dp is not None and dp.world > 1 else None
         decay, no_decay = [], []
         # unit index -> [(0 = decayed | 1 = not, spans)]: the kernel runs on whichever flat buffers hold the state.
@@ -129,7 +133,6 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
         self.host_update_bytes = 0  # host DRAM bytes those updates moved (kernels.host_bytes_per_param)
         self.last_grad_norm: float | None = None
         self._workers: list[threading.Thread] = []
-        state.add_joiner(self._join)
         self._dp_reached: dict[int, list[bool]] = {}  # data parallel: each unit's flags OR-ed over the ranks
         self._init_speculation(speculate, exact_take_back)  # (speculative_step.py)
 
@@ -138,7 +141,7 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         loss = closure() if closure is not None else None
         self._join()
-        self.step_state.land()  # (may hand the last units to the speculative worker)
+        self.grads.land()  # (may hand the last units to the speculative worker)
         # Every update but this step's speculative ones is finished; those may still run: the norm needs only their
         # landed gradients, which the updates leave untouched, and step() returns without waiting for them.
         for i in range(len(self.store.units)):
@@ -192,6 +195,8 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
                 u.grad[lo:hi].zero_()
                 self.step_state.accumulate(u.index, None)
                 self.step_state.landed(u.index)
+                if self.grads.final_backward:  # (whoever lands a final gradient hands it to the sink: us)
+                    self.landed(u.index, None)
                 if self.grad_reach is not None:
                     self.grad_reach.record(u.index, [False] * len(u.params), first=True)
 
@@ -232,7 +237,7 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
         self.skipped_steps += 1
         logger.warning("hf_megatrain: non-finite gradient norm (%s); optimizer step skipped, weights and AdamW state "
                        "untouched (%d skipped so far)", norm, self.skipped_steps)
-        self.step_state.discard()
+        self.grads.discard()
 
     def _hyper(self) -> list[kernels.Hyper]:
         """Snapshot of each param group's hyper-parameters (the LR scheduler may change them mid-step)."""
@@ -264,7 +269,7 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
         else:
             for fn, ids in jobs:
                 self._guard(fn, ids, hyper, grad_scale, t0)
-            self.step_state.wait_all()
+            self.wait()
 
     def _agree_reached(self) -> None:
         """Data parallel: a parameter some rank's backward reached is stepped on every rank (the others
@@ -344,6 +349,17 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
     def groups_of(self, unit: Unit, hyper: list[kernels.Hyper]) -> kernels.Groups:
         return [(hyper[self._group_of[g]], spans) for g, spans in self._unit_groups[unit.index]]
 
+    # -- the gradient sink (optim/gradient_path.py) -------------------------------------------------------------------
+    def landed(self, i: int, sq: float | None) -> None:
+        """The step's last backward: unit ``i``'s gradient is final (the offload, or the landing, calls this as it
+        lands it): with ``speculate`` its update may start now."""
+        if self.speculate:
+            self._on_landed(i, sq)
+
+    def consume(self, i: int, slab: torch.Tensor, sq: torch.Tensor, ready: object) -> Callable[[], None]:
+        raise RuntimeError("hf_megatrain: a lean unit's gradient reached an optimizer without lean units "
+                           "(the engine creates LeanAdamW for a lean plan)")
+
     # -- waiting -----------------------------------------------------------------------------------------------------
     def _join(self) -> None:
         workers, self._workers = self._workers, []
@@ -352,20 +368,26 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
         if workers:
             self.last_step_seconds = self._running_seconds
 
+    def join(self) -> None:
+        """Join this optimizer's background work (update threads, speculative jobs); re-raise their failure."""
+        self._join()
+        self._sync_spec()
+
     def wait(self) -> None:
         """Block until the last (possibly overlapped) step has finished every unit."""
+        self.join()
         self.step_state.wait_all()
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]
         # Gradients are overwritten by the first backward of the next step; only their bookkeeping is dropped
         # (and speculative updates of a step that will not happen are taken back).
-        self.step_state.land()
+        self.grads.land()
         if self.speculate and self.policy.seen:
-            self.step_state.wait_all()
+            self.wait()
             for i, key in list(self.policy.applied.items()):
                 self._take_back(i, key)
             self._end_speculation(None)
-        self.step_state.discard()
+        self.grads.discard()
         if self.grad_reach is not None:
             self.grad_reach.clear()
 

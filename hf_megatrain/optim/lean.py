@@ -40,6 +40,7 @@ from ..core.plan import Stepper
 from ..core.step_state import StepState
 from ..core.store import UnitStore
 from .adamw import UnitAdamW
+from .gradient_path import GradientPath
 from .speculation import Act, Key, LeanPolicy, StepDecision
 
 logger = logging.getLogger(__name__)
@@ -47,8 +48,8 @@ logger = logging.getLogger(__name__)
 class LeanAdamW(UnitAdamW):
     """``UnitAdamW`` whose LEAN units are updated as their gradients land (see the module docstring)."""
 
-    def __init__(self, store: UnitStore, state: StepState, **kwargs: Any) -> None:
-        super().__init__(store, state, **kwargs)
+    def __init__(self, store: UnitStore, state: StepState, grads: GradientPath, **kwargs: Any) -> None:
+        super().__init__(store, state, grads, **kwargs)
         if self.device_stepper is not None:
             raise ValueError("lean_store: AdamW on the GPU (device_step_layers) needs each layer's gradient until the "
                              "step; use device_step_layers=0")
@@ -64,16 +65,14 @@ class LeanAdamW(UnitAdamW):
         # Observers of each consumed layer gradient (tests, diagnostics), called on the worker before the update:
         # fn(unit index, first pass?, gradient slab, squared-norm cell); they may read (or, in tests, poison) both.
         self.gradient_hooks: list[Callable[[int, bool, torch.Tensor, torch.Tensor], None]] = []
-        state.consumer = self._consume
-        state.add_joiner(self._sync)
 
     @property
     def max_regenerated_sq_error(self) -> float:
         return self.policy.max_sq_error
 
     # -- gradients in -------------------------------------------------------------------------------------------------
-    def _consume(self, i: int, slab: torch.Tensor, sq: torch.Tensor, ready: Any) -> Callable[[], None]:
-        """The executor's D2H of unit ``i``'s gradient into host ``slab`` is queued (``ready``: its event); returns
+    def consume(self, i: int, slab: torch.Tensor, sq: torch.Tensor, ready: Any) -> Callable[[], None]:
+        """The gradient sink (called by engine/offload.py): the executor's D2H of unit ``i``'s gradient into host ``slab`` is queued (``ready``: its event); returns
         a wait() that returns once the slab may be reused."""
         self.step_state.begin_update(i)
         job = partial(self._apply, self.policy.rerun is None, i, slab, sq, ready)
@@ -156,6 +155,10 @@ class LeanAdamW(UnitAdamW):
             return torch.tensor(self.policy.sq.get(u.index, 0.0), dtype=torch.float32).sqrt()
         return super()._unit_norm(u)
 
+    def join(self) -> None:
+        super().join()
+        self._sync()
+
     def _sync(self) -> None:
         """Wait for every queued layer update; re-raise the first failure."""
         futures, self._futures = self._futures, []
@@ -165,8 +168,8 @@ class LeanAdamW(UnitAdamW):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         loss = closure() if closure is not None else None
-        self.step_state.wait_all()  # (joins the queued layer updates)
-        self.step_state.land()
+        self.wait()  # (joins the queued layer updates)
+        self.grads.land()
         self._zero_missing()
         norm = self.grad_norm()
         self.last_grad_norm = norm
@@ -219,12 +222,8 @@ class LeanAdamW(UnitAdamW):
         self.policy.corrected = set()
         self.policy.rerun = (grad_scale, skip, self._key(hyper, grad_scale))
         self._rerun_hyper = hyper
-        replay = self.step_state.replay
-        if replay is None:
-            raise RuntimeError("hf_megatrain: lean_store must re-run this step's forward+backward, but no training "
-                               "forward of it was recorded (was the backward run on the engine's outputs?)")
         try:
-            replay.rerun()
+            self.grads.rerun()
             self._sync()
         finally:
             self.policy.rerun = None
@@ -236,7 +235,7 @@ class LeanAdamW(UnitAdamW):
     def _end(self, clipped: bool | None) -> None:
         self.take_back_copies.clear()
         self.policy.end(clipped)
-        self.step_state.discard()
+        self.grads.discard()
 
     def hyper_state(self) -> dict:
         # The mode travels with checkpoints, so a resumed run takes the same path (bit-exact resume).
@@ -250,8 +249,8 @@ class LeanAdamW(UnitAdamW):
         """Dropping a backward's gradients without a step: take back the updates it made."""
         if self.policy.seen:
             with torch.no_grad():
-                self.step_state.wait_all()
-                self.step_state.land()
+                self.wait()
+                self.grads.land()
                 if self.policy.applied:
                     decision = StepDecision(True, list(self.policy.applied), set(self.policy.applied))
                     self._rerun(None, True, self._hyper(), decision)

@@ -1,6 +1,6 @@
 """SpeculativeStep: the part of ``UnitAdamW`` that updates HOST units during the step's last backward.
 
-In the step's last backward (the integration sets ``StepState.final_backward``) each HOST unit whose gradient lands
+In the step's last backward (``engine.set_final_backward``) each HOST unit whose gradient lands
 with a known squared norm (its first visit) is updated on a worker right away, with no clip factor; ``step()`` then
 asks the policy (optim/speculation.py) which of those updates the true global norm proves wrong, takes them back
 bit-exactly (restores the copy optim/take_back.py made before the update; the gradient is still in the unit's
@@ -63,12 +63,9 @@ class SpeculativeStep:
                                                ranks_on_host=self.dp.world if self.dp is not None else 1)
         self.speculated = 0  # units updated during a backward
         self.taken_back = 0  # speculative updates taken back and redone (steps that clipped after one that did not)
-        if speculate:
-            self.step_state.on_landed = self._on_landed
-            self.step_state.add_joiner(self._sync_spec)
 
     def _on_landed(self: Any, i: int, sq: float | None) -> None:
-        """Main thread, the step's last backward: unit ``i``'s gradient is final. A HOST unit whose squared norm
+        """Main thread, the step's last backward (``UnitAdamW.landed``): unit ``i``'s gradient is final. A HOST unit whose squared norm
         is known (its first visit) goes to the speculative worker, with the hyper-parameters of this moment (the
         LR scheduler may move them after ``step()`` returns, while the update still waits in the queue)."""
         if self.device_stepper is not None:  # (the GPU-stepped layers' state comes in, a share per landing)

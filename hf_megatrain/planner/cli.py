@@ -205,8 +205,8 @@ def main(argv: list[str] | None = None) -> int:
           f"recompute and a causal kernel ~{f['hardware_with_recompute_causal']:.3g}")
     if preds:
         print("\n".join(step_time_lines(preds, machine)))
-    for note in plan.notes + ([step_note] if step_note else []) + ([] if gpu_here else [f"no GPU here: placement planned for a "
-                                                     f"{format_bytes(gpu_plan)} GPU (--gpu-memory)"]):
+    no_gpu = [] if gpu_here else [f"no GPU here: placement planned for a {format_bytes(gpu_plan)} GPU (--gpu-memory)"]
+    for note in plan.notes + ([step_note] if step_note else []) + no_gpu:
         print("note:", note)
     fits = host_ok and gpu_ok is not False
     where = "this machine's RAM and the planned GPU" if a.gpu_memory else "this machine"

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ..config import MegaTrainConfig
+from ..core.engine_view import EngineView
 from ..core.memory import CUDA_CONTEXT_GPU_BYTES, available_host_bytes, format_bytes, gpu_budget
 from ..core.plan import CAST_STAGING_BYTES, PlanInputs, Plans, Stepper, Where, build_plans, stepper_buffer_bytes
 from ..model.layers import UnitLayouts, find_layer_stack, unit_layouts
@@ -113,7 +114,7 @@ class ModelShape:
                               routed_inactive_numel([model], getattr(model, "config", None)))
 
     @classmethod
-    def from_engine(cls, engine: Any) -> "ModelShape":
+    def from_engine(cls, engine: EngineView) -> "ModelShape":
         units, res = engine.layer_units, engine.resident_unit
         frozen = [getattr(u, "frozen_numel", 0) for u in units]
         weights = [p.numel for u in units for p in list(u.params) + list(getattr(u, "frozen_params", []))]
@@ -438,8 +439,9 @@ def estimate(shape: ModelShape, config: MegaTrainConfig, seq_len: int, batch_siz
     return plan
 
 
-def check_fits(engine_or_shape: Any, config: MegaTrainConfig | None = None, seq_len: int | None = None,
-               batch_size: int = 1, *, host_available: int | None = None, gpu_available: int | None = None,
+def check_fits(engine_or_shape: EngineView | ModelShape, config: MegaTrainConfig | None = None,
+               seq_len: int | None = None, batch_size: int = 1, *, host_available: int | None = None,
+               gpu_available: int | None = None,
                device_type: str | None = None, baseline_paid: bool = False, plans: Plans | None = None) -> None:
     """Raise ``MemoryError`` with what to change when the run cannot fit. Accepts a ``MegaTrainEngine`` (after
     construction: GPU need is compared with free + what this process's allocator already holds) or a
@@ -486,7 +488,7 @@ def check_fits(engine_or_shape: Any, config: MegaTrainConfig | None = None, seq_
         raise MemoryError("hf_megatrain: this run does not fit: " + "; ".join(errors))
 
 
-def offloaded_layers_for(engine: Any, seq_len: int, batch_size: int, gpu_available: int | None = None) -> int:
+def offloaded_layers_for(engine: EngineView, seq_len: int, batch_size: int, gpu_available: int | None = None) -> int:
     """How many of ``engine``'s layers offload their saved input for a step of this shape (``activation_offload``'s
     rule against the engine's GPU budget; long_context.py). Raises ``MemoryError`` when the offloaded inputs
     cannot fit the host memory left (the pinned buffers would be taken from the running process)."""

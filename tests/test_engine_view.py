@@ -23,7 +23,7 @@ BELOW_ENGINE = ("checkpoint", "planner", "export")
 # engine change them; an entry here may only be removed, never added):
 # - executor (templates / kinds): each layer's weightless module -> a planned ``engine.layer_templates()``;
 # - executor (activations.host_bytes): the pooled host bytes -> passed by the engine to offloaded_layers_for;
-# - state (wait_all): ``dict(engine.named_master_tensors())`` waits the same way before masters are written.
+# - state (wait_all): ``engine.wait_updates()``.
 PENDING = {
     ("export/peft_support.py", "executor"),
     ("planner/predict.py", "executor"),

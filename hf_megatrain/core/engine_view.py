@@ -8,9 +8,8 @@ out are core types (``UnitStore``, ``Plans``) or the small protocols below. ``Me
 
 Reading without reaching in:
 
-- the FP32 masters: ``named_master_tensors()`` -- it waits for every update in flight first, so a loader that will
-  write masters takes its views from it (``dict(engine.named_master_tensors())``) instead of waiting on the step
-  state itself;
+- the FP32 masters: ``named_master_tensors()`` (it waits for every update in flight first); a loader that writes
+  masters through ``store`` calls ``wait_updates()`` first (not the step state's own wait);
 - after writing masters (a checkpoint or adapter load): ``sync_device_()`` refreshes every compute copy;
 - names, shapes, decay flags and units: ``store`` (``by_name``, ``frozen_by_name``, ``units``, ``names()``);
 - the model's structure: ``model`` (the converted HF model: config, generation config, the PEFT wrapper) and
@@ -90,6 +89,10 @@ class EngineView(Protocol):
 
     def named_layer_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, tensor) per persistent buffer inside the streamed layers (moved out of the model)."""
+        ...
+
+    def wait_updates(self) -> None:
+        """Block until no optimizer update is in flight (a worker's failure is raised here)."""
         ...
 
     def sync_device_(self) -> None:

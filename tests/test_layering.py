@@ -9,7 +9,9 @@ package ``__init__`` is at the top, where they may point anywhere.
 
 Rules: a module imports only from its own component or a lower layer, or a sibling of its layer where that makes
 no cycle; ``config`` is a leaf; the graph between components has no cycle; nothing below ``hf`` imports
-accelerate, TRL or transformers' Trainer.
+accelerate, TRL or transformers' Trainer (the same checked at run time, in a fresh interpreter, by
+tests/test_entry_points.py::test_import_does_not_pull_in_accelerate_or_the_trainer, marked slow). Cycles between
+modules of one package (function-level or TYPE_CHECKING imports) are not checked here.
 """
 
 from __future__ import annotations

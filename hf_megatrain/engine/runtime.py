@@ -115,6 +115,7 @@ class MegaTrainEngine:
         self._hf_router_capture: tuple[Any, list[torch.Tensor]] | None = None
         self.stack.parent.register_forward_pre_hook(self._before_decoder, with_kwargs=True)
         self.stack.parent.register_forward_hook(self._after_decoder, always_call=True)
+        self.head_extras.hook_model_forward(self.publish_resident)  # (multimodal: towers run before the decoder)
         setattr(model, ENGINE_ATTR, self)
         from .model_view import present_weights
 
@@ -281,10 +282,9 @@ class MegaTrainEngine:
         extras = self.head_extras
         attention_mask = move(attention_mask)
         with extras.capture(kwargs) as router_logits:
-            # The module that owns the layer stack (e.g. LlamaModel) runs embeddings -> layers -> final norm.
-            out = self.stack.parent(input_ids=move(input_ids), attention_mask=attention_mask, use_cache=False,
-                                    **kwargs)
-        hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state  # [B, T, H]
+            # Embeddings -> layers -> final norm: the module that owns the layer stack (e.g. LlamaModel), or a
+            # multimodal model's own forward, towers included (model/multimodal.py). hidden: lm_head's input.
+            hidden, added = extras.run(move(input_ids), attention_mask, move(labels), **kwargs)
         head = self.model.get_output_embeddings()
         loss = None
         stats = TokenStats() if token_stats and labels is not None else None
@@ -292,6 +292,8 @@ class MegaTrainEngine:
             loss = extras.loss(hidden, head, move(labels), chunk_tokens=self.config.loss_chunk_tokens,
                                num_items_in_batch=num_items_in_batch, router_logits=router_logits,
                                attention_mask=attention_mask, compiled=self.config.torch_compile, stats=stats)
+            if added is not None:  # what a multimodal forward adds to its loss (its MoE aux loss), else 0
+                loss = loss + added.to(loss.device)
         logits = extras.logits(hidden, head) if return_logits else None
         if replay is not None:
             replay.watch({"loss": loss, "logits": logits}, self._bind_replay)

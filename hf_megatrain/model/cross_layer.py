@@ -25,6 +25,8 @@ from typing import Any
 
 from torch import nn
 
+from .head_config import text_config_of
+
 _WAY_OUT = ("Train this model with plain transformers; a configuration without cross-layer KV sharing "
             "(num_kv_shared_layers=0) is a different model and would not load the checkpoint's behaviour.")
 
@@ -34,6 +36,7 @@ def check_no_cross_layer_state(model: nn.Module) -> None:
     cfg = getattr(model, "config", None)
     if cfg is None:
         return
+    cfg = text_config_of(cfg)  # (a multimodal model's language model declares it: Gemma 3n)
     try:
         modes = getattr(cfg, "kv_sharing_modes", None)
     except Exception:  # noqa: BLE001 - a derived property that does not apply to this config

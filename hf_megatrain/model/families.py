@@ -35,10 +35,11 @@ import torch
 from torch import nn
 
 from .cross_layer import check_no_cross_layer_state
-from .head_config import check_head_extras, head_value
+from .head_config import check_head_extras, head_value, is_composite, text_config_of
 from .layers import LayerStack
 from .loss import TokenStats
 from .loss_impl import choose, head_loss
+from .multimodal import applied_extras, base_model_of, decoder_run
 
 logger = logging.getLogger(__name__)
 
@@ -75,11 +76,12 @@ def check_supported(model: nn.Module, stack: LayerStack) -> None:
     head = get_head() if callable(get_head) else None
     if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
         raise ValueError(f"{name} has no output embeddings (lm_head) to train a language-model loss on. {hint}")
-    # The engine runs the module that owns the layer stack, then the output embeddings. Any trainable weight
-    # outside both (BERT's MLM transform, its embeddings outside the encoder, a value head) would be skipped.
+    # A causal LM: the engine runs the module that owns the layer stack, then the output embeddings. Any trainable
+    # weight outside both (BERT's MLM transform, its embeddings outside the encoder, a value head) would be skipped.
+    # A multimodal model runs its own forward up to lm_head (model/multimodal.py): its towers are in the path.
     inside = {id(p) for p in stack.parent.parameters()} | {id(p) for p in head.parameters()}
     outside = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in inside]
-    if outside:
+    if outside and not is_composite(base_model_of(model)):
         shown = ", ".join(outside[:4]) + (", ..." if len(outside) > 4 else "")
         decoder = stack.path.rpartition(".")[0] or "model"
         raise ValueError(
@@ -182,11 +184,11 @@ def load_balancing_loss(gate_logits: tuple[torch.Tensor, ...], num_experts: int,
 class RouterAux:
     """The MoE aux-loss term of an HF ``*MoeForCausalLM``: coefficient, expert counts, loss function, tap."""
 
-    def __init__(self, model: nn.Module, tap: RouterTap, coef: float) -> None:
+    def __init__(self, model: nn.Module, tap: RouterTap, coef: float | None) -> None:
         self.model, self.tap = model, tap
-        self.coef = coef
-        self.num_experts = int(model.num_experts)
-        self.top_k = int(model.num_experts_per_tok)
+        self.coef = coef  # None: only the tap, for a model forward that computes its aux loss itself
+        self.num_experts = int(getattr(model, "num_experts", 0))
+        self.top_k = int(getattr(model, "num_experts_per_tok", 0))
         # The family's own function where it has one (exact semantics), else the shared formula.
         self.fn = getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", load_balancing_loss)
 
@@ -209,9 +211,24 @@ class RouterAux:
         executor.tap = tap
         return RouterAux(model, tap, coef[1])
 
+    @staticmethod
+    def detect_tap(model: nn.Module, stack: LayerStack, executor: Any) -> RouterAux | None:
+        """A multimodal model whose own forward runs (model/multimodal.py) computes its aux loss itself, from the
+        router logits its decoder returns: only the tap that records them is needed (None where no router)."""
+        specs = _recorder_specs(stack.parent)
+        tap = RouterTap(executor.templates, specs) if specs else None
+        if tap is None or tap.num_sites == 0:
+            return None
+        executor.tap = tap
+        return RouterAux(model, tap, None)
+
     def wanted(self, kwargs: dict[str, Any]) -> bool:
         flag = kwargs.get("output_router_logits")
-        return bool(flag if flag is not None else getattr(self.model.config, "output_router_logits", False))
+        if flag is not None:
+            return bool(flag)
+        cfg = getattr(self.model, "config", None)
+        # (a multimodal config may set it on itself or on its text config: either asks for the logits)
+        return any(bool(getattr(c, "output_router_logits", False)) for c in (cfg, text_config_of(cfg)) if c is not None)
 
     def loss(self, logits: list[torch.Tensor], attention_mask: torch.Tensor | None) -> torch.Tensor | None:
         return self.fn(tuple(logits), self.num_experts, self.top_k, attention_mask) if logits else None
@@ -223,18 +240,28 @@ class ModelHead:
 
     def __init__(self, model: nn.Module, stack: LayerStack, executor: Any, loss_impl: str = "chunked",
                  device: torch.device | None = None, compute_dtype: torch.dtype = torch.float32) -> None:
+        # How a forward reaches lm_head's input: the stack's owner, or a multimodal model's own forward
+        # (model/multimodal.py), whose towers run before the decoder.
+        self.run = decoder_run(model, stack)
         # Each extra under any of its config names (head_config.HEAD_ALIASES); check_supported has refused the
-        # head-extra-like attributes that are in no table.
-        softcap = head_value(model, "softcap")
+        # head-extra-like attributes that are in no table. A multimodal model's forward may ignore one its text
+        # config sets (Gemma 3 applies no final soft-cap): only those its forward applies.
+        applied = applied_extras(model) if self.run.runs_model else None
+
+        def extra(name: str) -> tuple[str, float] | None:
+            return head_value(model, name) if applied is None or name in applied else None
+
+        softcap = extra("softcap")
         self.softcap = softcap[1] if softcap else None
         scale = 1.0
-        mul, div = head_value(model, "scale_mul"), head_value(model, "scale_div")
+        mul, div = extra("scale_mul"), extra("scale_div")
         if mul is not None:  # Cohere logit_scale, Falcon-H1 lm_head_multiplier: logits * s
             scale *= mul[1]
         if div is not None:  # Granite logits_scaling: logits / s
             scale /= div[1]
         self.scale = scale
-        self.router = RouterAux.detect(model, stack, executor)
+        self.router = RouterAux.detect_tap(model, stack, executor) if self.run.runs_model else \
+            RouterAux.detect(model, stack, executor)
         # The loss implementation (model/loss_impl.py), chosen once for this head and device.
         head = model.get_output_embeddings()
         self.loss_impl, why = choose(loss_impl, device or torch.device("cpu"),
@@ -243,10 +270,17 @@ class ModelHead:
         self.loss_impl_reason = why
         logger.info("hf_megatrain: head loss %s (%s)", self.loss_impl.value, why)
 
+    def hook_model_forward(self, before: Callable[[], None]) -> None:
+        """Call ``before`` ahead of every forward of a multimodal model (its towers run before the decoder, whose
+        own pre-hook comes too late for them: the engine publishes the resident weights there)."""
+        if self.run.runs_model:
+            self.run.model.register_forward_pre_hook(lambda *_: before())
+
     @contextmanager
     def capture(self, kwargs: dict[str, Any]) -> Iterator[list[torch.Tensor] | None]:
-        """Around the decoder forward: yields the per-layer router logits (None for dense / aux-free runs)."""
-        if self.router is None or not self.router.wanted(kwargs):
+        """Around the decoder forward: yields the per-layer router logits (None for dense / aux-free runs, and
+        for a multimodal model, whose forward records them and adds its aux loss itself)."""
+        if self.run.runs_model or self.router is None or not self.router.wanted(kwargs):
             yield None
             return
         with self.router.tap.capturing() as logits:
@@ -270,7 +304,7 @@ class ModelHead:
         loss = head_loss(self.loss_impl, self._scaled(hidden, head), head.weight, labels,
                          bias=getattr(head, "bias", None), num_items_in_batch=num_items_in_batch,
                          chunk_tokens=chunk_tokens, softcap=self.softcap, compiled=compiled, stats=stats)
-        if router_logits is not None and self.router is not None:
+        if router_logits is not None and self.router is not None and self.router.coef is not None:
             aux = self.router.loss(router_logits, attention_mask)
             if aux is not None:
                 loss = loss + self.router.coef * aux.to(loss.device)

@@ -42,11 +42,24 @@ def _number(x: Any) -> float | None:
     return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
 
 
-def _text_config(cfg: Any) -> Any:
+def text_config_of(cfg: Any) -> Any:
     try:
         return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     except ValueError:  # several text configs (encoder-decoder audio models): check_supported refuses those
         return cfg
+
+
+def is_composite(model: Any) -> bool:
+    """Whether ``model``'s config holds its language model's config as a sub-config (``text_config``): a
+    multimodal model (model/multimodal.py), whose forward does more than its language model's."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or not hasattr(cfg, "get_text_config"):
+        return False
+    try:
+        text = cfg.get_text_config()
+    except ValueError:  # several text configs (encoder-decoder audio models): refused elsewhere
+        return False
+    return text is not None and text is not cfg
 
 
 def _config_items(cfg: Any) -> dict[str, Any]:
@@ -61,7 +74,7 @@ def head_value(model: Any, extra: str) -> tuple[str, float] | None:
     """``(attribute, value)`` of ``extra`` for ``model``: the first alias set to a number on the model itself (HF
     copies some onto it) or its text config; None when no alias is set. Two aliases set to different values are
     refused (which one HF reads would depend on the family)."""
-    cfg = _text_config(getattr(model, "config", None))
+    cfg = text_config_of(getattr(model, "config", None))
     found: dict[str, float] = {}
     for name in HEAD_ALIASES[extra]:
         for owner in (cfg, model):
@@ -88,7 +101,7 @@ def check_head_extras(model: Any) -> None:
     """Refuse ``model`` when its config sets a head-extra-like attribute that hf_megatrain does not apply."""
     known = {n for names in HEAD_ALIASES.values() for n in names} | IN_DECODER
     cfg = getattr(model, "config", None)
-    for owner in {id(c): c for c in (cfg, _text_config(cfg))}.values():
+    for owner in {id(c): c for c in (cfg, text_config_of(cfg))}.values():
         for name, value in _config_items(owner).items():
             if name in known or not _HEAD_LIKE.search(name) or _inert(name, value):
                 continue

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .head_config import is_composite
+
 _SCALARS = (int, float, str, bool, type(None))
 # Attributes that differ per layer but do not change what a training forward computes.
 _IGNORED_ATTRS = {"layer_idx", "training"}
@@ -58,8 +60,11 @@ def find_layer_stack(model: nn.Module, layers_path: str | None = None) -> LayerS
 
     best: tuple[int, str] | None = None
     total = max(_numel(model), 1)
+    within = _language_model_modules(model)
     for name, module in model.named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) == 0 or not _is_stack_candidate(model, name, module):
+            continue
+        if within is not None and id(module) not in within:
             continue
         size = _numel(module)
         if best is None or size > best[0]:
@@ -75,6 +80,25 @@ def find_layer_stack(model: nn.Module, layers_path: str | None = None) -> LayerS
     stack = LayerStack(parent, attr, best[1])
     check_no_shared_weights(model, stack)
     return stack
+
+
+def _language_model_modules(model: nn.Module) -> set[int] | None:
+    """A multimodal model (its config holds a ``text_config``): ids of the modules of its language model
+    (``get_decoder()``), where the decoder stack is looked for -- a vision tower's encoder layers may outweigh a
+    small language model's, but it is the language model whose layers are streamed (model/multimodal.py). None
+    (look everywhere) for other models, or where the language model holds no layer list."""
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model  # (PEFT)
+    if not is_composite(base) or not callable(getattr(base, "get_decoder", None)):
+        return None
+    try:
+        decoder = base.get_decoder()
+    except (AttributeError, NotImplementedError, ValueError):
+        return None
+    if not isinstance(decoder, nn.Module) or decoder is base:
+        return None
+    ids = {id(m) for m in decoder.modules()}
+    lists = [m for m in decoder.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    return ids if lists else None
 
 
 # Attribute names HF gives its decoder-layer lists (``model.layers``, ``transformer.h``, ``transformer.blocks``...).

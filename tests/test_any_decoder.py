@@ -215,7 +215,7 @@ def test_parameters_without_gradient_are_not_stepped():
     for n, p in ref.named_parameters():
         if ".unused." in n or n.endswith("spare"):
             assert engine.store.master_tensor(n).equal(init.get_parameter(n).detach()), n
-    assert engine.optimizer._missed  # the skipped steps are counted per parameter
+    assert engine.optimizer.missed_steps  # the skipped steps are counted per parameter
 
 
 def test_speculative_step_leaves_unreached_parameters_alone():
@@ -238,7 +238,7 @@ def test_missed_steps_travel_with_optimizer_state():
                             device="cpu")
     opt = other.create_optimizer(lr=1e-3)
     opt.load_state_tensors({k: v.clone() for k, v in state.items()})
-    assert opt._missed == engine.optimizer._missed
+    assert opt.missed_steps == engine.optimizer.missed_steps
 
 
 def test_lean_store_refuses_parameters_without_gradient():

@@ -13,7 +13,7 @@ from hf_megatrain import MegaTrainConfig
 from hf_megatrain.core import kernels
 from hf_megatrain.core.plan import PlanInputs, Stepper, Where, build_plans
 from hf_megatrain.core.step_state import Phase, StepState
-from hf_megatrain.optim.speculation import Act, LeanPolicy
+from hf_megatrain.optim.speculation import Act, SpeculationPolicy
 
 from .parity import rel
 
@@ -189,9 +189,9 @@ def test_step_state_waiters_block_until_ready_and_see_failures():
         st.wait_ready(0)
 
 
-# -- lean policy (fakes: unit indices, norms and keys only) ------------------------------------------------------------
-def test_lean_policy_speculates_then_takes_back_when_the_step_clips():
-    p = LeanPolicy(norm_first=False)
+# -- speculation policy (fakes: unit indices, norms and keys only) ------------------------------------------------------------
+def test_speculation_policy_speculates_then_takes_back_when_the_step_clips():
+    p = SpeculationPolicy(norm_first=False)
     key = (None, ("h",))
     assert p.first_pass(2, 1.0, key) is Act.UPDATE and p.first_pass(1, 4.0, key) is Act.UPDATE
     assert p.mode is False
@@ -206,8 +206,8 @@ def test_lean_policy_speculates_then_takes_back_when_the_step_clips():
     assert p.norm_first and not p.seen and not p.applied
 
 
-def test_lean_policy_norm_first_and_nonfinite_and_accumulation():
-    p = LeanPolicy(norm_first=True)
+def test_speculation_policy_norm_first_and_nonfinite_and_accumulation():
+    p = SpeculationPolicy(norm_first=True)
     key = (None, ("h",))
     assert p.first_pass(1, 9.0, key) is Act.KEEP and p.first_pass(0, float("inf"), key) is Act.KEEP
     assert p.nonfinite == {0}

@@ -80,12 +80,12 @@ def test_device_stepped_state_comes_in_by_shares():
     engine = MegaTrainEngine(tiny("llama", num_hidden_layers=4), cfg)
     opt = engine.create_optimizer()
     stepper, stepped = opt.device_stepper, engine.layer_units[:2]
-    assert opt._prefetch_share == -(-stepper.state_numel() // 2)  # two CPU layers land before them
+    assert opt.prefetch_share == -(-stepper.state_numel() // 2)  # two CPU layers land before them
     n0 = stepped[0].numel
     stepper.prefetch(n0 + 5)  # layer 0's master and 5 elements of its exp_avg
-    assert not stepper.loaded and stepper._partial[0][0] == n0 + 5
+    assert not stepper.loaded and stepper.queued(0) == n0 + 5
     stepper.prefetch(2 * n0)
-    assert list(stepper.loaded) == [0] and stepper._partial[1][0] == 5
+    assert list(stepper.loaded) == [0] and stepper.queued(1) == 5
     with torch.no_grad():
         for u in stepped:
             for name in ("master", "exp_avg", "exp_avg_sq"):
@@ -195,27 +195,23 @@ def test_speculation_needs_a_whole_step_gradient():
 
 
 def test_speculative_worker_takes_the_unit_the_next_forward_needs_first():
-    """Landings queued behind a busy worker are taken in the next forward's order, not in landing order."""
-    import heapq
-    import threading
+    """Landings queued behind a busy worker are taken in the next forward's order, not in landing order; each
+    finished update keeps its gradient landed until step() judges it (fakes: a real StepState, a fake update)."""
+    from hf_megatrain.core.step_state import Phase, StepState
+    from hf_megatrain.optim.speculative_step import SpeculativeWorker
 
-    from hf_megatrain import MegaTrainEngine
-
-    engine = MegaTrainEngine(tiny("llama", num_hidden_layers=4), MegaTrainConfig(compute_dtype="float32"))
-    opt = engine.create_optimizer()
-    if opt._spec_pool is None:
-        pytest.skip("speculation needs overlap_optimizer")
-    seen, gate = [], threading.Event()
-    opt._speculate = lambda i, sq: seen.append(i)
-    opt._spec_pool.submit(gate.wait)  # the worker is busy while four gradients land, last layer first
-    landings = [u.index for u in reversed(engine.layer_units)]
-    for i in landings:
-        with opt._spec_lock:
-            heapq.heappush(opt._spec_queue, (opt._forward_pos[i], i, 1.0))
-        opt._spec_jobs.append(opt._spec_pool.submit(opt._speculate_next))
-    gate.set()
-    opt._sync_spec()
-    assert seen == [u.index for u in engine.layer_units]
+    order = [4, 0, 1, 2, 3]  # (the next forward: the resident unit first, then the layers)
+    state, seen = StepState(5), []
+    worker = SpeculativeWorker(state, order, overlap=True)
+    release = worker.hold()  # the worker is busy while four gradients land, last layer first
+    for i in (3, 2, 1, 0):
+        worker.submit(i, "hyper", lambda i, hyper: seen.append(i))
+    assert all(state.updating(i) for i in range(4))
+    release()
+    worker.sync()
+    assert seen == [0, 1, 2, 3] and state.phase[:4] == [Phase.LANDED] * 4 and state.version[:4] == [1] * 4
+    worker.stands({0, 1})  # judged right: ready for the next forward
+    assert state.phase[:4] == [Phase.READY, Phase.READY, Phase.LANDED, Phase.LANDED]
 
 
 def _train_without_waiting(engine, batches, clip):
@@ -236,8 +232,6 @@ def _train_without_waiting(engine, batches, clip):
 def test_step_does_not_wait_for_the_speculative_updates(clip):
     """step() returns while the speculative updates of the step still run (the worker is held here); the next
     forward waits for each unit, and the weights after 4 steps equal the synchronous optimizer's exactly."""
-    import threading
-
     from hf_megatrain import MegaTrainEngine
 
     torch.manual_seed(0)
@@ -247,15 +241,13 @@ def test_step_does_not_wait_for_the_speculative_updates(clip):
     want = _train_without_waiting(sync, batches, clip)
     engine = MegaTrainEngine(model, MegaTrainConfig(compute_dtype="float32", overlap_optimizer=True))
     opt = engine.create_optimizer(lr=1e-3, weight_decay=0.1, max_grad_norm=clip)
-    if opt._spec_pool is None:
+    if not opt.speculation.overlapped:
         pytest.skip("speculation needs overlap_optimizer")
     # Without clipping every step speculates; in step 2 the worker is held until step() has returned.
     for k, ids in enumerate(batches):
         loss = engine(input_ids=ids, labels=ids).loss
         engine.set_final_backward(True)
-        gate = threading.Event()
-        if k == 1:
-            opt._spec_pool.submit(gate.wait)
+        release = opt.speculation.hold() if k == 1 else (lambda: None)
         before = opt.speculated
         try:
             loss.backward()
@@ -263,7 +255,7 @@ def test_step_does_not_wait_for_the_speculative_updates(clip):
             opt.step()
             held = (opt.speculated - before, [engine.state.updating(u.index) for u in engine.layer_units])
         finally:
-            gate.set()
+            release()
         if k == 1 and clip is None:  # (with clipping every step takes its norm first: nothing to hold)
             assert held == (0, [True] * 3)
         opt.zero_grad()
@@ -276,23 +268,19 @@ def test_step_does_not_wait_for_the_speculative_updates(clip):
 def test_zero_grad_without_step_leaves_no_stale_speculation():
     """zero_grad() without step() takes the speculative updates back; the next step's updates, held on the worker
     until after step() returns, must still be running then (not marked ready by what the dropped step left)."""
-    import threading
-
     from hf_megatrain import MegaTrainEngine
 
     torch.manual_seed(0)
     engine = MegaTrainEngine(tiny("llama", num_hidden_layers=3),
                              MegaTrainConfig(compute_dtype="float32", overlap_optimizer=True))
     opt = engine.create_optimizer(lr=1e-3, max_grad_norm=None)
-    if opt._spec_pool is None:
+    if not opt.speculation.overlapped:
         pytest.skip("speculation needs overlap_optimizer")
     ids = torch.randint(0, 64, (2, 10))
     for k in range(2):
         loss = engine(input_ids=ids, labels=ids).loss
         engine.set_final_backward(True)
-        gate = threading.Event()
-        if k == 1:
-            opt._spec_pool.submit(gate.wait)
+        release = opt.speculation.hold() if k == 1 else (lambda: None)
         try:
             loss.backward()
             engine.finish_backward()
@@ -303,7 +291,7 @@ def test_zero_grad_without_step_leaves_no_stale_speculation():
             opt.step()
             held = [engine.state.updating(u.index) for u in engine.layer_units]
         finally:
-            gate.set()
+            release()
         assert held == [True] * 3
         opt.zero_grad()
     engine.state.wait_all()

@@ -60,8 +60,9 @@ logger = logging.getLogger(__name__)
 
 
 class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
-    def __init__(self, store: UnitStore, state: StepState, grads: GradientPath, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, max_grad_norm: float | None = None,
+    def __init__(self, store: UnitStore, state: StepState, grads: GradientPath, lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                 max_grad_norm: float | None = None,
                  unit_order: list[int] | None = None, skip_nonfinite: bool = True, overlap: bool = False,
                  host_kernel: kernels.HostKernel = kernels.HostKernel.FUSED, speculate: bool = False,
                  grad_reach: GradReach | None = None, dp: DataParallel | None = None,
@@ -140,7 +141,7 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         loss = closure() if closure is not None else None
-        self._join()
+        self._join_before_step()
         self.grads.land()  # (may hand the last units to the speculative worker)
         # Every update but this step's speculative ones is finished; those may still run: the norm needs only their
         # landed gradients, which the updates leave untouched, and step() returns without waiting for them.
@@ -159,7 +160,7 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
         self.last_step_skipped = skip
         hyper = self._hyper()
         grad_scale = None if skip else self._grad_scale(norm)
-        done = self._judge_speculation(skip, hyper, grad_scale)
+        done = self._settle(skip, hyper, grad_scale)
         if skip:
             self._skip(norm)
         else:
@@ -167,6 +168,17 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
             # StepState.peers, so each rank's AdamW overlaps its next forward as in one process)
             self._launch(hyper, grad_scale, [i for i in self.unit_order if i not in done])
         return loss
+
+    # (The lean store, optim/lean.py, plugs into the same phases through these three.)
+    def _join_before_step(self) -> None:
+        """Before *land*: the previous step's update threads (this step's speculative updates may still run: the
+        norm needs only their landed gradients, which the updates leave untouched)."""
+        self._join()
+
+    def _settle(self, skip: bool, hyper: list[kernels.Hyper], grad_scale: float | None) -> set[int]:
+        """After *decide*: settle the updates made before the norm was known (speculation); returns the units that
+        need no launch."""
+        return self._judge_speculation(skip, hyper, grad_scale)
 
     def own(self, u: Unit) -> tuple[int, int]:
         """The range of ``u``'s flat buffers this process steps: its shard of a HOST unit shared by data-parallel
@@ -371,7 +383,7 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
     def join(self) -> None:
         """Join this optimizer's background work (update threads, speculative jobs); re-raise their failure."""
         self._join()
-        self._sync_spec()
+        self.speculation.sync()
 
     def wait(self) -> None:
         """Block until the last (possibly overlapped) step has finished every unit."""
@@ -396,6 +408,12 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
     def unit_steps(self) -> torch.Tensor:
         """AdamW step count per unit."""
         return torch.tensor(self._counts, dtype=torch.float32)
+
+    @property
+    def missed_steps(self) -> dict[int, list[int]]:
+        """Per unit some of whose parameters skipped steps (no gradient reached them, as torch.optim.AdamW skips a
+        None ``.grad``): each parameter's skipped steps (its own step count is the unit's minus that). A copy."""
+        return {i: list(m) for i, m in self._missed.items()}
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         self.wait()

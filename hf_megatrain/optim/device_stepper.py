@@ -102,6 +102,12 @@ class DeviceStepper:
                 self.loaded[j] = (st.record(st.h2d), version)
                 del self._partial[j]
 
+    def queued(self, j: int) -> int:
+        """Elements of the ``j``-th unit's state (master, m, v, in that order) queued by ``prefetch`` so far, while
+        it is partly in (0 before its first piece and once it is loaded: see ``loaded``)."""
+        done = self._partial.get(j)
+        return 0 if done is None else done[0]
+
     def state_numel(self) -> int:
         """Elements ``prefetch`` copies in per step (host state; 0 for the device state)."""
         return 3 * sum(u.numel for u in self.units) if self.host_state else 0

@@ -5,8 +5,9 @@ clipping needs every gradient before any update. A lean unit (core/plan.py, ``St
 buffer: with one backward per step a layer's gradient is final when its backward visit ends, so it is consumed
 right there, from one of the executor's two staging slabs, and dropped.
 
-``LeanPolicy`` makes every decision, on plain numbers (tested with fakes); ``LeanAdamW`` carries them out with the
-kernels of core/kernels.py. Each step runs in one of two modes, chosen from the previous step:
+``SpeculationPolicy`` (optim/speculation.py) makes every decision, on plain numbers (tested with fakes); ``LeanAdamW``
+carries them out with the kernels of core/kernels.py, inside ``UnitAdamW.step``'s phases (``_settle``: take back,
+re-run). Each step runs in one of two modes, chosen from the previous step:
 
 * **speculate** (the previous step did not clip): each layer gets its whole AdamW update as its gradient lands
   (one pass over master, m, v; nothing left for ``step()``). When ``step()`` finds the global norm clips (or is
@@ -28,7 +29,6 @@ weight and moment bit-identical without a re-run. The resident unit keeps its gr
 from __future__ import annotations
 
 import logging
-import math
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import Any, Callable
@@ -41,7 +41,7 @@ from ..core.step_state import StepState
 from ..core.store import UnitStore
 from .adamw import UnitAdamW
 from .gradient_path import GradientPath
-from .speculation import Act, Key, LeanPolicy, StepDecision
+from .speculation import Act, Key, SpeculationPolicy, StepDecision
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class LeanAdamW(UnitAdamW):
         if any(g["eps"] <= 0 for g in self.param_groups):
             raise ValueError("lean_store needs eps > 0 (taking back a speculated update divides by sqrt(v) + eps)")
         self.lean = set(i for i, u in enumerate(store.units) if u.plan.stepper is Stepper.LEAN)
-        self.policy = LeanPolicy(norm_first=bool(self.max_grad_norm and self.max_grad_norm > 0))
+        self.policy = SpeculationPolicy(norm_first=bool(self.max_grad_norm and self.max_grad_norm > 0))
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="megatrain-lean") if self.overlap else None
         self._futures: list[Future] = []
         self.regenerated_steps = 0  # steps whose forward+backward ran twice (clipped / skipped / discarded)
@@ -72,8 +72,8 @@ class LeanAdamW(UnitAdamW):
 
     # -- gradients in -------------------------------------------------------------------------------------------------
     def consume(self, i: int, slab: torch.Tensor, sq: torch.Tensor, ready: Any) -> Callable[[], None]:
-        """The gradient sink (called by engine/offload.py): the executor's D2H of unit ``i``'s gradient into host ``slab`` is queued (``ready``: its event); returns
-        a wait() that returns once the slab may be reused."""
+        """The gradient sink (called by engine/offload.py): the executor's D2H of unit ``i``'s gradient into host
+        ``slab`` is queued (``ready``: its event); returns a wait() that returns once the slab may be reused."""
         self.step_state.begin_update(i)
         job = partial(self._apply, self.policy.rerun is None, i, slab, sq, ready)
         if self._pool is None:
@@ -165,25 +165,20 @@ class LeanAdamW(UnitAdamW):
         for f in futures:
             f.result()
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = closure() if closure is not None else None
-        self.wait()  # (joins the queued layer updates)
-        self.grads.land()
-        self._zero_missing()
-        norm = self.grad_norm()
-        self.last_grad_norm = norm
-        hyper = self._hyper()
-        skip = not math.isfinite(norm) and self.skip_nonfinite
-        self.last_step_skipped = skip
-        grad_scale = None if skip else self._grad_scale(norm)
+    # -- step: UnitAdamW.step's phases, with the lean units settled in between --------------------------------------
+    def _join_before_step(self) -> None:
+        self.wait()  # every consumed layer's update: their squared norms are the lean units' part of the norm
+
+    def _settle(self, skip: bool, hyper: list[kernels.Hyper], grad_scale: float | None) -> set[int]:
+        """After *decide*: the policy's decision -- take back what the true norm proves wrong and, when a lean unit
+        still needs its right update (norm first, clipped, ...), re-run the step's forward+backward; lean units no
+        backward reached get a zero-gradient update. Returns the lean units (the launch steps the others)."""
         decision = self.policy.decide(skip, self._key(hyper, grad_scale), self.skip_nonfinite)
         if decision.rerun:
             self._rerun(grad_scale, skip, hyper, decision)
         if skip:
-            self._skip(norm)
             self._end(None)
-            return loss
+            return self.lean
         missing = sorted(self.lean - self.policy.seen)  # lean units no backward reached: zero gradient
         # (sized for those only: a layer-sized FP32 zero tensor every step was 5.2 GiB of RSS at 123B, filled)
         zero = torch.zeros(max((self.store.units[i].numel for i in missing), default=0), dtype=torch.float32)
@@ -192,8 +187,7 @@ class LeanAdamW(UnitAdamW):
             self.update_(u, [u.master, zero[:u.numel], u.exp_avg, u.exp_avg_sq], hyper, None)
             self.step_state.touch(i)
         self._end(grad_scale is not None)
-        self._launch(hyper, grad_scale, [i for i in self.unit_order if i not in self.lean])
-        return loss
+        return self.lean
 
     def _zero_missing(self) -> None:
         for u in self.store.units:

@@ -1,12 +1,17 @@
-"""Speculative updates: apply a unit's AdamW update as soon as its gradient is final, before the global norm is known.
+"""SpeculationPolicy: when to update a unit before the global norm is known, and what to take back or re-run.
+
+One policy decides for both modes that update a unit as soon as its gradient is final (the step's last backward):
+the speculative host step (``speculative_step``: optim/speculative_step.py) and the lean store, whose gradients have
+no buffer and must be consumed as they land (optim/lean.py). Each carries the decisions out; neither decides.
 
 A step that does not clip needs no correction, so after an unclipped step the next one *speculates*: each unit is
 updated as its gradient lands (with no clip factor). When ``step()`` finds that the global norm clips (or is
 non-finite, or the hyper-parameters changed since), every speculated update is taken back (restored from the
-copy optim/take_back.py made before it: bit-exact) and redone with the true factor. After a step that clipped, the
-next one takes its *norm first* (no speculation), so a run that clips throughout never takes anything back.
-``LeanPolicy`` makes these decisions on plain numbers (tested with fakes); the lean store (optim/lean.py) and the
-speculative host step (optim/adamw.py) carry them out.
+copy optim/take_back.py made before it, bit-exact; else arithmetically, within an ulp) and redone with the true
+factor -- for the lean store from a *re-run* of the step's forward+backward, since its gradients are gone. After a
+step that clipped, the next one takes its *norm first* (no speculation; the lean store then re-runs every such
+step), so a run that clips throughout never takes anything back. Decisions are made on unit indices, squared norms
+and keys only (tested with fakes: tests/test_components.py).
 """
 
 from __future__ import annotations
@@ -38,8 +43,9 @@ class StepDecision:
 
 
 @dataclass
-class LeanPolicy:
-    """Speculation decisions for one optimizer, on unit indices, norms and keys only."""
+class SpeculationPolicy:
+    """Speculation decisions for one optimizer (the host speculative step, or the lean store), on unit indices,
+    squared norms and keys only."""
 
     norm_first: bool  # the next step's mode
     mode: bool | None = None  # the mode of the step in progress (fixed by its first gradient); True = norm first

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import sys
 from typing import Any
 
@@ -55,9 +56,23 @@ def megatrain_trainer_class(base: type[Trainer]) -> type[MegaTrainTrainer]:
         base.__init__(self, *args, **kwargs)  # -> ... -> _ConvertAtTrainerInit.__init__ -> Trainer.__init__
 
     name = f"MegaTrain{base.__name__}"
-    return type(name, (MegaTrainTrainer, base, _ConvertAtTrainerInit),
+    return type(name, (_port_for(base), base, _ConvertAtTrainerInit),
                 {"__init__": __init__, "__module__": base.__module__, "__qualname__": name,
                  "__doc__": f"{base.__name__} trained by hf_megatrain (hf_megatrain.hf.compose)."})
+
+
+# Trainers whose loss is ported onto the engine: the base's qualified name (found on a subclass's MRO too) -> the
+# port, "module:class", a MegaTrainTrainer subclass taking MegaTrainTrainer's place (imported only when asked for).
+_PORTS = {"trl.trainer.dpo_trainer.DPOTrainer": "hf_megatrain.hf.dpo_support:DPOPort"}
+
+
+def _port_for(base: type[Trainer]) -> type[MegaTrainTrainer]:
+    for cls in base.__mro__:
+        spec = _PORTS.get(f"{cls.__module__}.{cls.__qualname__}")
+        if spec is not None:
+            module, attr = spec.split(":")
+            return getattr(importlib.import_module(module), attr)
+    return MegaTrainTrainer
 
 
 def megatrain_args_class(base: type[TrainingArguments], name: str | None = None,

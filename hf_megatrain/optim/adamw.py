@@ -7,8 +7,9 @@ splits them), so LR schedulers drive it unchanged. ``step()`` runs in named phas
             ``.grad``; engine/landing.py), handed to the optimizer at construction
     norm    global L2 norm from the per-unit squared norms folded into each gradient's departure from the GPU
     decide  clip factor (folded into the kernel as ``grad_scale``) or, on a non-finite norm, skip the step
-    launch  each unit goes to the stepper its plan names: HOST and DEVICE units on one worker (the fused kernel on
-            the CPU or the GPU where the state lives), DEVICE_STREAMED units on a second one (device_stepper.py)
+    launch  each unit goes to the stepper of its plan's kind, chosen once (optim/steppers.py): HOST and DEVICE
+            units on one worker (the fused kernel on the CPU or the GPU where the state lives), DEVICE_STREAMED
+            units on a second one (device_stepper.py); LEAN units were updated as they landed (optim/lean.py)
 
 With ``overlap=True`` the workers run in background threads in the order the next forward consumes units (resident
 first, then layer 0, 1, ...); the executor waits, per layer, until the step state says that unit is ready. Every
@@ -34,7 +35,6 @@ another rank, past the norm's all-reduce, loads the unit).
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import threading
@@ -51,6 +51,7 @@ from ..parallel.shards import clip_spans
 from .device_stepper import DeviceStepper
 from .gradient_path import GradientPath
 from .speculative_step import SpeculativeStep
+from .steppers import KernelStepper, UnitStepper
 
 if TYPE_CHECKING:
     from ..parallel.group import DataParallel
@@ -101,9 +102,15 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
         self.unit_order = unit_order or list(range(len(store.units)))
         self.overlap = overlap
         streamed = [u for u in store.units if u.plan.stepper is Stepper.DEVICE_STREAMED]
-        self.device_stepper = DeviceStepper(streamed, streamed[0].grad.device, store.compute_dtype,
-                                            lambda i: state.version[i]) \
+        self.device_stepper = DeviceStepper(streamed, streamed[0].grad.device, store.compute_dtype, state) \
             if streamed else None
+        # One stepper per kind, and which worker runs it (optim/steppers.py); LEAN units are never launched.
+        kernel = KernelStepper(state, self.grad_of)
+        self.steppers: dict[Stepper, UnitStepper] = {Stepper.HOST: kernel, Stepper.DEVICE: kernel}
+        self._worker_of = {Stepper.HOST: 0, Stepper.DEVICE: 0}
+        if self.device_stepper is not None:
+            self.steppers[Stepper.DEVICE_STREAMED] = self.device_stepper
+            self._worker_of[Stepper.DEVICE_STREAMED] = 1
         # How host units are updated (core/kernels.py): the native and compiled kernels write the compute copy in
         # the same pass; built here, on the main thread, rather than in the middle of the first step on a worker.
         self.host_kernel = host_kernel
@@ -256,31 +263,37 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
         return [kernels.Hyper.of(g) for g in self.param_groups]
 
     def _launch(self, hyper: list[kernels.Hyper], grad_scale: float | None, units: list[int] | None = None) -> None:
-        """Step ``units`` (default: every unit with a gradient) on the stepper each one's plan names."""
-        order = [i for i in (self.unit_order if units is None else units)]
-        plans = [self.store.units[i].plan for i in order]
-        on_gpu = [i for i, p in zip(order, plans) if p.stepper is Stepper.DEVICE_STREAMED]
-        here = [i for i, p in zip(order, plans) if p.stepper in (Stepper.HOST, Stepper.DEVICE)]
-        for i in here + on_gpu:
+        """Step ``units`` (default: every unit with a gradient) on the stepper of each one's kind, each worker's
+        units in the order given (the next forward's)."""
+        workers: list[list[int]] = [[] for _ in range(1 + (self.device_stepper is not None))]
+        for i in (self.unit_order if units is None else units):
+            w = self._worker_of.get(self.store.units[i].plan.stepper)
+            if w is not None:
+                workers[w].append(i)
+        for i in (i for ids in workers for i in ids):
             self.step_state.begin_update(i)
             taken = self.grad_reach.take(i) if self.grad_reach is not None else None
             self._reached[i] = self._dp_reached.pop(i) if self.dp is not None else taken
         self._dp_reached.clear()
-        jobs: list[tuple[Callable, list[int]]] = [(self._run_here, here)]
-        if on_gpu:  # (recorded here, on the main thread: everything the backward queued comes before its kernels)
-            after = self.device_stepper.streams.record(self.device_stepper.streams.compute)
-            jobs.append((functools.partial(self._run_device_streamed, after=after), on_gpu))
+        jobs = [ids for k, ids in enumerate(workers) if k == 0 or ids]
+        for ids in jobs:  # (on the main thread: everything the backward queued comes before the streamed kernels)
+            if ids:
+                self.steppers[self.store.units[ids[0]].plan.stepper].prepare()
+
+        def update(u: Unit, flats: list[torch.Tensor], refresh: bool) -> None:
+            self.update_(u, flats, hyper, grad_scale, refresh=refresh)
+
         t0 = time.perf_counter()
         self._running_seconds = 0.0
         if self.overlap:
             # Not daemons: the interpreter joins them at exit, so no update is cut off mid-kernel.
-            self._workers = [threading.Thread(target=self._guard, args=(fn, ids, hyper, grad_scale, t0),
-                                              name="megatrain-adamw") for fn, ids in jobs]
+            self._workers = [threading.Thread(target=self._guard, args=(ids, update, t0), name="megatrain-adamw")
+                             for ids in jobs]
             for w in self._workers:
                 w.start()
         else:
-            for fn, ids in jobs:
-                self._guard(fn, ids, hyper, grad_scale, t0)
+            for ids in jobs:
+                self._guard(ids, update, t0)
             self.wait()
 
     def _agree_reached(self) -> None:
@@ -295,31 +308,20 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
         for u in units:
             self._dp_reached[u.index], merged = merged[:len(u.params)], merged[len(u.params):]
 
-    def _guard(self, fn: Callable, ids: list[int], hyper: list[kernels.Hyper], grad_scale: float | None,
-               t0: float) -> None:
+    def _guard(self, ids: list[int], update: Callable[[Unit, list[torch.Tensor], bool], None], t0: float) -> None:
+        """One worker: its units, each run of consecutive units of one kind through that kind's stepper."""
         try:
-            fn(ids, hyper, grad_scale)
+            k = 0
+            while k < len(ids):
+                kind = self.store.units[ids[k]].plan.stepper
+                end = k + 1
+                while end < len(ids) and self.store.units[ids[end]].plan.stepper is kind:
+                    end += 1
+                self.steppers[kind].run([self.store.units[i] for i in ids[k:end]], update)
+                k = end
             self._running_seconds = max(self._running_seconds, time.perf_counter() - t0)
         except BaseException as e:  # surfaced by the next wait
             self.step_state.fail(e)
-
-    # -- steppers ----------------------------------------------------------------------------------------------------
-    def _run_here(self, ids: list[int], hyper: list[kernels.Hyper], grad_scale: float | None) -> None:
-        """HOST units on the CPU, DEVICE units on the GPU (kernel launches): the same fused kernel."""
-        for i in ids:
-            u = self.store.units[i]
-            with torch.profiler.record_function("megatrain.optimizer.host_unit"):
-                self.update_(u, [u.master, self.grad_of(u), u.exp_avg, u.exp_avg_sq], hyper, grad_scale)
-            self.step_state.finish_update(i)
-
-    def _run_device_streamed(self, ids: list[int], hyper: list[kernels.Hyper], grad_scale: float | None,
-                             after: object = None) -> None:
-        assert self.device_stepper is not None
-        self.device_stepper.run([self.store.units[i] for i in ids],
-                                lambda u, flats: self.update_(u, flats, hyper, grad_scale, refresh=False),
-                                lambda u: self.step_state.finish_update(u.index),
-                                lambda u, copy, event: self.step_state.publish_copy(u.index, copy, event),
-                                after=after)
 
     def grad_of(self, u: Unit) -> torch.Tensor:
         """``u``'s host gradient as this step holds it: FP32, or narrow (engine/offload.py)."""

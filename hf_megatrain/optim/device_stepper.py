@@ -25,26 +25,28 @@ place: it never crosses PCIe); where their AdamW moments live is ``device_step_s
 
 The update is the same fused AdamW kernel with the same hyper-parameters, clip scale and step count, so results
 match the CPU path to rounding. Checkpoints read the moments wherever they live. On a CPU-only machine the
-"device" is the CPU and the same code runs synchronously (tested there).
+"device" is the CPU and the same code runs synchronously (tested there). It is the ``DEVICE_STREAMED`` kind's
+stepper (optim/steppers.py): ``prepare`` / ``run(units, update)``, each unit moved through the step state here.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any
 
 import torch
 
 from ..core.plan import Where
+from ..core.step_state import StepState
 from ..core.store import Unit
 from ..core.streams import StreamSet
+from .steppers import Update
 
 
 class DeviceStepper:
-    def __init__(self, units: list[Unit], device: torch.device, compute_dtype: torch.dtype,
-                 version_of: Callable[[int], int] = lambda i: 0) -> None:
+    def __init__(self, units: list[Unit], device: torch.device, compute_dtype: torch.dtype, state: StepState) -> None:
         self.units = units
-        # A unit's master version (core/step_state.py): a prefetched copy taken at another version is stale.
-        self.version_of = version_of
+        # Each unit's master version (a prefetched copy taken at another version is stale); its updates finish here.
+        self.state = state
         self.device = device
         self.streams = StreamSet(device)
         self.compute_stream = torch.cuda.Stream(device) if self.streams.is_cuda else None
@@ -65,6 +67,7 @@ class DeviceStepper:
         # unit position -> (event, master version): its state is in its buffers (host state)
         self.loaded: dict[int, tuple[object, int]] = {}
         self._partial: dict[int, list[int]] = {}  # unit position -> [elements queued, master version]
+        self._after: Any = None  # (prepare)
 
     def _slot(self, j: int) -> int:
         return j if self.host_state else j % 2
@@ -80,7 +83,7 @@ class DeviceStepper:
         st = self.streams
         left = budget
         for j, unit in enumerate(self.units):
-            version = self.version_of(unit.index)
+            version = self.state.version[unit.index]
             if j in self.loaded and self.loaded[j][1] == version:
                 continue
             done = self._partial.get(j)
@@ -117,16 +120,19 @@ class DeviceStepper:
         self.loaded.clear()
         self._partial.clear()
 
-    def run(self, order: list[Unit], step_fn: Callable[[Unit, list[torch.Tensor]], None],
-            done: Callable[[Unit], None],
-            publish: Callable[[Unit, torch.Tensor, object], None] | None = None, after: object = None) -> None:
-        """Step ``order``'s units; ``step_fn(unit, [master, grad, m, v])`` runs the kernel on device views;
-        ``done(unit)`` is called once the unit's new state (and compute copy) is back in host memory. Host state:
-        ``publish(unit, compute copy, event)`` as soon as the new weights are queued on the GPU (each layer's
-        buffers are its own until its next update, so the next forward may copy them from there). ``after``: an
-        event on the compute stream recorded by the caller (main thread) once the backward was queued: the
-        gradients, and the last forward's reads of the published copies, come before the kernels here."""
+    def prepare(self) -> None:
+        """Main thread, at launch: an event on the compute stream once the backward was queued (the gradients, and
+        the last forward's reads of the published copies, come before the kernels of ``run``)."""
+        self._after = self.streams.record(self.streams.compute)
+
+    def run(self, order: list[Unit], update: Update) -> None:
+        """Step ``order``'s units; ``update(unit, [master, grad, m, v], False)`` runs the kernel on device views
+        (this stepper writes the compute copy); each unit's update finishes (step state) once its new state (and
+        compute copy) is back in host memory. Host state: the new weights are published (``publish_copy``) as soon
+        as they are queued on the GPU (each layer's buffers are its own until its next update, so the next forward
+        may copy them from there)."""
         st = self.streams
+        after, self._after = self._after, None
         st.wait(self.compute_stream, after)
         position = {u.index: j for j, u in enumerate(self.units)}
         prev: tuple[Unit, object] | None = None
@@ -146,11 +152,11 @@ class DeviceStepper:
                     loaded = st.record(st.h2d)
             with st.on(self.compute_stream):
                 st.wait(self.compute_stream, loaded)
-                step_fn(unit, [master, unit.grad, m, v])
+                update(unit, [master, unit.grad, m, v], False)
                 comp.copy_(master)
                 stepped = st.record(self.compute_stream)
-            if self.host_state and publish is not None and unit.frozen is None:  # (a frozen part loads from host)
-                publish(unit, comp, stepped)
+            if self.host_state and unit.frozen is None:  # (a frozen part loads from host)
+                self.state.publish_copy(unit.index, comp, stepped)
             with st.on(st.d2h):
                 st.wait(st.d2h, stepped)
                 if unit.compute is not None:  # first: the next forward reads it
@@ -163,8 +169,8 @@ class DeviceStepper:
             if prev is not None:  # the previous unit's copies were queued before this one's: finish it now
                 with torch.profiler.record_function("megatrain.optimizer.device_unit_wait"):
                     st.synchronize(prev[1])
-                done(prev[0])
+                self.state.finish_update(prev[0].index)
             prev = (unit, self.free[j])
         if prev is not None:
             st.synchronize(prev[1])
-            done(prev[0])
+            self.state.finish_update(prev[0].index)

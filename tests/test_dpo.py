@@ -23,7 +23,7 @@ import transformers  # noqa: E402
 from trl import DPOConfig, DPOTrainer  # noqa: E402
 
 from hf_megatrain.hf.compose import megatrain_args_class, megatrain_trainer_class  # noqa: E402
-from hf_megatrain.hf.dpo_support import MegaTrainDPOConfig, MegaTrainDPOTrainer  # noqa: E402
+from hf_megatrain.hf.dpo_support import DPOPort, MegaTrainDPOConfig, MegaTrainDPOTrainer  # noqa: E402
 
 from .models import tiny  # noqa: E402
 
@@ -61,9 +61,11 @@ def dpo_kwargs(out, **over):
     return kw
 
 
-def logs(trainer) -> list[dict]:
-    return [{k: v for k, v in h.items() if isinstance(v, (int, float)) and k not in ("epoch", "learning_rate")}
-            for h in trainer.state.log_history if "loss" in h]
+def logs(trainer, key: str = "loss") -> list[dict]:
+    """The numeric entries of every log line holding ``key`` (training: "loss"; evaluation: "eval_loss")."""
+    return [{k: v for k, v in h.items() if isinstance(v, (int, float)) and k not in ("epoch", "learning_rate")
+             and not k.endswith(("_runtime", "_per_second"))}
+            for h in trainer.state.log_history if key in h]
 
 
 def trained(trainer) -> dict[str, torch.Tensor]:
@@ -77,21 +79,33 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
-def run_pair(tmp_path, *, peft_config=None, **over):
+def run_pair(tmp_path, *, peft_config=None, composed=False, evaluate=False, **over):
+    """Plain DPOTrainer and ours on copies of one tiny Llama; ``composed``: ours built the generic way
+    (``megatrain_trainer_class(DPOTrainer)`` + ``megatrain_args_class(DPOConfig)``), as the issue's user did."""
     model = tiny("llama")
     data = pairs()
+    if evaluate:
+        over = dict(eval_strategy="steps", eval_steps=3, per_device_eval_batch_size=3, **over)
+    extra = dict(eval_dataset=pairs(6, seed=1)) if evaluate else {}
     ref = DPOTrainer(model=copy.deepcopy(model), args=DPOConfig(**dpo_kwargs(tmp_path / "ref", **over)),
-                     train_dataset=data, processing_class=tokenizer(), peft_config=copy.deepcopy(peft_config))
+                     train_dataset=data, processing_class=tokenizer(), peft_config=copy.deepcopy(peft_config),
+                     **extra)
     ref.train()
-    ours = MegaTrainDPOTrainer(model=copy.deepcopy(model), args=MegaTrainDPOConfig(
+    trainer_cls, args_cls = ((megatrain_trainer_class(DPOTrainer), megatrain_args_class(DPOConfig)) if composed
+                             else (MegaTrainDPOTrainer, MegaTrainDPOConfig))
+    ours = trainer_cls(model=copy.deepcopy(model), args=args_cls(
         **dpo_kwargs(tmp_path / "mt", **over), megatrain_config={"compute_dtype": "float32"}),
-        train_dataset=data, processing_class=tokenizer(), peft_config=copy.deepcopy(peft_config))
+        train_dataset=data, processing_class=tokenizer(), peft_config=copy.deepcopy(peft_config), **extra)
     assert ours.engine is not None
     ours.train()
     return ref, ours
 
 
 def check_parity(ref, ours) -> None:
+    for r, o in zip(logs(ref, "eval_loss"), logs(ours, "eval_loss"), strict=True):
+        assert sorted(r) == sorted(o) and "eval_rewards/margins" in o
+        for k in r:
+            assert o[k] == pytest.approx(r[k], rel=REL, abs=1e-6), (k, o[k], r[k])
     ref_logs, our_logs = logs(ref), logs(ours)
     assert len(our_logs) == 3 and [sorted(r) for r in ref_logs] == [sorted(o) for o in our_logs]
     for key in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -108,7 +122,11 @@ def check_parity(ref, ours) -> None:
 
 
 def test_dpo_full_finetune_precomputed_reference_matches_plain(tmp_path):
-    ref, ours = run_pair(tmp_path, precompute_ref_log_probs=True)
+    """The issue's user: the generic composition, full fine-tuning, the reference precomputed by the streamed model
+    before training (train and eval sets); evaluation runs DPOTrainer's own prediction step."""
+    ref, ours = run_pair(tmp_path, composed=True, evaluate=True, precompute_ref_log_probs=True)
+    assert isinstance(ours, DPOPort)  # megatrain_trainer_class(DPOTrainer) is the ported class
+    assert len(logs(ours, "eval_loss")) == 1
     check_parity(ref, ours)
 
 
@@ -127,3 +145,87 @@ def test_dpo_lora_live_reference_matches_plain(tmp_path):
     assert ours.ref_model is None and not ours.precompute_ref_logps  # the reference: the base, adapters disabled
     assert logs(ours)[0]["rewards/margins"] != 0.0  # policy != reference from the first step
     check_parity(ref, ours)
+
+
+def test_dpo_lora_precomputed_reference_matches_plain(tmp_path):
+    """LoRA with the reference precomputed before training: DPOTrainer's own pass, adapters disabled."""
+    torch.manual_seed(7)
+    ref, ours = run_pair(tmp_path, peft_config=lora_config(), precompute_ref_log_probs=True)
+    check_parity(ref, ours)
+
+
+@pytest.mark.parametrize("variant", [
+    # several losses at once with weights, length-desensitised log-probs, WPO weights (the fused head's
+    # log_sum_sq_probs), an f-divergence
+    # (TRL 1.16's own WPO weighting fails with hinge and sft: an in-place product on a tensor autograd saved)
+    dict(loss_type=["sigmoid", "ipo"], loss_weights=[1.0, 0.5], ld_alpha=0.5, use_weighting=True,
+         f_divergence_type="js_divergence"),
+    # the rest of DPOTrainer's loss types (bco_pair keeps running moments, aot sorts, sft reads per-token log-probs)
+    dict(loss_type=["sft", "hinge", "sigmoid_norm", "nca_pair", "bco_pair", "aot", "aot_unpaired", "apo_zero", "apo_down",
+                    "sppo_hard", "discopop", "robust", "exo_pair"], label_smoothing=0.1),
+], ids=["weighted-ld-wpo-js", "other-losses"])
+def test_dpo_loss_variants_match_plain(tmp_path, variant):
+    """Every loss type DPOTrainer offers reduces to per-sequence (or per-token) log-probs of the policy and the
+    reference, and runs as TRL's own code on the engine's log-probs."""
+    ref, ours = run_pair(tmp_path, precompute_ref_log_probs=True, **variant)
+    check_parity(ref, ours)
+
+
+def test_peft_adapter_switch_reaches_streamed_layers():
+    """``disable_adapter()`` on a converted PEFT model gives the base model's logits (its adapters all live in
+    streamed layers, which PEFT's module walk does not see), and the adapters are back afterwards."""
+    from peft import get_peft_model
+
+    from hf_megatrain import MegaTrainConfig, MegaTrainEngine
+
+    base = tiny("llama")
+    ids = torch.randint(4, 40, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want_base = base(input_ids=ids).logits
+    torch.manual_seed(7)
+    plain = get_peft_model(copy.deepcopy(base), lora_config())
+    with torch.no_grad():
+        want_adapted = plain(input_ids=ids).logits
+    torch.manual_seed(7)
+    model = get_peft_model(copy.deepcopy(base), lora_config())
+    MegaTrainEngine(model, MegaTrainConfig(compute_dtype="float32"), device="cpu")
+    with torch.no_grad():
+        with model.disable_adapter():
+            off = model(input_ids=ids).logits
+        on = model(input_ids=ids).logits
+    assert rel(off, want_base) < 1e-6 and rel(on, want_adapted) < 1e-6
+    assert rel(want_adapted, want_base) > 1e-3  # the adapters do change the output
+    with pytest.raises(NotImplementedError, match="active adapter"):
+        model.base_model.set_adapter("other")
+
+
+def test_refusals(tmp_path):
+    model = tiny("llama")
+    kw = dict(train_dataset=pairs(4), processing_class=tokenizer())
+    args = dict(**dpo_kwargs(tmp_path), megatrain_config={"compute_dtype": "float32"})
+    with pytest.raises(ValueError, match="precompute_ref_log_probs=True"):  # full FT, live reference
+        MegaTrainDPOTrainer(model=copy.deepcopy(model), args=MegaTrainDPOConfig(**args), **kw)
+    with pytest.raises(ValueError, match="precompute_ref_log_probs=True"):  # ... also with a ref_model given
+        MegaTrainDPOTrainer(model=copy.deepcopy(model), ref_model=copy.deepcopy(model),
+                            args=MegaTrainDPOConfig(**args), **kw)
+    with pytest.raises(ValueError, match="activation_offloading"):
+        MegaTrainDPOTrainer(model=copy.deepcopy(model), args=MegaTrainDPOConfig(
+            **args, precompute_ref_log_probs=True, activation_offloading=True), **kw)
+    with pytest.raises(TypeError, match="MegaTrainDPOConfig"):
+        MegaTrainDPOTrainer(model=copy.deepcopy(model), args=DPOConfig(**dpo_kwargs(tmp_path)), **kw)
+    lean = dict(args, megatrain_config={"compute_dtype": "float32", "lean_store": True},
+                gradient_accumulation_steps=1)
+    with pytest.raises(ValueError, match="lean_store"):
+        MegaTrainDPOTrainer(model=copy.deepcopy(model), args=MegaTrainDPOConfig(**lean, precompute_ref_log_probs=True),
+                            **kw)
+    # PEFT with a live reference model (a second full copy): refused at the first step
+    t = MegaTrainDPOTrainer(model=copy.deepcopy(model), ref_model=copy.deepcopy(model),
+                            args=MegaTrainDPOConfig(**args), peft_config=lora_config(), **kw)
+    with pytest.raises(ValueError, match="live ref_model"):
+        t.train()
+    # a PeftModel handed over with its adapter: DPOTrainer would add a second "ref" adapter as the reference
+    from peft import get_peft_model
+
+    with pytest.raises(ValueError, match="'ref'"):
+        MegaTrainDPOTrainer(model=get_peft_model(copy.deepcopy(model), lora_config()),
+                            args=MegaTrainDPOConfig(**args), **kw)

@@ -42,6 +42,13 @@ def _tuner_layers(modules: list[nn.Module]) -> Iterator[nn.Module]:
                 yield m
 
 
+def follows_adapter_switches(engine: MegaTrainEngine) -> bool:
+    """Whether ``engine.model`` is a PEFT model whose adapter switches reach the streamed layers."""
+    model = engine.model
+    return is_peft_model(model) and (getattr(model.base_model, _FOLLOWING, False)
+                                     or model.active_peft_config.is_prompt_learning)
+
+
 def follow_adapter_switches(engine: MegaTrainEngine) -> bool:
     """Patch ``engine.model``'s tuner model (a PEFT LoRA-style model) so its adapter switches reach the streamed
     layers' templates. Returns whether the model is a PEFT model (and now follows); idempotent."""

@@ -41,6 +41,7 @@ from ..model.loss import TokenStats
 from ..optim.adamw import UnitAdamW
 from ..optim.lean import LeanAdamW
 from ..optim.speculation import GA_MESSAGE
+from .adapter_switch import follow_adapter_switches
 from .convert import convert, install_proxies
 from .executor import StreamingExecutor
 from .landing import GradientLanding
@@ -117,6 +118,7 @@ class MegaTrainEngine:
         self.stack.parent.register_forward_hook(self._after_decoder, always_call=True)
         self.head_extras.hook_model_forward(self.publish_resident)  # (multimodal: towers run before the decoder)
         setattr(model, ENGINE_ATTR, self)
+        follow_adapter_switches(self)  # PEFT: disable_adapter() reaches the streamed layers (adapter_switch.py)
         from .model_view import present_weights
 
         present_weights(self)

@@ -42,7 +42,7 @@ from trl import DPOConfig, DPOTrainer
 from trl.trainer.utils import disable_dropout_in_model
 
 from ..core.plan import Stepper
-from ..engine.adapter_switch import follow_adapter_switches
+from ..engine.adapter_switch import follows_adapter_switches
 from ..export.peft_support import is_peft_model
 from .compose import megatrain_args_class, megatrain_trainer_class
 from .trainer import MegaTrainTrainer
@@ -73,8 +73,12 @@ class DPOPort(MegaTrainTrainer):
                              "forward+backward replays the engine's own loss, and DPOTrainer's loss runs the model's "
                              "forward with TRL's fused head. Remove lean_store / optimizer_state_dir from "
                              "megatrain_config.")
-        # PEFT: "adapters disabled" (DPO's reference) must reach the streamed layers, not only the visible modules.
-        follow_adapter_switches(engine)
+        # PEFT: "adapters disabled" (DPO's reference) must reach the streamed layers, not only the visible modules:
+        # the engine makes PEFT's switch do so (engine/adapter_switch.py); a model without it would train silently
+        # against its own adapters.
+        if is_peft_model(engine.model) and not follows_adapter_switches(engine):
+            raise RuntimeError("hf_megatrain: this engine's PEFT model does not follow adapter switches "
+                               "(engine/adapter_switch.py); DPO's reference (adapters disabled) would be wrong")
         # DPOTrainer disables dropout (disable_dropout=True) by walking model.modules() after Trainer.__init__, before
         # its reference precompute: the streamed layers' modules are the executor's templates, so do it there too.
         if getattr(args, "disable_dropout", False):

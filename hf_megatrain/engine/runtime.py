@@ -303,6 +303,15 @@ class MegaTrainEngine:
 
     __call__ = forward
 
+    def begin_direct_forward(self, input_ids: torch.Tensor | None = None, **kwargs: Any) -> None:
+        """What ``forward`` does before the model runs, for a caller about to run the HF model's own forward with
+        gradients (TRL's fused LM head: hf/dpo_support.py): land an accumulation step's gradients (FP32) before the
+        next backward adds more, check the step fits and place the activations for this batch shape."""
+        if self.landing.unlanded:
+            self.landing.land()
+        self._check_step_fits(input_ids, kwargs)
+        self._place_activations(input_ids, kwargs)
+
     def _check_step_fits(self, input_ids: torch.Tensor | None, kwargs: dict[str, Any]) -> None:
         """CUDA, training: the first time a (batch, seq) shape comes, check the planner's GPU peak for a step of
         it, so a step that cannot fit says what to change instead of failing with out-of-memory mid-backward.

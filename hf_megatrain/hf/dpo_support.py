@@ -94,8 +94,8 @@ class DPOPort(MegaTrainTrainer):
         if not self._mt_dpo_checked:
             self._mt_check_dpo()
         engine = self.engine
-        if engine.landing.unlanded:
-            engine.finish_backward()  # an accumulation step: FP32-accumulate before the next backward adds more
+        # (the accumulation step's gradients land first; activation placement and the fits check for this shape)
+        engine.begin_direct_forward(inputs.get("input_ids"), inputs_embeds=inputs.get("inputs_embeds"))
         out = super(MegaTrainTrainer, self).compute_loss(model, inputs, return_outputs, num_items_in_batch)
         # As MegaTrainTrainer.compute_loss: the backward about to run is the step's last when accelerate will sync.
         engine.set_final_backward(model.training and torch.is_grad_enabled() and self.accelerator.sync_gradients)

@@ -60,6 +60,16 @@ def _qwen3_vl() -> transformers.PreTrainedModel:
     return transformers.Qwen3VLForConditionalGeneration(cfg)
 
 
+def _qwen3_vl_moe() -> transformers.PreTrainedModel:  # MoE layers, router aux loss added by the model's forward
+    cfg = transformers.Qwen3VLMoeConfig(
+        text_config=dict(**_TEXT, rope_parameters={**_MROPE, "mrope_interleaved": True}, num_experts=4,
+                         num_experts_per_tok=2, moe_intermediate_size=16, decoder_sparse_step=1,
+                         output_router_logits=True, router_aux_loss_coef=0.02),
+        vision_config=dict(**_QWEN_VISION, num_position_embeddings=16, deepstack_visual_indexes=[0]),
+        image_token_id=IMAGE, video_token_id=101, vision_start_token_id=102)
+    return transformers.Qwen3VLMoeForConditionalGeneration(cfg)
+
+
 def _mistral3() -> transformers.PreTrainedModel:
     cfg = transformers.Mistral3Config(
         text_config=dict(model_type="mistral", **_TEXT),
@@ -129,6 +139,7 @@ FAMILIES: dict[str, tuple[Callable[[], transformers.PreTrainedModel], int, Calla
     "qwen2_5_vl": (_qwen2_5_vl, 4, _qwen_inputs),
     "qwen2_vl": (_qwen2_vl, 4, _qwen_inputs),
     "qwen3_vl": (_qwen3_vl, 4, _qwen_inputs),
+    "qwen3_vl_moe": (_qwen3_vl_moe, 4, _qwen_inputs),
     "mistral3": (_mistral3, 4, _mistral3_inputs),
     "llava": (_llava, 4, _pixels((3, 8, 8))),
     "idefics3": (_idefics3, 4, _idefics3_inputs),

@@ -64,27 +64,38 @@ def train_both(model, family: str, steps=IMAGE_TEXT_IMAGE, *, config: MegaTrainC
         n_items = int((labels[:, 1:] != -100).sum())
         r = ref(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(n_items), **kw)
         r.loss.backward()
-        ref64(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(n_items), **_double(kw)).loss.backward()
+        if ref64 is not None:
+            try:
+                ref64(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(n_items),
+                      **_double(kw)).loss.backward()
+            except RuntimeError:  # (a kernel without float64, e.g. MoE grouped matmuls): no float64 referee
+                ref64 = ropt64 = None
         loss = engine(input_ids=ids, labels=labels, num_items_in_batch=n_items, **kw).loss
         loss.backward()
         worst["loss"] = max(worst["loss"], rel(loss.detach(), r.loss.detach()))
         engine.finish_backward()
-        g64 = dict(ref64.named_parameters())
-        total64 = torch.sqrt(sum(p.grad.pow(2).sum() for p in ref64.parameters() if p.grad is not None))
+        # Null gradients: zero in the float64 run (else: below 1e-6 of the fp32 total, as tests/parity.py)
+        judge = ref64 if ref64 is not None else ref
+        g64 = dict(judge.named_parameters())
+        total64 = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in judge.parameters() if p.grad is not None))
+        null_rel = 1e-9 if ref64 is not None else 1e-6
         for n, p in trainable(ref):
             unit, ps = engine.store.by_name[n]
             if p.grad is None:  # not in this step's graph (a text-only step's vision tower): skipped by AdamW
                 assert unit.grad is None or float(unit.view(unit.grad, ps).abs().max()) == 0.0, n
                 continue
-            if float(g64[n].grad.norm()) <= 1e-9 * float(total64):  # a true zero gradient: rounding noise only
+            if float(g64[n].grad.norm()) <= null_rel * float(total64):  # a true zero gradient: rounding noise only
                 null.add(n)
                 continue
             worst["grad"] = max(worst["grad"], rel(unit.view(opt.grad_of(unit), ps), p.grad))
         ref_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM))
-        torch.nn.utils.clip_grad_norm_(ref64.parameters(), MAX_NORM)
-        ropt.step(), ropt64.step(), opt.step()
+        if ref64 is not None:
+            torch.nn.utils.clip_grad_norm_(ref64.parameters(), MAX_NORM)
+            ropt64.step()
+            ropt64.zero_grad()
+        ropt.step(), opt.step()
         opt.wait()
-        ropt.zero_grad(), ropt64.zero_grad(), opt.zero_grad()
+        ropt.zero_grad(), opt.zero_grad()
         worst["grad_norm"] = max(worst["grad_norm"], abs(opt.last_grad_norm - ref_norm) / ref_norm)
         for n, p in trainable(ref):
             w = engine.store.master_tensor(n)
@@ -93,7 +104,7 @@ def train_both(model, family: str, steps=IMAGE_TEXT_IMAGE, *, config: MegaTrainC
                 continue
             err = rel(w, p.detach())
             worst["weight_raw"] = max(worst["weight_raw"], err)
-            if err > tol:
+            if err > tol and ref64 is not None:
                 w64 = g64[n].detach().float()
                 if rel(w, w64) <= 2 * rel(p.detach(), w64) + tol:
                     err = 0.0
@@ -194,3 +205,20 @@ def test_lm_head_input_not_aligned_with_labels_is_refused():
     ids, labels, kw = multimodal_batch("mistral3", 0, True)
     with pytest.raises(RuntimeError, match=r"lm_head an input of shape \(2, 16, 32\).*labels \(2, 15\)"):
         engine(input_ids=ids, labels=labels[:, 1:], **kw)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen2_5_vl"])
+def test_in_layer_batch_split_parity(family):
+    """``micro_batch_size``: the language model's per-layer-type mask dict (Gemma 3) and M-RoPE position ids
+    ``[sections, batch, seq]`` (Qwen-VL) are cut per sequence (engine/batch_rows.py's probe grows them too)."""
+    train_both(tiny_multimodal(family), family, config=MegaTrainConfig(compute_dtype="float32", micro_batch_size=1))
+
+
+def test_in_layer_batch_split_refused_where_the_probe_cannot_decide():
+    """Qwen3-VL's deepstack features are per image, not per sequence: the probe cannot re-run the language model on
+    one more sequence, and the split is refused with the way out instead of guessing."""
+    engine = MegaTrainEngine(tiny_multimodal("qwen3_vl"), MegaTrainConfig(compute_dtype="float32", micro_batch_size=1),
+                             device="cpu")
+    ids, labels, kw = multimodal_batch("qwen3_vl", 0, True)
+    with pytest.raises(RuntimeError, match="micro_batch_size=0"):
+        engine(input_ids=ids, labels=labels, **kw)

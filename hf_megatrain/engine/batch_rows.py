@@ -154,7 +154,13 @@ class BatchRows:
         self.probing = True
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=devices, device_type="cuda" if devices else "cpu"):
-                module.forward(*[grow(a) for a in args], **{k: grow(v) for k, v in kwargs.items()})
+                # (nested too: a multimodal model hands its language model per-layer-type masks in a dict; its
+                # M-RoPE position ids are [sections, batch, seq]: Qwen-VL)
+                grown_args, grown_kwargs = pytree.tree_map(grow, (list(args), kwargs))
+                pos = kwargs.get("position_ids")
+                if isinstance(pos, torch.Tensor) and pos.dim() == 3 and pos.shape[1] == batch:
+                    grown_kwargs["position_ids"] = torch.cat([pos, pos[:, -1:]], dim=1)
+                module.forward(*grown_args, **grown_kwargs)
         except _StopProbe:
             pass
         except Exception as e:  # noqa: BLE001 - reported where a decision needed the probe

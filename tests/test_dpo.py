@@ -79,10 +79,10 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
-def run_pair(tmp_path, *, peft_config=None, composed=False, evaluate=False, **over):
-    """Plain DPOTrainer and ours on copies of one tiny Llama; ``composed``: ours built the generic way
+def run_pair(tmp_path, *, peft_config=None, composed=False, evaluate=False, family="llama", **over):
+    """Plain DPOTrainer and ours on copies of one tiny model; ``composed``: ours built the generic way
     (``megatrain_trainer_class(DPOTrainer)`` + ``megatrain_args_class(DPOConfig)``), as the issue's user did."""
-    model = tiny("llama")
+    model = tiny(family)
     data = pairs()
     if evaluate:
         over = dict(eval_strategy="steps", eval_steps=3, per_device_eval_batch_size=3, **over)
@@ -168,6 +168,14 @@ def test_dpo_loss_variants_match_plain(tmp_path, variant):
     """Every loss type DPOTrainer offers reduces to per-sequence (or per-token) log-probs of the policy and the
     reference, and runs as TRL's own code on the engine's log-probs."""
     ref, ours = run_pair(tmp_path, precompute_ref_log_probs=True, **variant)
+    check_parity(ref, ours)
+
+
+def test_dpo_moe_router_aux_loss_matches_plain(tmp_path):
+    """Mixtral with the router aux loss: DPOTrainer's fused head reads the router logits, recorded by the engine's
+    tap inside the streamed layers; aux_loss is logged as DPOTrainer logs it."""
+    ref, ours = run_pair(tmp_path, family="mixtral", precompute_ref_log_probs=True)
+    assert ours.aux_loss_enabled and logs(ours)[0]["aux_loss"] > 0
     check_parity(ref, ours)
 
 

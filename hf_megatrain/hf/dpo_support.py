@@ -29,7 +29,8 @@ The reference log-probabilities:
 
 Refused, with what to change: a live ``ref_model`` (PEFT without precompute, or full fine-tuning), a PEFT model
 whose reference would be a second ("ref") adapter, the lean store (its re-run replays the engine's own forward),
-MoE router aux loss, vision datasets (not tested yet), ``activation_offloading``.
+vision datasets (not tested yet), ``activation_offloading``. MoE models train with DPOTrainer's router aux loss
+(logged as ``aux_loss``), the router logits coming from the engine's tap in the streamed layers.
 """
 
 from __future__ import annotations
@@ -107,18 +108,15 @@ class DPOPort(MegaTrainTrainer):
         return super(MegaTrainTrainer, self).prediction_step(model, inputs, prediction_loss_only, ignore_keys)
 
     def _mt_check_dpo(self) -> None:
-        """What DPOTrainer decides after ``Trainer.__init__`` (reference model, MoE aux loss): checked once."""
+        """What DPOTrainer decides after ``Trainer.__init__`` (the reference model, the dataset kind): checked
+        once. (MoE: the router logits DPOTrainer's fused head reads for its aux loss are the engine's router tap's,
+        recorded in the streamed layers' forward: tests/test_dpo.py checks it on Mixtral.)"""
         if getattr(self, "ref_model", None) is not None and not self.precompute_ref_logps:
             raise ValueError("a live ref_model is not supported with megatrain=True: it would be a second full copy of "
                              "the model on the GPU, and hf_megatrain streams only the policy. Set "
                              "precompute_ref_log_probs=True (the reference log-probs are computed once before "
                              "training), or, with PEFT, drop ref_model (the reference is then the same streamed base "
                              "with the adapters disabled).")
-        if getattr(self, "aux_loss_enabled", False):
-            raise NotImplementedError(
-                "this MoE model asks for the router aux loss (output_router_logits / router_aux_loss_coef). "
-                "DPOTrainer adds it from its fused head's router logits, which hf_megatrain has not been checked "
-                "against yet: set router_aux_loss_coef=0.0 in the DPOConfig to train without it.")
         if getattr(self, "_is_vision_dataset", False):
             raise NotImplementedError("vision preference datasets are not supported with megatrain=True yet "
                                       "(not tested against plain DPOTrainer).")

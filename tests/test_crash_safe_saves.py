@@ -32,7 +32,7 @@ _MUTATIONS = {"os.rename", "os.remove", "os.rmdir", "os.mkdir", "os.link", "os.s
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 
 
-def _is_mutation(event: str, args: tuple) -> bool:
+def is_mutation(event: str, args: tuple) -> bool:
     if event in _MUTATIONS:
         return True
     if event == "open":
@@ -52,7 +52,7 @@ def killed_at(k: int, save) -> bool:
             count = [0]
 
             def hook(event: str, args: tuple) -> None:
-                if _is_mutation(event, args):
+                if is_mutation(event, args):
                     count[0] += 1
                     if count[0] == k:
                         os._exit(9)
@@ -91,7 +91,7 @@ def _masters(engine) -> dict[str, torch.Tensor]:
     return {n: t.detach().clone() for n, t in engine.named_master_tensors()}
 
 
-def _hf_load(path: str) -> dict[str, torch.Tensor]:
+def hf_load(path: str) -> dict[str, torch.Tensor]:
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     return {n: p.detach().clone() for n, p in model.state_dict().items()}
 
@@ -110,7 +110,7 @@ def test_export_killed_at_every_mutation(tmp_path, old_shard, new_shard):
         with open(os.path.join(template, name), "wb") as f:
             f.write(data)
     ckpt.save_pretrained_streamed(engine, template, max_shard_size=old_shard)
-    old = _hf_load(template)
+    old = hf_load(template)
     with torch.no_grad():
         for _, t in engine.named_master_tensors():
             t.add_(1.0)
@@ -123,7 +123,7 @@ def test_export_killed_at_every_mutation(tmp_path, old_shard, new_shard):
         for name, data in user_files.items():  # the user's files are never touched
             with open(os.path.join(path, name), "rb") as f:
                 assert f.read() == data, (k, name)
-        got = _hf_load(path)  # plain transformers: loads (never refuses here) the old or the new model
+        got = hf_load(path)  # plain transformers: loads (never refuses here) the old or the new model
         got = {n: got[n] for n in hf_names}
         which = "old" if same(got, {n: old[n] for n in hf_names}) else "new" if same(got, new) else None
         assert which is not None, f"kill before mutation {k}: from_pretrained loaded a mix of old and new weights"
@@ -140,11 +140,11 @@ def test_export_killed_at_every_mutation(tmp_path, old_shard, new_shard):
     killed_at(n - 1, lambda: ckpt.save_pretrained_streamed(engine, work, max_shard_size=new_shard))
     ckpt.save_pretrained_streamed(engine, work, max_shard_size=new_shard)
     assert not [f for f in os.listdir(work) if f.startswith(".")]
-    assert same({k: v for k, v in _hf_load(work).items() if k in new}, new)
+    assert same({k: v for k, v in hf_load(work).items() if k in new}, new)
 
 
 # -- Trainer checkpoints (new, re-saved, rotated) ---------------------------------------------------------------------
-def _folder_tensors(path: str) -> dict[str, torch.Tensor]:
+def folder_tensors(path: str) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for prefix in (ckpt.WEIGHTS_PREFIX, ckpt.MASTER_PREFIX):
         for f in ckpt.weight_files(path, prefix) or {}:
@@ -153,7 +153,7 @@ def _folder_tensors(path: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def _checkpoints(run: str) -> dict[str, dict[str, torch.Tensor]]:
+def recovered_checkpoints(run: str) -> dict[str, dict[str, torch.Tensor]]:
     """Recover what a kill left (as the next save / resume does), then read every checkpoint-N, verified."""
     with ckpt.output_dir_lock(run):
         ckpt.recover_interrupted_saves(run)
@@ -163,7 +163,7 @@ def _checkpoints(run: str) -> dict[str, dict[str, torch.Tensor]]:
     for f in sorted(os.listdir(run)):
         if f.startswith("checkpoint-"):
             ckpt.verify_checkpoint(os.path.join(run, f))  # every folder with a final name is complete
-            out[f] = _folder_tensors(os.path.join(run, f))
+            out[f] = folder_tensors(os.path.join(run, f))
     return out
 
 
@@ -173,7 +173,7 @@ def test_checkpoint_killed_at_every_mutation(tmp_path):
     tr = MegaTrainTrainer(model=tiny("llama"), args=mt_args(tmp_path / "run", **kw), train_dataset=dataset(32))
     tr.train()
     run = str(tmp_path / "run")
-    natural = _checkpoints(run)  # checkpoint-2 and checkpoint-4 of the uninterrupted run
+    natural = recovered_checkpoints(run)  # checkpoint-2 and checkpoint-4 of the uninterrupted run
     template = str(tmp_path / "template")
     shutil.copytree(run, template)
     shutil.rmtree(os.path.join(template, "checkpoint-4"))
@@ -188,7 +188,7 @@ def test_checkpoint_killed_at_every_mutation(tmp_path):
     resumed_at = []
 
     def check_rotation(path: str, k: int, done: bool) -> None:
-        got = _checkpoints(path)
+        got = recovered_checkpoints(path)
         assert got and all(same(t, natural[f]) for f, t in got.items()), (k, sorted(got))
         if done:
             assert sorted(got) == ["checkpoint-4"]
@@ -213,11 +213,11 @@ def test_checkpoint_killed_at_every_mutation(tmp_path):
             t.add_(1.0)
     tr.args.output_dir = str(tmp_path / "ref")
     tr._save_checkpoint(tr.model, None)
-    new = _folder_tensors(str(tmp_path / "ref" / "checkpoint-4"))
+    new = folder_tensors(str(tmp_path / "ref" / "checkpoint-4"))
     seen = set()
 
     def check_resave(path: str, k: int, done: bool) -> None:
-        got = _checkpoints(path)
+        got = recovered_checkpoints(path)
         assert sorted(got) == ["checkpoint-2", "checkpoint-4"], (k, sorted(got))  # nothing lost, never
         which = "old" if same(got["checkpoint-4"], natural["checkpoint-4"]) else \
             "new" if same(got["checkpoint-4"], new) else None
@@ -240,7 +240,7 @@ def test_multi_shard_export_never_mixes_old_and_new(tmp_path, monkeypatch, new_s
     engine = MegaTrainEngine(tiny("llama"), MegaTrainConfig(compute_dtype="float32"), device="cpu")
     out = str(tmp_path / "m")
     ckpt.save_pretrained_streamed(engine, out, max_shard_size="30KB")
-    old = _hf_load(out)
+    old = hf_load(out)
     with torch.no_grad():
         for _, t in engine.named_master_tensors():
             t.add_(1.0)
@@ -257,7 +257,7 @@ def test_multi_shard_export_never_mixes_old_and_new(tmp_path, monkeypatch, new_s
         ckpt.save_pretrained_streamed(engine, out, max_shard_size=new_shard)
     monkeypatch.setattr(os, "replace", real)
     assert moved
-    got = _hf_load(out)
+    got = hf_load(out)
     assert same(got, old) or same(got, _masters(engine)), "from_pretrained loaded a mix of two saves"
 
 
@@ -268,7 +268,7 @@ def test_resave_killed_between_renames_is_recovered(tmp_path, caplog):
     tr = MegaTrainTrainer(model=tiny("llama"), args=mt_args(run, max_steps=2, save_strategy="steps", save_steps=2),
                           train_dataset=dataset())
     tr.train()
-    before = _folder_tensors(str(run / "checkpoint-2"))
+    before = folder_tensors(str(run / "checkpoint-2"))
     real, renames = os.rename, []
 
     def dies_on_second(src, dst, *a, **k):
@@ -292,7 +292,7 @@ def test_resave_killed_between_renames_is_recovered(tmp_path, caplog):
         assert torch.equal(again.engine.store.master_tensor(n), t), n
     assert sorted(f for f in os.listdir(run) if f.startswith("checkpoint-")) == ["checkpoint-2"]
     ckpt.verify_checkpoint(str(run / "checkpoint-2"))
-    assert same(_folder_tensors(str(run / "checkpoint-2")), before)
+    assert same(folder_tensors(str(run / "checkpoint-2")), before)
 
 
 def test_checkpoint_without_manifest_or_with_unlisted_file_is_refused(tmp_path):

@@ -161,9 +161,13 @@ class MegaTrainTrainer(Trainer):
         find it done. The main process holds the output folder's lock for the run (a second run there fails at
         once) and first recovers saves a kill interrupted, so that resuming finds them."""
         if not (self._mt and self.args.should_save):
+            if self._mt and self.args.world_size > 1:  # the main process recovers first (below): only then may
+                self.accelerator.wait_for_everyone()  # resume_from_checkpoint=True list checkpoints on every rank
             return self._mt_train(*args, **kwargs)
         with ckpt.output_dir_lock(self.args.output_dir):
             ckpt.recover_interrupted_saves(self.args.output_dir)
+            if self.args.world_size > 1:
+                self.accelerator.wait_for_everyone()
             return self._mt_train(*args, **kwargs)
 
     def _mt_train(self, *args: Any, **kwargs: Any) -> Any:

@@ -71,15 +71,15 @@ def logs(trainer, key: str = "loss") -> list[dict]:
 def trained(trainer) -> dict[str, torch.Tensor]:
     """Every trainable parameter by name, FP32 (the engine's masters; the plain model's parameters)."""
     if getattr(trainer, "engine", None) is not None:
-        return {n: t.detach().clone() for n, t in trainer.engine.named_master_tensors()}
-    return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+        return {n: t.detach().float().cpu().clone() for n, t in trainer.engine.named_master_tensors()}
+    return {n: p.detach().float().cpu().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
-def run_pair(tmp_path, *, peft_config=None, composed=False, evaluate=False, family="llama", **over):
+def run_pair(tmp_path, *, peft_config=None, composed=False, evaluate=False, family="llama", mt_config=None, **over):
     """Plain DPOTrainer and ours on copies of one tiny model; ``composed``: ours built the generic way
     (``megatrain_trainer_class(DPOTrainer)`` + ``megatrain_args_class(DPOConfig)``), as the issue's user did."""
     model = tiny(family)
@@ -94,7 +94,7 @@ def run_pair(tmp_path, *, peft_config=None, composed=False, evaluate=False, fami
     trainer_cls, args_cls = ((megatrain_trainer_class(DPOTrainer), megatrain_args_class(DPOConfig)) if composed
                              else (MegaTrainDPOTrainer, MegaTrainDPOConfig))
     ours = trainer_cls(model=copy.deepcopy(model), args=args_cls(
-        **dpo_kwargs(tmp_path / "mt", **over), megatrain_config={"compute_dtype": "float32"}),
+        **dpo_kwargs(tmp_path / "mt", **over), megatrain_config=mt_config or {"compute_dtype": "float32"}),
         train_dataset=data, processing_class=tokenizer(), peft_config=copy.deepcopy(peft_config), **extra)
     assert ours.engine is not None
     ours.train()
@@ -237,3 +237,27 @@ def test_refusals(tmp_path):
     with pytest.raises(ValueError, match="'ref'"):
         MegaTrainDPOTrainer(model=get_peft_model(copy.deepcopy(model), lora_config()),
                             args=MegaTrainDPOConfig(**args), **kw)
+
+
+@pytest.fixture
+def _no_tf32():
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("lora", [False, True], ids=["full-precomputed", "lora-live"])
+def test_gpu_dpo_matches_plain(tmp_path, _no_tf32, lora):
+    """On CUDA (fp32, TF32 off): every layer streamed with real streams and the CPU AdamW (speculative step), and
+    TRL's Triton kernel scoring only the completion tokens (its compact path, CUDA only)."""
+    cfg = {"compute_dtype": "float32", "device_layers": 0, "device_step_layers": 0}
+    if lora:
+        torch.manual_seed(7)
+        ref, ours = run_pair(tmp_path, peft_config=lora_config(), mt_config=cfg, use_cpu=False)
+    else:
+        ref, ours = run_pair(tmp_path, mt_config=cfg, use_cpu=False, precompute_ref_log_probs=True)
+    assert ours.engine.device.type == "cuda" and len(ours.engine.plans.kept) == 0
+    check_parity(ref, ours)

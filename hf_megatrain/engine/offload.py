@@ -69,16 +69,18 @@ class GradientOffload:
         # element of the unit's gradient, how many).
         self.pending: list[tuple[Unit, str, int, int] | None] = [None, None]
         self.lean_wait: list[Callable[[], None] | None] = [None, None]  # the consumer's wait() per slab
-        sinks = {Where.DEVICE: self._to_device, Where.HOST: self._to_host, Where.NONE: self._to_consumer}
-        self.route = [sinks[u.plan.grad] for u in units]  # the strategy, per layer (data parallel: see send)
+        # The route of each layer's gradients, decided here once from its plan (and data parallel for host ones).
+        routes = {Where.DEVICE: self._to_device, Where.HOST: self._to_host if dp is None else self._to_shard,
+                  Where.NONE: self._to_consumer}
+        self.route: list[Callable[[int, Unit, torch.Tensor, bool], None]] = [routes[u.plan.grad] for u in units]
         lean = any(u.plan.grad is Where.NONE for u in units)
         self.sq_host = [alloc_host(1, torch.float32, pin) for _ in range(2)] if lean else []
         # Host units: each first visit's squared norm lands beside its gradient (read by a speculative step).
         self.sq_cells = alloc_host(len(units), torch.float32, pin)
         self._next = 0
         self.d2h_bytes = 0
-        # The compute dtype when narrow gradients are on (the engine turns them on for a host kernel that reads
-        # them), else None; per offload buffer, the dtype its current gradient is in when narrow.
+        # The compute dtype when narrow gradients are on (``set_narrow``), else None; per offload buffer, the dtype
+        # its current gradient is in when narrow.
         self.narrow: torch.dtype | None = None
         self._narrow_k: list[torch.dtype | None] = [None, None]
         # Where landed gradients go besides the step state (the optimizer; ``attach``), and whether the backward in
@@ -87,6 +89,13 @@ class GradientOffload:
         self.sink: GradientSink | None = None
         self.final_backward = False
         self.unlanded = False  # a visit sent a gradient that the step's ``land`` has not landed yet
+
+    def set_narrow(self, dtype: torch.dtype | None) -> None:
+        """Narrow gradients on (the compute dtype) or off: the engine turns them on for a host kernel that reads
+        them. Not with data parallel, whose host gradients are reduce-scattered in FP32."""
+        if dtype is not None and self.dp is not None:
+            raise ValueError("hf_megatrain: narrow gradients do not apply to data-parallel ranks (narrow_grads=False)")
+        self.narrow = dtype
 
     def attach(self, sink: GradientSink) -> None:
         """The optimizer the engine created (a replaced one's successor): the one sink of every gradient."""
@@ -102,7 +111,7 @@ class GradientOffload:
         return k, self._off(k, n)
 
     def _may_narrow(self, unit: Unit) -> bool:
-        if self.narrow is None or self.dp is not None:
+        if self.narrow is None:
             return False
         if unit.plan.grad is Where.NONE:
             return True  # (lean: one backward per step)
@@ -116,17 +125,17 @@ class GradientOffload:
         """Offload buffer ``k`` holds layer ``index``'s gradient for this visit: send it where its plan says."""
         unit = self.units[index]
         off = self._off(k, unit.numel)
-        # The gradient-norm reduction rides along with the gradient's departure (first visit of the step only; a
-        # lean unit's every gradient is a whole step's, a re-run's included).
-        first = unit.plan.grad is Where.NONE or not self.state.has_grad(unit.index)
+        # The gradient-norm reduction rides along with the gradient's departure (first visit of the step only).
+        first = not self.state.has_grad(unit.index)
         self.unlanded = True
-        if self.dp is not None and unit.plan.grad is Where.HOST:
-            self._to_shard(k, unit, first)
-            return
-        sq = torch.linalg.vector_norm(off, dtype=torch.float32).square() if first else None
-        self.route[index](k, unit, off, sq)
+        self.route[index](k, unit, off, first)
 
-    def _to_shard(self, k: int, unit: Unit, first: bool) -> None:
+    @staticmethod
+    def _sq(off: torch.Tensor, first: bool) -> torch.Tensor | None:
+        return torch.linalg.vector_norm(off, dtype=torch.float32).square() if first else None
+
+    def _to_shard(self, k: int, unit: Unit, off: torch.Tensor, first: bool) -> None:
+        """Data parallel, a host gradient: reduce-scattered over the ranks, this rank's shard goes to the host."""
         dp = self.dp
         size = dp.shard_size(unit.numel)
         full = self.offload[k][:size * dp.world]
@@ -135,18 +144,20 @@ class GradientOffload:
         dp.reduce_scatter_mean_(out, full)
         lo, hi = dp.shard(unit.numel)
         part = out[:hi - lo]
-        sq = torch.linalg.vector_norm(part, dtype=torch.float32).square() if first else None
-        self._to_host(k, unit, part, sq, lo)
+        self._copy_to_host(k, unit, part, self._sq(part, first), lo)
 
-    def _to_device(self, k: int, unit: Unit, off: torch.Tensor, sq: torch.Tensor | None) -> None:
-        if self.state.accumulate(unit.index, sq):
+    def _to_device(self, k: int, unit: Unit, off: torch.Tensor, first: bool) -> None:
+        if self.state.accumulate(unit.index, self._sq(off, first)):
             unit.grad.copy_(off)
         else:
             unit.grad.add_(off)
         self.landed(unit.index, None)
         self.done[k] = self.streams.record(self.streams.compute)
 
-    def _to_host(self, k: int, unit: Unit, off: torch.Tensor, sq: torch.Tensor | None, at: int = 0) -> None:
+    def _to_host(self, k: int, unit: Unit, off: torch.Tensor, first: bool) -> None:
+        self._copy_to_host(k, unit, off, self._sq(off, first))
+
+    def _copy_to_host(self, k: int, unit: Unit, off: torch.Tensor, sq: torch.Tensor | None, at: int = 0) -> None:
         """``off`` -> the unit's host gradient from element ``at`` (a data-parallel shard; else all of it)."""
         ready = self.streams.record(self.streams.compute)
         self._drain(k)
@@ -170,7 +181,8 @@ class GradientOffload:
         self.d2h_bytes += off.numel() * off.element_size()
         self.pending[k] = (unit, "" if direct else "copy" if first else "add", at, n)
 
-    def _to_consumer(self, k: int, unit: Unit, off: torch.Tensor, sq: torch.Tensor | None) -> None:
+    def _to_consumer(self, k: int, unit: Unit, off: torch.Tensor, first: bool) -> None:
+        sq = self._sq(off, True)  # (a lean unit's every gradient is a whole step's, a re-run's included)
         ready = self.streams.record(self.streams.compute)
         self._drain(k)  # slab k released by the consumer (it may still be reading the gradient of two layers up)
         narrow = self._narrow_k[k]

@@ -103,6 +103,8 @@ class MegaTrainEngine:
         # Family extras of the HF head (soft-capping, logit scaling, MoE router aux loss): model/families.py.
         self.head_extras = ModelHead(model, self.stack, self.executor, loss_impl=config.loss_impl, device=self.device,
                                        compute_dtype=config.torch_compute_dtype)
+        # Lean units (decided by the plans): the optimizer is LeanAdamW and each training forward is recorded.
+        self.lean = any(p.stepper is Stepper.LEAN for p in self.plans.units)
         # The one place gradients land (the optimizer's land phase calls it; so do accumulation and parameters()).
         self.landing = GradientLanding(self.state, self.executor, self.resident_unit, self.resident_params)
         self._published = -1  # version of the resident unit last copied into its device working parameters
@@ -346,13 +348,9 @@ class MegaTrainEngine:
                         "%d keep it on the device", key[0], key[1], n - 1, len(self.layer_units) - n)
 
     # -- lean units: the step's forward, kept for a re-run -----------------------------------------------------------
-    @property
-    def _lean(self) -> bool:
-        return any(p.stepper is Stepper.LEAN for p in self.plans.units)
-
     def _record_forward(self, kwargs: dict[str, Any]) -> StepReplay | None:
         """Lean units, training forward: keep what re-running it needs (inputs, RNG, autocast, mode)."""
-        if not self._lean or self._replaying or not torch.is_grad_enabled():
+        if not self.lean or self._replaying or not torch.is_grad_enabled():
             return None
         if self.landing.replay is not None:
             raise RuntimeError(GA_MESSAGE.format(what="a second training forward came after a backward"))
@@ -397,14 +395,14 @@ class MegaTrainEngine:
         if self.optimizer is not None:  # replaced (a second Trainer on the same engine): its work ends first
             self.optimizer.wait()
         order = [self.resident_unit.index] + [u.index for u in self.layer_units]
-        cls = LeanAdamW if self._lean else UnitAdamW
+        cls = LeanAdamW if self.lean else UnitAdamW
         host_kernel = self._host_kernel()
         # Narrow gradients (engine/offload.py) where they are exact and the host kernel reads them.
         narrow = (self.config.narrow_grads and self.dp is None
                   and host_kernel in (kernels.HostKernel.COMPILED, kernels.HostKernel.NATIVE)
                   and self.config.torch_grad_offload_dtype == torch.float32 and self.compute_dtype.itemsize == 2)
         self.widen_gradients()  # (a replaced optimizer's step may have left some)
-        self.executor.grads.narrow = self.compute_dtype if narrow else None
+        self.executor.grads.set_narrow(self.compute_dtype if narrow else None)
         self.optimizer = cls(self.store, self.state, self.landing, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                              max_grad_norm=max_grad_norm, unit_order=order, skip_nonfinite=self.config.skip_nonfinite,
                              overlap=self.config.overlap_optimizer, grad_reach=self.executor.reach,

@@ -16,21 +16,22 @@ first, then layer 0, 1, ...); the executor waits, per layer, until the step stat
 unit uses the same norm, hyper-parameters and kernel, so the math does not depend on who steps it.
 
 The optimizer is also the one sink of landed gradients (``GradientSink``, optim/gradient_path.py): the engine's
-offload calls ``landed`` / ``consume`` directly. With ``speculate=True`` the CPU's work overlaps the backward: in the
-step's last backward (``engine.set_final_backward``), each HOST unit is updated on a worker as soon as its gradient
-lands, with no
-clip factor; ``step()`` then takes back and redoes only the updates the true global norm proves wrong (exact to
-rounding: optim/speculation.py), and launches the rest. It does not wait for speculative updates still running:
-those judged right finish as ready, so the next forward starts after layer 0's update, not after all of them.
+offload calls ``landed`` / ``consume`` directly. With ``speculate=True`` the CPU's work overlaps the backward: in
+the step's last backward (``engine.set_final_backward``), each HOST unit is updated on a worker as soon as its
+gradient lands, with no clip factor; ``step()`` then takes back and redoes only the updates the true global norm
+proves wrong (exact to rounding: optim/speculation.py), and launches the rest. It does not wait for speculative
+updates still running: those judged right finish as ready, so the next forward starts after layer 0's update, not
+after all of them.
 
-Data parallel (``dp``, parallel/group.py; first version): each rank steps only its shard of every HOST unit (in the
-host's shared store) and every rank the whole of the replicated DEVICE units, whose gradients it all-reduces after
-``land``; the norm sums every rank's shard squared norms (one all-reduce). The updates overlap the next forward as
-in one process: ``step()`` does not wait for them, and a rank's load of a unit waits until every rank's shard of its
-update is written (StepState.peers, parallel/peer_cells.py). Speculation works per shard: each rank updates its
-shard as the reduce-scattered gradient lands; the global norm judges it at ``step()``, a take-back undoes the shard
-only, and the other ranks count an update only once it is judged (a take-back may still be running on this rank when
-another rank, past the norm's all-reduce, loads the unit).
+Data parallel (``dp``, parallel/group.py; first version; the optimizer's ``ranks``, optim/ranks.py, chosen once):
+each rank steps only its shard of every HOST unit (in the host's shared store) and every rank the whole of the
+replicated DEVICE units, whose gradients it all-reduces after ``land``; the norm sums every rank's shard squared
+norms (one all-reduce). The updates overlap the next forward as in one process: ``step()`` does not wait for them,
+and a rank's load of a unit waits until every rank's shard of its update is written (StepState.peers,
+parallel/peer_cells.py). Speculation works per shard: each rank updates its shard as the reduce-scattered gradient
+lands; the global norm judges it at ``step()``, a take-back undoes the shard only, and the other ranks count an
+update only once it is judged (a take-back may still be running on this rank when another rank, past the norm's
+all-reduce, loads the unit).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from ..core.store import Unit, UnitStore
 from ..parallel.shards import clip_spans
 from .device_stepper import DeviceStepper
 from .gradient_path import GradientPath
+from .ranks import ranks_of
 from .speculative_step import SpeculativeStep
 from .steppers import KernelStepper, UnitStepper
 
@@ -72,7 +74,7 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
             raise ValueError(f"invalid AdamW hyper-parameters lr={lr} betas={betas} eps={eps} "
                              f"weight_decay={weight_decay}")
         self.store, self.step_state, self.grads = store, state, grads
-        self.dp = dp if dp is not None and dp.world > 1 else None
+        self.ranks = ranks_of(dp)  # alone, or this rank's share of every update (optim/ranks.py)
         decay, no_decay = [], []
         # unit index -> [(0 = decayed | 1 = not, spans)]: the kernel runs on whichever flat buffers hold the state.
         self._unit_groups: dict[int, list[tuple[int, list[tuple[int, int]]]]] = {}
@@ -141,7 +143,6 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
         self.host_update_bytes = 0  # host DRAM bytes those updates moved (kernels.host_bytes_per_param)
         self.last_grad_norm: float | None = None
         self._workers: list[threading.Thread] = []
-        self._dp_reached: dict[int, list[bool]] = {}  # data parallel: each unit's flags OR-ed over the ranks
         self._init_speculation(speculate, exact_take_back)  # (speculative_step.py)
 
     # -- phases ------------------------------------------------------------------------------------------------------
@@ -156,9 +157,7 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
             if i not in self.policy.applied:
                 self.step_state.wait_ready(i)
         self._zero_missing()
-        if self.dp is not None:
-            self._reduce_replicated()
-            self._agree_reached()
+        self.ranks.before_norm(self.store.units, self.step_state, self.grad_reach)
         t0 = time.perf_counter()
         norm = self.grad_norm()
         self.last_norm_seconds = time.perf_counter() - t0
@@ -190,19 +189,12 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
     def own(self, u: Unit) -> tuple[int, int]:
         """The range of ``u``'s flat buffers this process steps: its shard of a HOST unit shared by data-parallel
         ranks, else all of it."""
-        return (0, u.numel) if self.dp is None else self.dp.owns(u)
+        return self.ranks.own(u)
 
     def owned(self, u: Unit, groups: kernels.Groups) -> kernels.Groups:
         """``groups``' spans within the range of ``u`` this process steps (``own``)."""
         lo, hi = self.own(u)
         return groups if (lo, hi) == (0, u.numel) else [(h, clip_spans(spans, lo, hi)) for h, spans in groups]
-
-    def _reduce_replicated(self) -> None:
-        """Data parallel: the mean over ranks of each replicated (device-stepped) unit's gradient."""
-        for u in self.store.units:
-            if u.plan.stepper is Stepper.DEVICE and u.numel and self.step_state.has_grad(u.index):
-                self.dp.all_reduce_mean_(u.grad)
-                self.step_state.grad_sq[u.index] = None
 
     def _zero_missing(self) -> None:
         """Units no backward reached since the last step have a zero gradient, and no parameter of them is stepped
@@ -220,30 +212,13 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
                     self.grad_reach.record(u.index, [False] * len(u.params), first=True)
 
     def grad_norm(self) -> float:
-        """Global L2 norm of all gradients (per-unit norms, then the norm of norms, like clip_grad_norm_)."""
-        if self.dp is not None:
-            return self._dp_grad_norm()
-        norms = [self._unit_norm(u) for u in self.store.units]
-        return float(torch.linalg.vector_norm(torch.stack(norms)))
+        """Global L2 norm of all gradients (per-unit norms, then the norm of norms, like clip_grad_norm_; data
+        parallel: over every rank's shards)."""
+        return self.ranks.grad_norm(self.store.units, self.step_state, self._unit_norm)
 
     def _unit_norm(self, u: Unit) -> torch.Tensor:
         sq = self.step_state.grad_sq[u.index]
         return (sq.sqrt() if sq is not None else torch.linalg.vector_norm(self.grad_of(u), dtype=torch.float32)).cpu()
-
-    def _dp_grad_norm(self) -> float:
-        """Each unit's squared norm summed over the ranks' shards (a replicated unit counted once: rank 0's)."""
-        sq = []
-        for u in self.store.units:
-            lo, hi = self.own(u)
-            s = self.step_state.grad_sq[u.index]
-            if s is None:
-                s = torch.linalg.vector_norm(u.grad[lo:hi], dtype=torch.float32).square()
-            if u.plan.stepper is not Stepper.HOST and self.dp.rank != 0:  # (replicated: identical on every rank)
-                s = torch.zeros(())
-            sq.append(s.reshape(()).float().cpu())
-        total = torch.stack(sq)
-        self.dp.all_reduce_sum_(total)
-        return float(torch.linalg.vector_norm(total.sqrt()))
 
     def _grad_scale(self, norm: float) -> float | None:
         """The kernel's ``grad_scale`` for global-norm clipping at ``norm`` (None: no clipping applies)."""
@@ -273,8 +248,7 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
         for i in (i for ids in workers for i in ids):
             self.step_state.begin_update(i)
             taken = self.grad_reach.take(i) if self.grad_reach is not None else None
-            self._reached[i] = self._dp_reached.pop(i) if self.dp is not None else taken
-        self._dp_reached.clear()
+            self._reached[i] = self.ranks.reached(i, taken)
         jobs = [ids for k, ids in enumerate(workers) if k == 0 or ids]
         for ids in jobs:  # (on the main thread: everything the backward queued comes before the streamed kernels)
             if ids:
@@ -295,18 +269,6 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
             for ids in jobs:
                 self._guard(ids, update, t0)
             self.wait()
-
-    def _agree_reached(self) -> None:
-        """Data parallel: a parameter some rank's backward reached is stepped on every rank (the others
-        contributed zeros to its mean gradient), as one process over the whole batch would. Over every unit, in
-        one order on all ranks: which units a rank launches differs where one speculated and another did not
-        (a speculating rank's flags were all set, so the merged ones are too: the same update either way)."""
-        units = self.store.units
-        flags = [f for u in units for f in ((self.grad_reach.peek(u.index) if self.grad_reach is not None else None)
-                                            or [True] * len(u.params))]
-        merged = self.dp.any_flags(flags)
-        for u in units:
-            self._dp_reached[u.index], merged = merged[:len(u.params)], merged[len(u.params):]
 
     def _guard(self, ids: list[int], update: Callable[[Unit, list[torch.Tensor], bool], None], t0: float) -> None:
         """One worker: its units, each run of consecutive units of one kind through that kind's stepper."""
@@ -441,8 +403,7 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
                 if src.shape != dst.shape:
                     raise ValueError(f"optimizer state {key}: shape {tuple(src.shape)} != {tuple(dst.shape)}")
                 dst[lo:hi].copy_(src[lo:hi])
-        if self.dp is not None:
-            self.dp.barrier()
+        self.ranks.barrier()
 
     def hyper_state(self) -> dict:
         """Scheduler-visible state (LRs etc.) and the speculation mode, JSON-serialisable."""

@@ -30,7 +30,7 @@ from .take_back import TakeBackCopies
 
 if TYPE_CHECKING:
     from ..core.grad_reach import GradReach
-    from ..parallel.group import DataParallel
+    from .ranks import Ranks
     from .device_stepper import DeviceStepper
 
 
@@ -130,7 +130,7 @@ class SpeculativeStep:
     skip_nonfinite: bool
     device_stepper: DeviceStepper | None
     grad_reach: GradReach | None
-    dp: DataParallel | None
+    ranks: Ranks
     _counts: list[int]
     _missed: dict[int, list[int]]
     _hyper: Callable[[], list[kernels.Hyper]]
@@ -155,7 +155,7 @@ class SpeculativeStep:
         # as the update itself (measured 0.43x tokens/s at 8k tokens/step streamed, where the host AdamW bounds the
         # step). Without them a take-back is the arithmetic inverse, within an ulp.
         self.take_back_copies = TakeBackCopies(budget=None if exact_take_back else 0,
-                                               ranks_on_host=self.dp.world if self.dp is not None else 1)
+                                               ranks_on_host=self.ranks.world)
         self.speculated = 0  # units updated during a backward
         self.taken_back = 0  # speculative updates taken back and redone (steps that clipped after one that did not)
 

@@ -1,0 +1,103 @@
+"""Which part of each update this process makes: alone (every unit whole) or as one of the data-parallel ranks
+sharing the host's store (parallel/group.py). Chosen once, when the optimizer is built; its phases call it without
+asking which.
+
+With data parallel each rank steps only its shard of every HOST unit (in the host's shared store) and the whole of
+the replicated DEVICE units, whose gradients it all-reduces before the norm; the norm sums every rank's shard squared
+norms (one all-reduce); a parameter some rank's backward reached is stepped on every rank (the others contributed
+zeros to its mean gradient), as one process over the whole batch would.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from ..core.plan import Stepper
+from ..core.step_state import StepState
+from ..core.store import Unit
+
+if TYPE_CHECKING:
+    from ..core.grad_reach import GradReach
+    from ..parallel.group import DataParallel
+
+
+class Alone:
+    """One process: every unit whole."""
+
+    world = 1
+
+    def own(self, u: Unit) -> tuple[int, int]:
+        return 0, u.numel
+
+    def before_norm(self, units: list[Unit], state: StepState, reach: GradReach | None) -> None:
+        pass
+
+    def grad_norm(self, units: list[Unit], state: StepState, unit_norm: Callable[[Unit], torch.Tensor]) -> float:
+        """Global L2 norm (per-unit norms, then the norm of norms, like clip_grad_norm_)."""
+        return float(torch.linalg.vector_norm(torch.stack([unit_norm(u) for u in units])))
+
+    def reached(self, i: int, taken: list[bool] | None) -> list[bool] | None:
+        """Which parameters of unit ``i`` this step updates (None: all): what this process's backward reached."""
+        return taken
+
+    def barrier(self) -> None:
+        pass
+
+
+class SharedHostRanks:
+    """Data-parallel ranks of one host (see the module docstring)."""
+
+    def __init__(self, dp: DataParallel) -> None:
+        self.dp = dp
+        self.world = dp.world
+        self._reached: dict[int, list[bool]] = {}  # each unit's flags OR-ed over the ranks (``before_norm``)
+
+    def own(self, u: Unit) -> tuple[int, int]:
+        """This rank's shard of a HOST unit shared by the ranks, else all of it."""
+        return self.dp.owns(u)
+
+    def before_norm(self, units: list[Unit], state: StepState, reach: GradReach | None) -> None:
+        """The mean over ranks of each replicated (device-stepped) unit's gradient; the reached flags merged. Over
+        every unit, in one order on all ranks: which units a rank launches differs where one speculated and
+        another did not (a speculating rank's flags were all set, so the merged ones are too: the same update)."""
+        for u in units:
+            if u.plan.stepper is Stepper.DEVICE and u.numel and state.has_grad(u.index):
+                self.dp.all_reduce_mean_(u.grad)
+                state.grad_sq[u.index] = None
+        flags = [f for u in units for f in ((reach.peek(u.index) if reach is not None else None)
+                                            or [True] * len(u.params))]
+        merged = self.dp.any_flags(flags)
+        self._reached = {}
+        for u in units:
+            self._reached[u.index], merged = merged[:len(u.params)], merged[len(u.params):]
+
+    def grad_norm(self, units: list[Unit], state: StepState, unit_norm: Callable[[Unit], torch.Tensor]) -> float:
+        """Each unit's squared norm summed over the ranks' shards (a replicated unit counted once: rank 0's)."""
+        sq = []
+        for u in units:
+            lo, hi = self.own(u)
+            s = state.grad_sq[u.index]
+            if s is None:
+                s = torch.linalg.vector_norm(u.grad[lo:hi], dtype=torch.float32).square()
+            if u.plan.stepper is not Stepper.HOST and self.dp.rank != 0:  # (replicated: identical on every rank)
+                s = torch.zeros(())
+            sq.append(s.reshape(()).float().cpu())
+        total = torch.stack(sq)
+        self.dp.all_reduce_sum_(total)
+        return float(torch.linalg.vector_norm(total.sqrt()))
+
+    def reached(self, i: int, taken: list[bool] | None) -> list[bool] | None:
+        """Unit ``i``'s flags merged over the ranks (this rank's own, ``taken``, are in them)."""
+        return self._reached.pop(i)
+
+    def barrier(self) -> None:
+        self.dp.barrier()
+
+
+Ranks = Alone | SharedHostRanks
+
+
+def ranks_of(dp: DataParallel | None) -> Ranks:
+    return Alone() if dp is None or dp.world <= 1 else SharedHostRanks(dp)

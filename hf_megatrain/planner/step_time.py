@@ -130,10 +130,11 @@ def layer_costs(shape: ModelShape, config: MegaTrainConfig, plans: Plans, seq_le
     A = 2.0 * shape.q_dim * seq_len * tokens  # causal attention FLOPs of one forward
     elem = _elementwise_bytes(shape, config.torch_compile, c) * tokens
     o = _elt(config.torch_grad_offload_dtype)
-    whole = not 0 < config.micro_batch_size < tokens // max(seq_len, 1)
-    narrow = config.narrow_grads and o == 4 and grad_accum == 1 and whole
-    g = c if narrow else o
     kernel = kernels.HostKernel.NATIVE if config.host_kernel == "auto" else kernels.HostKernel(config.host_kernel)
+    whole = not 0 < config.micro_batch_size < tokens // max(seq_len, 1)
+    narrow = (config.narrow_grads and o == 4 and grad_accum == 1 and whole
+              and kernel is not kernels.HostKernel.FUSED)  # (the fused kernel reads FP32 gradients only)
+    g = c if narrow else o
     out = []
     for up in plans.layers:
         n, fz = up.numel * active, up.frozen_numel * active

@@ -130,12 +130,12 @@ def test_dpo_full_finetune_precomputed_reference_matches_plain(tmp_path):
     check_parity(ref, ours)
 
 
-def lora_config():
+def lora_config(dropout: float = 0.0):
     from peft import LoraConfig
 
     # init_lora_weights=False: random A *and* B, so the policy differs from the reference (adapters disabled) from
     # the first step, and a reference that forgot to disable the streamed layers' adapters would show at once.
-    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0,
+    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=dropout,
                       init_lora_weights=False)
 
 
@@ -148,9 +148,11 @@ def test_dpo_lora_live_reference_matches_plain(tmp_path):
 
 
 def test_dpo_lora_precomputed_reference_matches_plain(tmp_path):
-    """LoRA with the reference precomputed before training: DPOTrainer's own pass, adapters disabled."""
+    """LoRA with the reference precomputed before training: DPOTrainer's own pass, adapters disabled. LoRA dropout
+    0.1 with DPOConfig's disable_dropout=True: DPOTrainer zeroes the dropout modules it finds, and the streamed
+    layers' (in the engine's templates) must follow, before the precompute pass already."""
     torch.manual_seed(7)
-    ref, ours = run_pair(tmp_path, peft_config=lora_config(), precompute_ref_log_probs=True)
+    ref, ours = run_pair(tmp_path, peft_config=lora_config(dropout=0.1), precompute_ref_log_probs=True)
     check_parity(ref, ours)
 
 

@@ -48,7 +48,7 @@ class Peers(Protocol):
 
 
 class StepState:
-    def __init__(self, num_units: int) -> None:
+    def __init__(self, num_units: int, peers: Peers | None = None) -> None:
         self.phase = [Phase.EMPTY] * num_units
         self.grad_sq: list[torch.Tensor | None] = [None] * num_units
         # The dtype a unit's host gradient is held in when not its FP32 buffer's own (a narrow gradient: a single
@@ -70,7 +70,7 @@ class StepState:
         # speculative update counts once judged right (it may still be taken back until then).
         self.updates = [0] * num_units
         self._unjudged = [False] * num_units
-        self.peers: Peers | None = None
+        self.peers = peers
 
     def __len__(self) -> int:
         return len(self.phase)
@@ -108,6 +108,19 @@ class StepState:
     def landed(self, i: int) -> None:
         """Unit ``i``'s gradient is complete where its plan keeps it."""
         self.phase[i] = Phase.LANDED
+
+    def narrowed(self, i: int, dtype: torch.dtype) -> None:
+        """Unit ``i``'s host gradient is held in ``dtype`` (a narrow gradient: engine/offload.py)."""
+        self.narrow[i] = dtype
+
+    def widened(self, i: int) -> None:
+        """Unit ``i``'s host gradient is FP32 again (``Unit.widen_grad_``)."""
+        self.narrow[i] = None
+
+    def void_norm(self, i: int) -> None:
+        """Unit ``i``'s gradient changed after its squared norm was taken (a data-parallel all-reduce): the norm is
+        computed from the gradient instead."""
+        self.grad_sq[i] = None
 
     # -- updates -----------------------------------------------------------------------------------------------------
     def begin_update(self, i: int) -> None:

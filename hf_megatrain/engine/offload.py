@@ -165,7 +165,7 @@ class GradientOffload:
         narrow = self._narrow_k[k]
         if narrow is not None:
             assert first and at == 0  # (buffer() chose narrow for a first, unsharded visit)
-            self.state.narrow[unit.index] = narrow
+            self.state.narrowed(unit.index, narrow)
         elif not first and self.state.narrow[unit.index] is not None:
             self._widen(unit)  # (another visit after a narrow one: only a backward past the step's last does that)
         direct = first and (narrow is not None or off.dtype == unit.grad.dtype)
@@ -234,7 +234,7 @@ class GradientOffload:
         ``land()``, before the forward that preceded this visit)."""
         self.state.wait_ready(unit.index)
         unit.widen_grad_(self.state.narrow[unit.index])
-        self.state.narrow[unit.index] = None
+        self.state.widened(unit.index)
 
     def finish(self) -> None:
         """Land every gradient in flight."""

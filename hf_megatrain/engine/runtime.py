@@ -90,9 +90,9 @@ class MegaTrainEngine:
         self.resident_params = conv.resident_params
         self.frozen_resident = conv.frozen_resident
         self.layer_buffer_names = conv.persistent_buffers
-        self.state = StepState(len(self.store.units))
-        if self.dp is not None:  # loads wait for every rank's shard of an update, not for a barrier per step
-            self.state.peers = PeerCells(conv.peer_cells, self.dp.rank)
+        # (data parallel: loads wait for every rank's shard of an update, not for a barrier per step)
+        self.state = StepState(len(self.store.units),
+                               peers=PeerCells(conv.peer_cells, self.dp.rank) if self.dp is not None else None)
         self.executor = StreamingExecutor(
             self.layer_units, self.state, conv.kinds, conv.templates, conv.buffers, device=self.device,
             compute_dtype=self.compute_dtype, grad_offload_dtype=config.torch_grad_offload_dtype,
@@ -265,7 +265,7 @@ class MegaTrainEngine:
                 dt = self.state.narrow[u.index]
                 if dt is not None:
                     u.widen_grad_(dt)
-                    self.state.narrow[u.index] = None
+                    self.state.widened(u.index)
 
     # -- forward -----------------------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,

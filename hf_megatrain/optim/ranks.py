@@ -65,7 +65,7 @@ class SharedHostRanks:
         for u in units:
             if u.plan.stepper is Stepper.DEVICE and u.numel and state.has_grad(u.index):
                 self.dp.all_reduce_mean_(u.grad)
-                state.grad_sq[u.index] = None
+                state.void_norm(u.index)
         flags = [f for u in units for f in ((reach.peek(u.index) if reach is not None else None)
                                             or [True] * len(u.params))]
         merged = self.dp.any_flags(flags)

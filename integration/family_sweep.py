@@ -24,6 +24,13 @@ For each ``model_type`` of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` (encoder-decode
 4. noise floor: the plain model trained again in float64 (or, where float64 does not run, with the accumulated
    micro-batches in reverse order) against the fp32 plain run: what fp32 rounding alone gives.
 
+Multimodal models (``<type>+image``, issue 32): the tiny ``...ForConditionalGeneration`` models of
+``tests/multimodal_models.py`` (hand-made configs: vision tower, projector, image placeholder tokens) go through the
+same protocol with image+text and text-only steps (step 1: two image+text micro-batches, step 2: two text-only ones,
+step 3: image+text), ``pixel_values`` and the family's other inputs passed to both models' forward; the reference is
+the class's own ``from_pretrained``. ``--families gemma3+image,...``; all of them run by default after the causal
+LMs.
+
 Status: ``pass`` (every error <= max(1e-5, 10 x noise floor)), ``fail`` (numbers or the error), ``refused``,
 ``cannot-build``, ``timeout``, ``skipped`` (encoder-decoder). One JSON line per family to
 ``integration/results/family_sweep_cpu.jsonl`` and a Markdown table to ``family_sweep_cpu.md``.
@@ -74,6 +81,7 @@ TINY = {
     "expert_layer_period": 2, "expert_layer_offset": 1, "attn_layer_period": 2, "attn_layer_offset": 1,
     "output_router_logits": True, "use_cache": False,
 }
+IMAGE = "+image"  # suffix of the multimodal entries (tests/multimodal_models.py), trained on image+text batches
 LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 N_LAYERS = 2
 
@@ -292,12 +300,12 @@ def _plain_train(model, batches, lr, wd, mgn, dtype, reverse=False):
     opt = reference_optimizer(m, lr, wd)
     losses, grads, weights = [], [], []
     for micro in batches:
-        n_items = sum(int((lab[:, 1:] != -100).sum()) for _, lab in micro)
+        n_items = sum(int((mb[1][:, 1:] != -100).sum()) for mb in micro)
         step_losses = [None] * len(micro)
         order = list(range(len(micro)))[::-1] if reverse else range(len(micro))
         for j in order:
-            ids, lab = micro[j]
-            out = m(input_ids=ids, labels=lab, num_items_in_batch=torch.tensor(n_items))
+            ids, lab, kw = _micro(micro[j], dtype)
+            out = m(input_ids=ids, labels=lab, num_items_in_batch=torch.tensor(n_items), **kw)
             out.loss.backward()
             step_losses[j] = out.loss.detach().double()
         losses.append(step_losses)
@@ -308,6 +316,16 @@ def _plain_train(model, batches, lr, wd, mgn, dtype, reverse=False):
         opt.zero_grad()
         weights.append({n: p.detach().clone() for n, p in m.named_parameters() if p.requires_grad})
     return losses, grads, weights
+
+
+def _micro(mb: tuple, dtype=None) -> tuple:
+    """``(input_ids, labels, other inputs)`` of a micro-batch ``(ids, labels[, inputs])``; floating inputs (pixel
+    values) in ``dtype`` where given."""
+    kw = dict(mb[2]) if len(mb) > 2 else {}
+    if dtype is not None:
+        kw = {k: v.to(dtype) if hasattr(v, "is_floating_point") and v.is_floating_point() else v
+              for k, v in kw.items()}
+    return mb[0], mb[1], kw
 
 
 def _compare(a, b, lr, eps=1e-8):
@@ -363,10 +381,11 @@ def _engine_train(model, batches, lr, wd, mgn, engine_box):
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     losses, grads, weights = [], [], []
     for micro in batches:
-        n_items = sum(int((lab[:, 1:] != -100).sum()) for _, lab in micro)
+        n_items = sum(int((mb[1][:, 1:] != -100).sum()) for mb in micro)
         step_losses = []
-        for ids, lab in micro:
-            loss = engine(input_ids=ids, labels=lab, num_items_in_batch=n_items).loss
+        for mb in micro:
+            ids, lab, kw = _micro(mb)
+            loss = engine(input_ids=ids, labels=lab, num_items_in_batch=n_items, **kw).loss
             loss.backward()
             step_losses.append(loss.detach().double().cpu())
         engine.finish_backward()
@@ -432,6 +451,8 @@ def worker(model_type: str) -> dict:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     torch.set_num_threads(1)
+    if model_type.endswith(IMAGE):
+        return _worker_multimodal(model_type)
     cls_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
     rec = {"family": model_type, "model_class": cls_name, "status": None, "transformers": transformers.__version__}
     lr, wd, mgn, steps, ga, batch, seq = 1e-3, 0.1, 1.0, 3, 2, 2, 12
@@ -458,7 +479,46 @@ def worker(model_type: str) -> dict:
         del probe
     except Exception as e:  # noqa: BLE001
         return {**rec, "status": "cannot-build", "reason": f"{type(e).__name__}: {str(e)[:400]}"}
+    return _check(rec, model, cls, batches, lr, wd, mgn)
+
+
+def _worker_multimodal(family: str) -> dict:
+    """A ``<type>+image`` entry: the tiny multimodal model of tests/multimodal_models.py, image+text and text-only
+    steps (module docstring)."""
+    import transformers
+
+    sys.path.insert(0, str(ROOT))
+    from tests.multimodal_models import multimodal_batch, tiny_multimodal
+
+    model_type = family[: -len(IMAGE)]
+    rec = {"family": family, "model_class": None, "status": None, "transformers": transformers.__version__,
+           "batches": "image+text, text only, image+text (GA 2)"}
+    try:
+        model = tiny_multimodal(model_type)
+        rec["model_class"] = type(model).__name__
+        model.train()
+        rec["params"] = sum(p.numel() for p in model.parameters())
+        batches = [[multimodal_batch(model_type, 10 * s + j, image) for j in range(2)]
+                   for s, image in enumerate((True, False, True))]
+        probe = copy.deepcopy(model)
+        ids, lab, kw = batches[0][0]
+        out = probe(input_ids=ids, labels=lab, **kw)
+        out.loss.backward()
+        del probe
+    except Exception as e:  # noqa: BLE001
+        return {**rec, "status": "cannot-build", "reason": f"{type(e).__name__}: {str(e)[:400]}"}
+    return _check(rec, model, type(model), batches, 1e-3, 0.1, 1.0)
+
+
+def _check(rec: dict, model, cls, batches, lr: float, wd: float, mgn: float) -> dict:
+    """Steps 2-4 of the module docstring for a built tiny ``model`` of class ``cls``."""
+    import torch
+    import transformers
+
     from hf_megatrain import MegaTrainConfig, MegaTrainEngine, from_pretrained_streamed
+
+    cls_name = cls.__name__
+    model_type = rec["family"]
 
     # 2. conversion of the in-memory model first: a refusal (hf_megatrain's message) is told apart from a failure
     #    of the streamed load itself, which is a fail
@@ -622,15 +682,19 @@ def main(argv=None) -> int:
         return 0
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    sys.path.insert(0, str(ROOT))
+    from tests.multimodal_models import FAMILIES as MULTIMODAL
+
+    multimodal = [f + IMAGE for f in MULTIMODAL]
     everything = list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     if a.families:
         fams = [f.strip() for f in a.families.split(",") if f.strip()]
-        unknown = [f for f in fams if f not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES]
+        unknown = [f for f in fams if f not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and f not in multimodal]
         if unknown:
             ap.error(f"unknown model types: {unknown}")
     else:
         fams = [f for f in PRIORITY if f in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES]
-        fams += [f for f in everything if f not in fams]
+        fams += [f for f in everything if f not in fams] + multimodal
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     records: dict[str, dict] = {}

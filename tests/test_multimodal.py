@@ -222,3 +222,40 @@ def test_in_layer_batch_split_refused_where_the_probe_cannot_decide():
     ids, labels, kw = multimodal_batch("qwen3_vl", 0, True)
     with pytest.raises(RuntimeError, match="micro_batch_size=0"):
         engine(input_ids=ids, labels=labels, **kw)
+
+
+def test_head_extras_only_where_the_multimodal_forward_applies_them():
+    """Gemma 3's text config may set ``final_logit_softcapping``; ``Gemma3ForCausalLM`` applies it, the multimodal
+    ``Gemma3ForConditionalGeneration.forward`` does not: training matches plain transformers either way."""
+    model = tiny_multimodal("gemma3")
+    model.config.text_config.final_logit_softcapping = 0.1  # would bend tiny logits, were it applied
+    worst, engine = train_both(model, "gemma3", steps=(True, False))
+    assert engine.head_extras.softcap is None
+
+
+def test_lora_on_the_language_model():
+    """``get_peft_model`` over a multimodal model (LoRA on the language model's attention, the rest frozen): the
+    model's own forward runs under the PEFT wrapper; loss and every adapter gradient as plain PEFT."""
+    peft = pytest.importorskip("peft")
+    model = tiny_multimodal("qwen2_5_vl")
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=r".*language_model.*\.(q_proj|v_proj)", lora_dropout=0.0)
+    ref = peft.get_peft_model(copy.deepcopy(model), cfg)
+    with torch.no_grad():
+        for n, p in ref.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0.0, 0.02)  # (B starts at zero: give the adapters a trained-like value)
+    ours = copy.deepcopy(ref)
+    engine = MegaTrainEngine(ours, MegaTrainConfig(compute_dtype="float32"), device="cpu")
+    opt = engine.create_optimizer(lr=LR)
+    ids, labels, kw = multimodal_batch("qwen2_5_vl", 0, True)
+    want = ref(input_ids=ids, labels=labels, **kw).loss
+    want.backward()
+    got = engine(input_ids=ids, labels=labels, **kw).loss
+    got.backward()
+    engine.finish_backward()
+    assert rel(got.detach(), want.detach()) <= 1e-6
+    lora = [(n, p) for n, p in ref.named_parameters() if p.requires_grad]
+    assert lora and sorted(engine.store.by_name) == sorted(n for n, _ in lora)
+    for n, p in lora:
+        unit, ps = engine.store.by_name[n]
+        assert rel(unit.view(opt.grad_of(unit), ps), p.grad) <= 1e-5, n

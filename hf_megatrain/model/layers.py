@@ -59,8 +59,8 @@ def find_layer_stack(model: nn.Module, layers_path: str | None = None) -> LayerS
         return stack
 
     best: tuple[int, str] | None = None
-    total = max(_numel(model), 1)
-    within = _language_model_modules(model)
+    within, decoder = _language_model_modules(model)
+    total = max(_numel(decoder if decoder is not None else model), 1)  # (a multimodal model: its language model)
     for name, module in model.named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) == 0 or not _is_stack_candidate(model, name, module):
             continue
@@ -82,23 +82,23 @@ def find_layer_stack(model: nn.Module, layers_path: str | None = None) -> LayerS
     return stack
 
 
-def _language_model_modules(model: nn.Module) -> set[int] | None:
+def _language_model_modules(model: nn.Module) -> tuple[set[int] | None, nn.Module | None]:
     """A multimodal model (its config holds a ``text_config``): ids of the modules of its language model
     (``get_decoder()``), where the decoder stack is looked for -- a vision tower's encoder layers may outweigh a
-    small language model's, but it is the language model whose layers are streamed (model/multimodal.py). None
-    (look everywhere) for other models, or where the language model holds no layer list."""
+    small language model's, but it is the language model whose layers are streamed (model/multimodal.py) -- and
+    that module. ``(None, None)`` (look everywhere) for other models, or where the language model holds no layer
+    list."""
     base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model  # (PEFT)
     if not is_composite(base) or not callable(getattr(base, "get_decoder", None)):
-        return None
+        return None, None
     try:
         decoder = base.get_decoder()
     except (AttributeError, NotImplementedError, ValueError):
-        return None
+        return None, None
     if not isinstance(decoder, nn.Module) or decoder is base:
-        return None
-    ids = {id(m) for m in decoder.modules()}
+        return None, None
     lists = [m for m in decoder.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
-    return ids if lists else None
+    return ({id(m) for m in decoder.modules()}, decoder) if lists else (None, None)
 
 
 # Attribute names HF gives its decoder-layer lists (``model.layers``, ``transformer.h``, ``transformer.blocks``...).

@@ -358,7 +358,7 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
         # Gradients are overwritten by the first backward of the next step; only their bookkeeping is dropped
         # (and speculative updates of a step that will not happen are taken back).
         self.grads.land()
-        if self.speculate and self.policy.seen:
+        if self.policy.seen:  # (speculative updates of a step that will not happen)
             self.wait()
             for i, key in list(self.policy.applied.items()):
                 self._take_back(i, key)

@@ -198,7 +198,7 @@ class SpeculativeStep:
         """Take back the speculative updates the true norm proves wrong; returns the units already stepped right.
         Updates judged right may still be running: ``step()`` does not wait for them (the next forward waits per
         unit, so it starts after the first layer's update instead of all of them)."""
-        if not self.speculate or not self.policy.seen:
+        if not self.policy.seen:  # (nothing speculated: no speculation, or a norm-first step)
             self._end_speculation(None if skip else grad_scale is not None)
             return set()
         d = self.policy.decide(skip, self._key(hyper, grad_scale), self.skip_nonfinite)

@@ -163,8 +163,9 @@ def test_dpo_lora_precomputed_reference_matches_plain(tmp_path):
     dict(loss_type=["sigmoid", "ipo"], loss_weights=[1.0, 0.5], ld_alpha=0.5, use_weighting=True,
          f_divergence_type="js_divergence"),
     # the rest of DPOTrainer's loss types (bco_pair keeps running moments, aot sorts, sft reads per-token log-probs)
-    dict(loss_type=["sft", "hinge", "sigmoid_norm", "nca_pair", "bco_pair", "aot", "aot_unpaired", "apo_zero", "apo_down",
-                    "sppo_hard", "discopop", "robust", "exo_pair"], label_smoothing=0.1),
+    pytest.param(dict(loss_type=["sft", "hinge", "sigmoid_norm", "nca_pair", "bco_pair", "aot", "aot_unpaired",
+                                 "apo_zero", "apo_down", "sppo_hard", "discopop", "robust", "exo_pair"],
+                      label_smoothing=0.1), marks=pytest.mark.slow),
 ], ids=["weighted-ld-wpo-js", "other-losses"])
 def test_dpo_loss_variants_match_plain(tmp_path, variant):
     """Every loss type DPOTrainer offers reduces to per-sequence (or per-token) log-probs of the policy and the
@@ -173,6 +174,7 @@ def test_dpo_loss_variants_match_plain(tmp_path, variant):
     check_parity(ref, ours)
 
 
+@pytest.mark.slow
 def test_dpo_moe_router_aux_loss_matches_plain(tmp_path):
     """Mixtral with the router aux loss: DPOTrainer's fused head reads the router logits, recorded by the engine's
     tap inside the streamed layers; aux_loss is logged as DPOTrainer logs it."""

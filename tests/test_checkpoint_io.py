@@ -124,3 +124,82 @@ def test_estimate_prints_checkpoint_size_and_time(tmp_path, capsys):
     assert ck["trainer_bytes"] == ck["export_bytes"] + 8 * n + master  # + AdamW m, v
     assert ck["trainer_s"] == pytest.approx(ck["trainer_bytes"] / 2e9)
     assert planner.main([d, "--disk-gbps", "0"]) == 2
+
+
+# -- loads straight into the engine's tensors (read_into) -----------------------------------------------------------
+def test_read_into_places_every_byte_and_crcs_while_reading(tmp_path):
+    """Odd sizes, an int tensor, a 0-d and an empty one, a non-contiguous destination, a bf16 tensor converted into
+    an FP32 one, a rank's shard of a flat tensor; tiny chunks so that every tensor spans ranges of several
+    threads. The CRC computed while reading equals zlib's over the file."""
+    from hf_megatrain.checkpoint.read_into import Target, read_into
+
+    items = _items() + [("g", torch.randn(3, 333, generator=torch.Generator().manual_seed(1)).bfloat16())]
+    path = str(tmp_path / "x.safetensors")
+    safetensors_io.write_safetensors(path, items)
+    ref = load_file(path)
+    dst = {k: torch.full(v.shape, -7, dtype=v.dtype) for k, v in ref.items()}
+    dst["a"] = torch.full((11, 37), -7.0).t()  # (non-contiguous: a transposed buffer)
+    dst["g"] = torch.full((3, 333), -7.0)  # bf16 on disk, FP32 here: one conversion
+    shard = torch.full((1999,), -7.0)  # elements [1001, 3000) of "d"
+    targets = {k: Target(t) for k, t in dst.items() if k != "d"} | {"d": Target(shard, 1001)}
+    for crc in (True, False):
+        got = read_into([(path, targets, crc)], workers=3, chunk=1000)
+        assert got == ([_crc(path)] if crc else [None])
+        for k, t in dst.items():
+            if k != "d":
+                assert torch.equal(t, ref[k].to(t.dtype)), k
+        assert torch.equal(shard, ref["d"][1001:3000])
+        for t in (*dst.values(), shard):
+            t.fill_(-7) if t.dtype != torch.bool else None
+    with pytest.raises(ValueError, match="shape"):
+        read_into([(path, {"a": Target(torch.empty(11, 37))}, False)])
+
+
+def test_engine_load_reads_into_the_store_and_refuses_changed_bytes(tmp_path):
+    """Masters and AdamW moments read straight into the engine come back bit for bit; a byte changed after the
+    manifest was written is refused by the load itself (CRC-32 computed while reading), a truncated file too; a bf16
+    export loads as the masters rounded to bf16 (one conversion)."""
+    engine = MegaTrainEngine(tiny("llama"), MegaTrainConfig(compute_dtype="float32"), device="cpu")
+    opt = engine.create_optimizer(lr=1e-2)
+    with torch.no_grad():
+        for u in engine.store.units:
+            u.exp_avg.normal_()
+            u.exp_avg_sq.uniform_()
+    folder = str(tmp_path / "ck")
+    os.makedirs(folder)
+    folders.save_training_state(engine, folder, master=True)
+    folders.write_manifest(folder)
+    want = {n: t.clone() for n, t in engine.named_master_tensors()}
+    moments = {k: v.clone() for k, v in opt.state_tensors().items()}
+    with torch.no_grad():
+        for _, t in engine.named_master_tensors():
+            t.add_(1.0)
+        for u in engine.store.units:
+            u.exp_avg.zero_()
+            u.exp_avg_sq.zero_()
+    assert folders.load_pretrained_into_engine(engine, folder) == []
+    assert folders.load_training_state(engine, folder)
+    assert all(torch.equal(t, want[n]) for n, t in engine.named_master_tensors())
+    assert all(torch.equal(v, moments[k]) for k, v in opt.state_tensors().items())
+
+    master = os.path.join(folder, "megatrain_master.safetensors")
+    for path, load in ((master, lambda: folders.load_pretrained_into_engine(engine, folder)),
+                       (os.path.join(folder, ckpt.OPTIMIZER_TENSORS), lambda: folders.load_training_state(engine,
+                                                                                                           folder))):
+        data = bytearray(open(path, "rb").read())
+        data[-5] ^= 0x40
+        open(path, "wb").write(bytes(data))
+        with pytest.raises(ckpt.CheckpointError, match="changed while it was loaded or since it was verified"):
+            load()
+        open(path, "wb").write(bytes(data[:-64]))
+        with pytest.raises(ckpt.CheckpointError, match="truncated|corrupt"):
+            load()
+
+    export = str(tmp_path / "bf16")
+    folders.save_pretrained_streamed(engine, export, dtype=torch.bfloat16)
+    want = {n: t.clone() for n, t in engine.named_master_tensors()}
+    with torch.no_grad():
+        for _, t in engine.named_master_tensors():
+            t.zero_()
+    folders.load_pretrained_into_engine(engine, export)
+    assert all(torch.equal(t, want[n].bfloat16().float()) for n, t in engine.named_master_tensors())

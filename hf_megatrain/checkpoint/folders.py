@@ -3,8 +3,9 @@
 A model larger than GPU memory is usually larger than what host RAM can hold twice, so nothing here builds a
 ``state_dict``: weights go to disk tensor by tensor (``safetensors_io``) straight from the host store's FP32
 master, in the standard layout plain ``transformers.from_pretrained`` reads (``model.safetensors`` or
-``model-0000x-of-0000y.safetensors`` + ``model.safetensors.index.json``). Loading walks the shards with
-``safe_open`` (memory-mapped) and copies each tensor, in row chunks, into its master slice.
+``model-0000x-of-0000y.safetensors`` + ``model.safetensors.index.json``). Loading reads each master's bytes
+straight into its slice of the store, shards and ranges in parallel, computing CRC-32 while reading
+(``read_into``); a bf16 checkpoint is converted once, chunk by chunk.
 
 A Trainer checkpoint folder additionally holds the engine's training state (FP32 master when the export dtype is
 not FP32, the flat AdamW moments as safetensors, the optimizer hyper-state as JSON) and a manifest of every file
@@ -25,10 +26,12 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
+from ..core.engine_view import EngineView
 from .atomic import (OutputDirBusy, atomic_directory, output_dir_lock, recover_interrupted_saves,
                      remove_stale_temp_dirs, rotate_checkpoints)
 from .fast_io import crc32_files, recorded_crc32
-from .safetensors_io import (DEFAULT_MAX_SHARD_SIZE, WEIGHTS_PREFIX, CheckpointError, LazyTensors, copy_tensor_into,
+from .read_into import HeaderError, Target, read_into
+from .safetensors_io import (DEFAULT_MAX_SHARD_SIZE, WEIGHTS_PREFIX, CheckpointError,
                              open_safetensors, parse_size, read_json_key, save_weights, weight_files, write_json,
                              write_safetensors, write_weights)
 from .staged import staged_export
@@ -47,7 +50,7 @@ __all__ = ["CheckpointError", "DEFAULT_MAX_SHARD_SIZE", "parse_size", "save_weig
            "rotate_checkpoints", "staged_export", "write_weights"]
 
 
-def save_pretrained_streamed(engine: Any, save_dir: str, *, dtype: torch.dtype = torch.float32,
+def save_pretrained_streamed(engine: EngineView, save_dir: str, *, dtype: torch.dtype = torch.float32,
                              max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
                              extra: Iterable[tuple[str, torch.Tensor]] = ()) -> list[str]:
     """Standard HF checkpoint of ``engine.model``: weights from the FP32 master (cast to ``dtype``), ``extra``
@@ -75,7 +78,7 @@ def save_pretrained_streamed(engine: Any, save_dir: str, *, dtype: torch.dtype =
     return files
 
 
-def save_training_state(engine: Any, save_dir: str, *, master: bool) -> list[str]:
+def save_training_state(engine: EngineView, save_dir: str, *, master: bool) -> list[str]:
     """AdamW moments + step counts (safetensors), hyper-state (JSON) and, if ``master``, the FP32 master, written
     straight into ``save_dir`` (a checkpoint's new temp folder: ``atomic_directory``)."""
     files: list[str] = []
@@ -196,11 +199,39 @@ def verify_checkpoint(path: str, *, training_state: bool = True, allow_unverifie
             pass
 
 
-def load_pretrained_into_engine(engine: Any, path: str, *, prefix: str | None = None, strict: bool = True,
+def _manifest_crcs(path: str) -> dict[str, str]:
+    """{file: CRC-32} from ``path``'s manifest (empty without one: a plain HF folder)."""
+    manifest = os.path.join(path, MANIFEST)
+    if not os.path.isfile(manifest):
+        return {}
+    with open(manifest) as fh:
+        return json.load(fh).get("crc32") or {}
+
+
+def _read_checked(jobs: list[tuple[str, dict[str, Target], bool]], sums: dict[str, str]) -> None:
+    """``read_into`` the jobs; a file read whole whose CRC-32 (computed while reading) differs from the manifest's
+    raises: it changed after the save (or after ``verify_checkpoint``), and the state it was read into is not the
+    checkpoint's."""
+    try:
+        got = read_into(jobs)
+    except HeaderError as e:
+        raise CheckpointError(str(e)) from e
+    for (fpath, _, crc), c in zip(jobs, got):
+        if crc and c != sums[os.path.basename(fpath)]:
+            raise CheckpointError(f"{fpath} changed while it was loaded or since it was verified (CRC-32 {c}, "
+                                  f"recorded {sums[os.path.basename(fpath)]}): the engine's state is not the "
+                                  "checkpoint's; load it again or resume from another checkpoint")
+
+
+def load_pretrained_into_engine(engine: EngineView, path: str, *, prefix: str | None = None,
+                                strict: bool = True,
                                 extra_sink: Callable[[str, torch.Tensor], bool] | None = None,
                                 weight_mapping: list | None = None, extra_names: Iterable[str] = (),
                                 base_model_prefix: str | None = None) -> list[str]:
-    """Fill the engine's FP32 masters from the safetensors weights in ``path``, one shard at a time.
+    """Fill the engine's FP32 masters from the safetensors weights in ``path``: every master read straight into
+    the store (``read_into``: one copy, ranges of the shards on a few threads; another dtype converted once). A
+    shard its manifest lists and that this process reads whole is checked against its CRC-32, computed while
+    reading (the separate ``verify_checkpoint`` pass refuses a corrupt folder before anything is written).
 
     ``prefix`` defaults to the FP32 master files when present, else the model weights. Tensors the store does not
     hold are offered to ``extra_sink(name, tensor)`` (frozen parameters, persistent buffers); it returns False for
@@ -218,7 +249,7 @@ def load_pretrained_into_engine(engine: Any, path: str, *, prefix: str | None = 
     shards = weight_files(path, prefix)
     if shards is None:
         raise CheckpointError(f"no {prefix}.safetensors[.index.json] in {path}")
-    engine.state.wait_all()  # no update may write a master while we do
+    masters = dict(engine.named_master_tensors())  # (waits: no update may write a master while we do)
     store = engine.store
     model = getattr(engine, "model", None)
     config = getattr(model, "config", None)
@@ -254,16 +285,21 @@ def load_pretrained_into_engine(engine: Any, path: str, *, prefix: str | None = 
         raise CheckpointError(f"{path} lacks {len(missing)} parameters of the model, e.g. {sorted(missing)[:5]}")
     unused: list[str] = []
     converted = plan.converted_keys
-    writes = getattr(engine, "writes_master", lambda name: True)  # (data parallel: local rank 0 fills shared ones)
-    for fname, names in shards.items():
-        fpath = os.path.join(path, fname)
-        with open_safetensors(fpath) as f:
-            for key in names:
-                name = plan.direct.get(key)
-                if name is not None and name in store.by_name:
-                    if writes(name):
-                        copy_tensor_into(store.master_tensor(name), f, key, fpath)
-                elif key not in converted:
+    writes = engine.writes_master  # (data parallel: local rank 0 fills the shared masters)
+    sums = _manifest_crcs(path)
+    jobs, others = [], []
+    for fname, names in shards.items():  # masters: read straight into them, every shard at once (read_into.py)
+        targets = {key: Target(masters[plan.direct[key]]) for key in names
+                   if plan.direct.get(key) in store.by_name and writes(plan.direct[key])}
+        skipped = any(plan.direct.get(key) in store.by_name and key not in targets for key in names)
+        jobs.append((os.path.join(path, fname), targets, fname in sums and not skipped))
+        others.append([key for key in names if plan.direct.get(key) not in store.by_name and key not in converted])
+    _read_checked(jobs, sums)
+    for (fpath, _, _), keys in zip(jobs, others):  # frozen parameters, buffers: small, through safe_open
+        if keys:
+            with open_safetensors(fpath) as f:
+                for key in keys:
+                    name = plan.direct.get(key)
                     if extra_sink is None or not extra_sink(name or key, f.get_tensor(key)):
                         unused.append(key)
     for g in plan.groups:  # one target's sources in memory at a time
@@ -271,14 +307,14 @@ def load_pretrained_into_engine(engine: Any, path: str, *, prefix: str | None = 
             if name in store.by_name:
                 if writes(name):
                     with torch.no_grad():
-                        store.master_tensor(name).copy_(t)
+                        masters[name].copy_(t)
             elif extra_sink is None or not extra_sink(name, t):
                 unused.append(name)
     engine.sync_device_()
     return unused
 
 
-def check_training_state(engine: Any, path: str, f: Any | None = None) -> None:
+def check_training_state(engine: EngineView, path: str, f: Any | None = None) -> None:
     """Raise ``CheckpointError`` unless the optimizer state file matches the engine's units (names and sizes)."""
     if f is None:
         if not os.path.isfile(path):
@@ -297,7 +333,7 @@ def check_training_state(engine: Any, path: str, f: Any | None = None) -> None:
                                   f"this model needs {shape}")
 
 
-def load_training_state(engine: Any, path: str) -> bool:
+def load_training_state(engine: EngineView, path: str) -> bool:
     """Restore AdamW moments, step counts and hyper-state saved by ``save_training_state``; False if absent."""
     tensors, hyper = os.path.join(path, OPTIMIZER_TENSORS), os.path.join(path, OPTIMIZER_HYPER)
     if not os.path.isfile(tensors):
@@ -312,6 +348,19 @@ def load_training_state(engine: Any, path: str) -> bool:
         raise CheckpointError(f"missing or corrupt {hyper}: {e}") from e
     with open_safetensors(tensors) as f:
         check_training_state(engine, tensors, f)
-        opt.load_state_tensors(LazyTensors(f))
+        live = opt.state_tensors()  # (waits for a step in flight) the moments themselves: read straight into them
+        own = getattr(opt, "own", lambda u: (0, u.numel))  # (data parallel: this rank's shard of the shared state)
+        targets = {}
+        for u in engine.store.units:
+            lo, hi = own(u)
+            for key in (f"exp_avg.{u.index}", f"exp_avg_sq.{u.index}"):
+                dst = live[key]
+                targets[key] = Target(dst) if (lo, hi) == (0, dst.numel()) else Target(dst.view(-1)[lo:hi], lo)
+        whole = all(t.first == 0 for t in targets.values())
+        sums = _manifest_crcs(path)
+        _read_checked([(tensors, targets, whole and OPTIMIZER_TENSORS in sums)], sums)
+        # The moments are in place (loading a tensor into itself copies nothing); the small rest from the file.
+        opt.load_state_tensors({**{k: f.get_tensor(k) for k in f.keys() if k not in targets},
+                                **{k: live[k] for k in targets}})
     opt.load_hyper_state(hyper_state)
     return True

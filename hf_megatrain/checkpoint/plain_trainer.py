@@ -26,6 +26,7 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
+from ..core.engine_view import EngineView
 from .safetensors_io import CheckpointError
 
 OPTIMIZER_NAME = "optimizer.pt"  # transformers.trainer.OPTIMIZER_NAME (checkpoint/ does not import transformers)
@@ -59,14 +60,14 @@ def has_torch_optimizer(path: str) -> bool:
     return os.path.isfile(os.path.join(path, OPTIMIZER_NAME))
 
 
-def _trainer_order(engine: Any) -> list[str]:
+def _trainer_order(engine: EngineView) -> list[str]:
     """Parameter names in the order plain Trainer's AdamW numbered them: decayed trainable ones, then the rest."""
     names = [n for n, p in engine.model.named_parameters() if p.requires_grad]
     decay = [n for n in names if engine.store.by_name[n][1].decay]
     return decay + [n for n in names if not engine.store.by_name[n][1].decay]
 
 
-def load_torch_adamw(engine: Any, path: str) -> None:
+def load_torch_adamw(engine: EngineView, path: str) -> None:
     """Load ``path/optimizer.pt`` (plain Trainer's ``torch.optim.AdamW``) into ``engine.optimizer``'s state."""
     file = os.path.join(path, OPTIMIZER_NAME)
     opt = engine.optimizer
@@ -119,7 +120,7 @@ class _UnitState(Mapping[str, torch.Tensor]):
     """The per-unit flat tensors ``UnitAdamW.load_state_tensors`` reads, built one unit at a time from torch's
     per-parameter state (one unit's moments in memory at once, never the whole model's)."""
 
-    def __init__(self, engine: Any, by_name: dict[str, dict[str, torch.Tensor]]) -> None:
+    def __init__(self, engine: EngineView, by_name: dict[str, dict[str, torch.Tensor]]) -> None:
         self._units = {u.index: u for u in engine.store.units}
         self._by_name = by_name
         self._steps = {i: [self._step(p.name) for p in u.params] for i, u in self._units.items()}

@@ -141,8 +141,9 @@ def lora_config(dropout: float = 0.0):
 
 def test_dpo_lora_live_reference_matches_plain(tmp_path):
     torch.manual_seed(7)
-    ref, ours = run_pair(tmp_path, peft_config=lora_config())
+    ref, ours = run_pair(tmp_path, peft_config=lora_config(), evaluate=True)
     assert ours.ref_model is None and not ours.precompute_ref_logps  # the reference: the base, adapters disabled
+    assert len(logs(ours, "eval_loss")) == 1
     assert logs(ours)[0]["rewards/margins"] != 0.0  # policy != reference from the first step
     check_parity(ref, ours)
 

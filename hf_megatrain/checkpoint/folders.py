@@ -22,7 +22,7 @@ import copy
 import json
 import logging
 import os
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable
 
 import torch
 

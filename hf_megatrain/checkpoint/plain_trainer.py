@@ -22,7 +22,7 @@ checkpoint carries ``RESUME_NOTE`` (a short markdown file a user listing the fol
 from __future__ import annotations
 
 import os
-from typing import Any, Iterator, Mapping
+from typing import Iterator, Mapping
 
 import torch
 

@@ -112,6 +112,10 @@ HAND: dict[str, dict] = {
                        "indexer_compress_ratio": 2},
     "flint": {"mlp_only_layers": [0]},  # the generic cut keeps [0, 1]: no MoE layer left, no router logits
     "deepseek_v4": {"mlp_layer_types": ["hash_moe", "moe"]},  # both tiny layers hash-routed: no router logits
+    # input / recurrent / output layers that must add up to the stack (the recurrent block runs n_recurrent_loops
+    # times); layer types given without the "mlp" blocks its to_dict() interleaves (the constructor would halve them)
+    "dory": {"num_hidden_layers": 3, "n_input_layers": 1, "n_recurrent_layers": 1, "n_output_layers": 1,
+             "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
     # KV sharing (the last num_kv_shared_layers layers read the K/V of earlier ones) needs layers of both kinds
     # before the shared ones: 4 layers, the last 2 shared
     "gemma3n_text": {"num_hidden_layers": 4, "num_kv_shared_layers": 2, "activation_sparsity_pattern": [0.0] * 4,

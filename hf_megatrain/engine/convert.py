@@ -70,6 +70,12 @@ def _check_plain_head(model: nn.Module) -> None:
     would be silently skipped, so refuse it."""
     head = model.get_output_embeddings()
     extra = [n for n, _ in head.named_parameters() if n not in ("weight", "bias")]
+    if extra and not any("lora_" in n or "modules_to_save" in n or "original_module" in n for n in extra):
+        raise ValueError(  # the family's own head (Dory's nGPT-style learned logit scale), not an adapter
+            f"{type(model).__name__} is not supported: its output embeddings ({type(head).__name__}) carry "
+            f"parameters besides weight / bias ({extra[:3]}) that its forward applies to the logits; hf_megatrain "
+            "computes the loss from lm_head.weight (+ bias) directly and would skip them (another loss than plain "
+            "transformers). Train this model with plain transformers.")
     if extra:
         raise ValueError(
             f"the output embeddings ({type(head).__name__}) carry extra parameters {extra[:3]}: hf_megatrain computes "

@@ -15,6 +15,7 @@ converted model these methods as instance attributes (class, class name and ``is
   parameters and buffers, then every compute copy refreshed; ``strict=False`` reports missing / unexpected keys as
   torch does. Plain ``nn.Module.load_state_dict`` would load the resident parts only and call every layer key
   "unexpected", which ``strict=False`` callers never read;
+- ``get_parameter(name)``: a streamed layer's parameter (its FP32 master, as ``named_parameters`` gives it) by name;
 - ``named_parameters()`` / ``parameters()`` (and what is built on them: ``num_parameters``, ``device``, ``dtype``):
   every parameter in model order. Streamed layers' entries are their FP32 masters (``nn.Parameter`` sharing the host
   store's memory; ``.grad`` is the FP32 host gradient buffer where the plan keeps one, complete once
@@ -223,7 +224,19 @@ def present_weights(engine: MegaTrainEngine) -> None:
                 else:
                     p.grad.detach_().zero_()
 
-    for fn in (named_parameters, state_dict, load_state_dict, save_pretrained, zero_grad):
+    def get_parameter(self: nn.Module, target: str) -> nn.Parameter:
+        # A streamed layer's parameter by its full name (the proxy owns none): what transformers' checkpoint
+        # conversions read target shapes from (a fused projection Split into q/k/v... by the targets' sizes).
+        prefix = f"{engine.stack.path}."
+        if target.startswith(prefix):
+            index, _, local = target[len(prefix):].partition(".")
+            if index.isdigit() and int(index) < len(layers):
+                for name, param, _ in layers[int(index)]:
+                    if name == local:
+                        return param
+        return type(self).get_parameter(self, target)
+
+    for fn in (named_parameters, state_dict, load_state_dict, save_pretrained, zero_grad, get_parameter):
         object.__setattr__(model, fn.__name__, types.MethodType(fn, model))
 
 

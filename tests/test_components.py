@@ -189,6 +189,32 @@ def test_step_state_waiters_block_until_ready_and_see_failures():
         st.wait_ready(0)
 
 
+# -- background jobs -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("overlap", [False, True])
+def test_jobs_run_in_order_and_sync_reraises(overlap):
+    from hf_megatrain.optim.jobs import Jobs
+
+    jobs, seen = Jobs("test-jobs", overlap), []
+    release = jobs.hold()
+    waits = [jobs.submit(lambda k=k: seen.append(k)) for k in range(3)]
+    assert seen == ([] if overlap else [0, 1, 2])  # (held: nothing ran yet)
+    release()
+    waits[-1]()
+    assert seen == [0, 1, 2] and jobs.sync() is overlap
+
+    def fail() -> None:
+        raise ValueError("boom")
+
+    if overlap:
+        jobs.submit(fail)
+        with pytest.raises(ValueError, match="boom"):
+            jobs.sync()
+        assert jobs.sync() is False  # (reported once)
+    else:
+        with pytest.raises(ValueError, match="boom"):
+            jobs.submit(fail)
+
+
 # -- speculation policy (fakes: unit indices, norms and keys only) ------------------------------------------------------------
 def test_speculation_policy_speculates_then_takes_back_when_the_step_clips():
     p = SpeculationPolicy(norm_first=False)

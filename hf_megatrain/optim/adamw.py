@@ -36,9 +36,9 @@ all-reduce, loads the unit).
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
-import threading
 import time
 from typing import TYPE_CHECKING, Callable
 
@@ -51,6 +51,7 @@ from ..core.store import Unit, UnitStore
 from ..parallel.shards import clip_spans
 from .device_stepper import DeviceStepper
 from .gradient_path import GradientPath
+from .jobs import Jobs
 from .ranks import ranks_of
 from .speculative_step import SpeculativeStep
 from .steppers import KernelStepper, UnitStepper
@@ -142,7 +143,8 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
         self.host_update_params = 0
         self.host_update_bytes = 0  # host DRAM bytes those updates moved (kernels.host_bytes_per_param)
         self.last_grad_norm: float | None = None
-        self._workers: list[threading.Thread] = []
+        # The launch's workers: the HOST and DEVICE units on one, the DEVICE_STREAMED ones on another (optim/jobs.py).
+        self._workers = [Jobs("megatrain-adamw", overlap) for _ in range(1 + (self.device_stepper is not None))]
         self._init_speculation(speculate, exact_take_back)  # (speculative_step.py)
 
     # -- phases ------------------------------------------------------------------------------------------------------
@@ -240,7 +242,7 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
     def _launch(self, hyper: list[kernels.Hyper], grad_scale: float | None, units: list[int] | None = None) -> None:
         """Step ``units`` (default: every unit with a gradient) on the stepper of each one's kind, each worker's
         units in the order given (the next forward's)."""
-        workers: list[list[int]] = [[] for _ in range(1 + (self.device_stepper is not None))]
+        workers: list[list[int]] = [[] for _ in self._workers]
         for i in (self.unit_order if units is None else units):
             w = self._worker_of.get(self.store.units[i].plan.stepper)
             if w is not None:
@@ -249,8 +251,8 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
             self.step_state.begin_update(i)
             taken = self.grad_reach.take(i) if self.grad_reach is not None else None
             self._reached[i] = self.ranks.reached(i, taken)
-        jobs = [ids for k, ids in enumerate(workers) if k == 0 or ids]
-        for ids in jobs:  # (on the main thread: everything the backward queued comes before the streamed kernels)
+        jobs = [(w, ids) for w, ids in zip(self._workers, workers) if w is self._workers[0] or ids]
+        for _, ids in jobs:  # (on the main thread: everything the backward queued comes before the streamed kernels)
             if ids:
                 self.steppers[self.store.units[ids[0]].plan.stepper].prepare()
 
@@ -259,15 +261,9 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
 
         t0 = time.perf_counter()
         self._running_seconds = 0.0
-        if self.overlap:
-            # Not daemons: the interpreter joins them at exit, so no update is cut off mid-kernel.
-            self._workers = [threading.Thread(target=self._guard, args=(ids, update, t0), name="megatrain-adamw")
-                             for ids in jobs]
-            for w in self._workers:
-                w.start()
-        else:
-            for ids in jobs:
-                self._guard(ids, update, t0)
+        for w, ids in jobs:
+            w.submit(functools.partial(self._guard, ids, update, t0))
+        if not self.overlap:
             self.wait()
 
     def _guard(self, ids: list[int], update: Callable[[Unit, list[torch.Tensor], bool], None], t0: float) -> None:
@@ -338,10 +334,8 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
 
     # -- waiting -----------------------------------------------------------------------------------------------------
     def _join(self) -> None:
-        workers, self._workers = self._workers, []
-        for w in workers:
-            w.join()
-        if workers:
+        ran = [w.sync() for w in self._workers]  # (every worker: no short-circuit)
+        if any(ran):  # (published once the step's updates are done: never a partial figure)
             self.last_step_seconds = self._running_seconds
 
     def join(self) -> None:

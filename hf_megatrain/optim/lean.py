@@ -29,7 +29,6 @@ weight and moment bit-identical without a re-run. The resident unit keeps its gr
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import Any, Callable
 
@@ -41,6 +40,7 @@ from ..core.step_state import StepState
 from ..core.store import UnitStore
 from .adamw import UnitAdamW
 from .gradient_path import GradientPath
+from .jobs import Jobs
 from .speculation import Act, Key, SpeculationPolicy, StepDecision
 
 logger = logging.getLogger(__name__)
@@ -57,8 +57,7 @@ class LeanAdamW(UnitAdamW):
             raise ValueError("lean_store needs eps > 0 (taking back a speculated update divides by sqrt(v) + eps)")
         self.lean = set(i for i, u in enumerate(store.units) if u.plan.stepper is Stepper.LEAN)
         self.policy = SpeculationPolicy(norm_first=bool(self.max_grad_norm and self.max_grad_norm > 0))
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="megatrain-lean") if self.overlap else None
-        self._futures: list[Future] = []
+        self._jobs = Jobs("megatrain-lean", self.overlap)  # the layer updates, in landing order
         self.regenerated_steps = 0  # steps whose forward+backward ran twice (clipped / skipped / discarded)
         self._warned = False
         self._warned_inexact = False
@@ -75,13 +74,7 @@ class LeanAdamW(UnitAdamW):
         """The gradient sink (called by engine/offload.py): the executor's D2H of unit ``i``'s gradient into host
         ``slab`` is queued (``ready``: its event); returns a wait() that returns once the slab may be reused."""
         self.step_state.begin_update(i)
-        job = partial(self._apply, self.policy.rerun is None, i, slab, sq, ready)
-        if self._pool is None:
-            job()
-            return lambda: None
-        fut = self._pool.submit(job)
-        self._futures.append(fut)
-        return fut.result
+        return self._jobs.submit(partial(self._apply, self.policy.rerun is None, i, slab, sq, ready))
 
     def _apply(self, first: bool, i: int, grad: torch.Tensor, sq: torch.Tensor, ready: Any) -> None:
         changed = False
@@ -161,9 +154,7 @@ class LeanAdamW(UnitAdamW):
 
     def _sync(self) -> None:
         """Wait for every queued layer update; re-raise the first failure."""
-        futures, self._futures = self._futures, []
-        for f in futures:
-            f.result()
+        self._jobs.sync()
 
     # -- step: UnitAdamW.step's phases, with the lean units settled in between --------------------------------------
     def _join_before_step(self) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import heapq
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -25,6 +24,7 @@ from ..core import kernels
 from ..core.plan import Stepper
 from ..core.step_state import StepState
 from ..core.store import Unit, UnitStore
+from .jobs import Jobs
 from .speculation import Act, Key, SpeculationPolicy
 from .take_back import TakeBackCopies
 
@@ -47,8 +47,7 @@ class SpeculativeWorker:
     def __init__(self, state: StepState, unit_order: list[int], overlap: bool) -> None:
         self.state = state
         self._pos = {u: k for k, u in enumerate(unit_order)}
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="megatrain-spec") if overlap else None
-        self._jobs: list[Future] = []
+        self._jobs = Jobs("megatrain-spec", overlap)
         self._queue: list[tuple[int, int, Any, Callable[[int, Any], None]]] = []  # (forward position, unit, ...)
         self._lock = threading.Lock()
         # Updates that finished before step() judged them (their gradient kept), and those judged right while
@@ -59,25 +58,19 @@ class SpeculativeWorker:
     @property
     def overlapped(self) -> bool:
         """Whether updates run on a background thread (``overlap_optimizer``)."""
-        return self._pool is not None
+        return self._jobs.overlapped
 
     def submit(self, i: int, hyper: Any, update: Callable[[int, Any], None]) -> None:
         """Unit ``i``'s gradient is final: ``update(i, hyper)`` runs on the worker (the unit is UPDATING now)."""
         self.state.begin_update(i)
         with self._lock:
             heapq.heappush(self._queue, (self._pos[i], i, hyper, update))
-        if self._pool is None:
-            self._run_next()
-        else:
-            self._jobs.append(self._pool.submit(self._run_next))
+        self._jobs.submit(self._run_next)
 
     def hold(self) -> Callable[[], None]:
         """Keep the worker busy (what it is given queues) until the returned release() is called; for tests and
         diagnostics. Without overlap there is no worker: a no-op."""
-        gate = threading.Event()
-        if self._pool is not None:
-            self._pool.submit(gate.wait)
-        return gate.set
+        return self._jobs.hold()
 
     def _run_next(self) -> None:
         """One job per landing; each takes whichever queued unit the next forward needs first."""
@@ -99,9 +92,7 @@ class SpeculativeWorker:
 
     def sync(self) -> None:
         """Wait for every submitted update."""
-        jobs, self._jobs = self._jobs, []
-        for f in jobs:
-            f.result()
+        self._jobs.sync()
 
     def stands(self, units: set[int]) -> None:
         """``step()`` judged these units' updates right: each is ready for the next forward once it has run."""

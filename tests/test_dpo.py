@@ -79,23 +79,30 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
-def run_pair(tmp_path, *, peft_config=None, composed=False, evaluate=False, family="llama", mt_config=None, **over):
+def run_pair(tmp_path, *, peft_config=None, composed=False, evaluate=False, family="llama", mt_config=None,
+             live_ref=False, **over):
     """Plain DPOTrainer and ours on copies of one tiny model; ``composed``: ours built the generic way
-    (``megatrain_trainer_class(DPOTrainer)`` + ``megatrain_args_class(DPOConfig)``), as the issue's user did."""
+    (``megatrain_trainer_class(DPOTrainer)`` + ``megatrain_args_class(DPOConfig)``), as the issue's user did;
+    ``live_ref``: both given a copy of the initial model as ``ref_model``."""
     model = tiny(family)
+    if live_ref:
+        extra_ref = lambda: dict(ref_model=copy.deepcopy(model))  # noqa: E731
+    else:
+        extra_ref = dict
     data = pairs()
     if evaluate:
         over = dict(eval_strategy="steps", eval_steps=3, per_device_eval_batch_size=3, **over)
     extra = dict(eval_dataset=pairs(6, seed=1)) if evaluate else {}
     ref = DPOTrainer(model=copy.deepcopy(model), args=DPOConfig(**dpo_kwargs(tmp_path / "ref", **over)),
                      train_dataset=data, processing_class=tokenizer(), peft_config=copy.deepcopy(peft_config),
-                     **extra)
+                     **extra, **extra_ref())
     ref.train()
     trainer_cls, args_cls = ((megatrain_trainer_class(DPOTrainer), megatrain_args_class(DPOConfig)) if composed
                              else (MegaTrainDPOTrainer, MegaTrainDPOConfig))
     ours = trainer_cls(model=copy.deepcopy(model), args=args_cls(
         **dpo_kwargs(tmp_path / "mt", **over), megatrain_config=mt_config or {"compute_dtype": "float32"}),
-        train_dataset=data, processing_class=tokenizer(), peft_config=copy.deepcopy(peft_config), **extra)
+        train_dataset=data, processing_class=tokenizer(), peft_config=copy.deepcopy(peft_config), **extra,
+        **extra_ref())
     assert ours.engine is not None
     ours.train()
     return ref, ours
@@ -127,6 +134,17 @@ def test_dpo_full_finetune_precomputed_reference_matches_plain(tmp_path):
     ref, ours = run_pair(tmp_path, composed=True, evaluate=True, precompute_ref_log_probs=True)
     assert isinstance(ours, DPOPort)  # megatrain_trainer_class(DPOTrainer) is the ported class
     assert len(logs(ours, "eval_loss")) == 1
+    check_parity(ref, ours)
+
+
+def test_dpo_full_finetune_live_streamed_reference_matches_plain(tmp_path):
+    """Full fine-tuning against a live reference model: ours streams it frozen through a second engine (its layers
+    from a host copy in the compute dtype, no master / gradient / optimizer state); evaluated too."""
+    ref, ours = run_pair(tmp_path, composed=True, evaluate=True, live_ref=True)
+    engine = ours.ref_model.megatrain_engine
+    assert engine is not ours.engine and engine.num_parameters() == 0 and engine.optimizer is None
+    assert engine.num_parameters(include_frozen=True) == ours.engine.num_parameters()
+    assert logs(ours)[-1]["rewards/margins"] != 0.0
     check_parity(ref, ours)
 
 
@@ -216,11 +234,11 @@ def test_refusals(tmp_path):
     model = tiny("llama")
     kw = dict(train_dataset=pairs(4), processing_class=tokenizer())
     args = dict(**dpo_kwargs(tmp_path), megatrain_config={"compute_dtype": "float32"})
-    with pytest.raises(ValueError, match="precompute_ref_log_probs=True"):  # full FT, live reference
+    with pytest.raises(ValueError, match="precompute_ref_log_probs=True"):  # full FT without any reference
         MegaTrainDPOTrainer(model=copy.deepcopy(model), args=MegaTrainDPOConfig(**args), **kw)
-    with pytest.raises(ValueError, match="precompute_ref_log_probs=True"):  # ... also with a ref_model given
-        MegaTrainDPOTrainer(model=copy.deepcopy(model), ref_model=copy.deepcopy(model),
-                            args=MegaTrainDPOConfig(**args), **kw)
+    with pytest.raises(ValueError, match="precompute_ref_log_probs=True"):  # ... the generic composition too
+        megatrain_trainer_class(DPOTrainer)(model=copy.deepcopy(model), args=megatrain_args_class(DPOConfig)(**args),
+                                            **kw)
     with pytest.raises(ValueError, match="activation_offloading"):
         MegaTrainDPOTrainer(model=copy.deepcopy(model), args=MegaTrainDPOConfig(
             **args, precompute_ref_log_probs=True, activation_offloading=True), **kw)
@@ -231,11 +249,6 @@ def test_refusals(tmp_path):
     with pytest.raises(ValueError, match="lean_store"):
         MegaTrainDPOTrainer(model=copy.deepcopy(model), args=MegaTrainDPOConfig(**lean, precompute_ref_log_probs=True),
                             **kw)
-    # PEFT with a live reference model (a second full copy): refused at the first step
-    t = MegaTrainDPOTrainer(model=copy.deepcopy(model), ref_model=copy.deepcopy(model),
-                            args=MegaTrainDPOConfig(**args), peft_config=lora_config(), **kw)
-    with pytest.raises(ValueError, match="live ref_model"):
-        t.train()
     # a PeftModel handed over with its adapter: DPOTrainer would add a second "ref" adapter as the reference
     from peft import get_peft_model
 

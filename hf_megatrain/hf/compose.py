@@ -38,6 +38,10 @@ __all__ = ["megatrain_trainer_class", "megatrain_args_class"]
 class _ConvertAtTrainerInit(Trainer):
     """Last stop before ``Trainer.__init__``: validate the arguments and convert the model ``Base`` prepared."""
 
+    def _mt_init_arguments(self, base: type[Trainer], args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict]:
+        """What ``MegaTrain<Base>.__init__`` hands ``Base.__init__``: unchanged unless a port overrides it."""
+        return args, kwargs
+
     def __init__(self, model: Any = None, args: TrainingArguments | None = None, *pargs: Any, **kwargs: Any) -> None:
         model = self._mt_setup(model, args, kwargs)  # (MegaTrainTrainer's, found through self)
         super().__init__(model, args, *pargs, **kwargs)
@@ -53,6 +57,8 @@ def megatrain_trainer_class(base: type[Trainer]) -> type[MegaTrainTrainer]:
         raise TypeError(f"{base.__name__} is already a MegaTrainTrainer")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # (a port may prepare what base.__init__ takes, e.g. DPO's reference model: hf/dpo_support.py)
+        args, kwargs = self._mt_init_arguments(base, args, kwargs)
         base.__init__(self, *args, **kwargs)  # -> ... -> _ConvertAtTrainerInit.__init__ -> Trainer.__init__
 
     name = f"MegaTrain{base.__name__}"

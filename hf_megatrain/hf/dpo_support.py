@@ -24,17 +24,20 @@ The reference log-probabilities:
   same streamed model (full fine-tuning or PEFT);
 - PEFT (``peft_config``, or a ``PeftModel`` with one adapter) without precompute: the same streamed base with the
   adapters disabled, no second copy (engine/adapter_switch.py makes PEFT's switch reach the streamed layers);
-- full fine-tuning without precompute would need a live frozen reference (a second copy of the model): refused,
-  with what to set.
+- a ``ref_model`` passed in (full fine-tuning or PEFT): converted by a second engine with every parameter frozen
+  before DPOTrainer sees it (``frozen_reference``): streamed from a host copy in the compute dtype (2 bytes per
+  parameter in bf16), no master, gradient or optimizer state;
+- full fine-tuning with neither: refused (DPOTrainer would load a second full copy onto the GPU), saying what to set.
 
-Refused, with what to change: a live ``ref_model`` (PEFT without precompute, or full fine-tuning), a PEFT model
-whose reference would be a second ("ref") adapter, the lean store (its re-run replays the engine's own forward),
-vision datasets (not tested yet), ``activation_offloading``. MoE models train with DPOTrainer's router aux loss
-(logged as ``aux_loss``), the router logits coming from the engine's tap in the streamed layers.
+Refused, with what to change: a PEFT model whose reference would be a second ("ref") adapter, the lean store (its
+re-run replays the engine's own forward), vision datasets (not tested yet), ``activation_offloading``, a streamed
+reference with several processes. MoE models train with DPOTrainer's router aux loss (logged as ``aux_loss``), the
+router logits coming from the engine's tap in the streamed layers.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -44,9 +47,11 @@ from trl.trainer.utils import disable_dropout_in_model
 
 from ..core.plan import Stepper
 from ..engine.adapter_switch import follows_adapter_switches
+from ..engine.runtime import ENGINE_ATTR, MegaTrainEngine
 from ..export.peft_support import is_peft_model
 from .compose import megatrain_args_class, megatrain_trainer_class
 from .trainer import MegaTrainTrainer
+from .training_args import model_param_dtype
 
 __all__ = ["DPOPort", "MegaTrainDPOConfig", "MegaTrainDPOTrainer"]
 
@@ -60,10 +65,41 @@ class DPOPort(MegaTrainTrainer):
 
     _mt_dpo_checked = False
 
-    # -- before the model is converted (DPOTrainer has applied peft_config; no reference model built yet) -----------
+    # -- before DPOTrainer.__init__ runs: the reference model ---------------------------------------------------------
+    def _mt_init_arguments(self, base: type, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict]:
+        """A live reference model is streamed frozen by its own engine *before* DPOTrainer sees it (DPOTrainer would
+        place it on the GPU whole); without one, full fine-tuning must precompute (DPOTrainer would load a second
+        full copy)."""
+        bound = inspect.signature(base.__init__).bind_partial(self, *args, **kwargs)
+        given = bound.arguments
+        targs = given.get("args")
+        if targs is None or not getattr(targs, "megatrain", False):
+            return args, kwargs
+        _check_arguments(targs)
+        model, ref = given.get("model"), given.get("ref_model")
+        peft = given.get("peft_config") is not None or is_peft_model(model)
+        if ref is None and not peft and not targs.precompute_ref_log_probs:
+            raise ValueError(
+                "full fine-tuning with megatrain=True needs a reference: set precompute_ref_log_probs=True (the "
+                "reference log-probs are computed by the same streamed model in one no-grad pass before training), "
+                "or pass ref_model=<the initial model, loaded on the CPU>, which hf_megatrain streams frozen in the "
+                "compute dtype (2 bytes per parameter in bf16 on the host). Without either, DPOTrainer would load a "
+                "second full copy of the model onto the GPU. Or train LoRA (peft_config=...): the reference is then "
+                "the same streamed base with the adapters disabled.")
+        if isinstance(ref, nn.Module) and getattr(getattr(ref, ENGINE_ATTR, None), "model", None) is not ref:
+            bound.arguments["ref_model"] = frozen_reference(ref, targs)
+            return bound.args[1:], bound.kwargs
+        return args, kwargs
+
+    # -- before the model is converted (DPOTrainer has applied peft_config) --------------------------------------------
     def _mt_setup(self, model: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-        if args is not None and getattr(args, "megatrain", False) and model is not None:
-            _check_before_conversion(model, args)
+        if args is not None and getattr(args, "megatrain", False) and is_peft_model(model) \
+                and "ref" in model.peft_config:
+            raise ValueError(
+                "this PEFT model carries a second adapter 'ref' (DPOTrainer adds it as the reference of a PeftModel "
+                "handed over with a trained adapter); hf_megatrain streams one adapter. Pass the plain base model "
+                "with peft_config=... (the reference is then the base with adapters disabled), or "
+                "precompute_ref_log_probs=True on a model without the 'ref' adapter.")
         return super()._mt_setup(model, args, kwargs)
 
     def _mt_convert(self, model: nn.Module, args: Any) -> nn.Module:
@@ -80,11 +116,9 @@ class DPOPort(MegaTrainTrainer):
         if is_peft_model(engine.model) and not follows_adapter_switches(engine):
             raise RuntimeError("hf_megatrain: this engine's PEFT model does not follow adapter switches "
                                "(engine/adapter_switch.py); DPO's reference (adapters disabled) would be wrong")
-        # DPOTrainer disables dropout (disable_dropout=True) by walking model.modules() after Trainer.__init__, before
-        # its reference precompute: the streamed layers' modules are the executor's templates, so do it there too.
+        # DPOTrainer disables dropout (disable_dropout=True) after Trainer.__init__, before its reference precompute.
         if getattr(args, "disable_dropout", False):
-            for template in engine.executor.templates:
-                disable_dropout_in_model(template.module)
+            _disable_streamed_dropout(engine)
         return model
 
     # -- loss -----------------------------------------------------------------------------------------------------------
@@ -111,37 +145,44 @@ class DPOPort(MegaTrainTrainer):
         """What DPOTrainer decides after ``Trainer.__init__`` (the reference model, the dataset kind): checked
         once. (MoE: the router logits DPOTrainer's fused head reads for its aux loss are the engine's router tap's,
         recorded in the streamed layers' forward: tests/test_dpo.py checks it on Mixtral.)"""
-        if getattr(self, "ref_model", None) is not None and not self.precompute_ref_logps:
-            raise ValueError("a live ref_model is not supported with megatrain=True: it would be a second full copy of "
-                             "the model on the GPU, and hf_megatrain streams only the policy. Set "
-                             "precompute_ref_log_probs=True (the reference log-probs are computed once before "
-                             "training), or, with PEFT, drop ref_model (the reference is then the same streamed base "
-                             "with the adapters disabled).")
+        ref = getattr(self, "ref_model", None)
+        if ref is not None and not self.precompute_ref_logps and getattr(ref, ENGINE_ATTR, None) is None:
+            raise ValueError("this reference model is not streamed by hf_megatrain (a second full copy on the GPU): "
+                             "pass it as ref_model to MegaTrainDPOTrainer / megatrain_trainer_class(DPOTrainer), "
+                             "which stream it frozen, or set precompute_ref_log_probs=True.")
         if getattr(self, "_is_vision_dataset", False):
             raise NotImplementedError("vision preference datasets are not supported with megatrain=True yet "
                                       "(not tested against plain DPOTrainer).")
         self._mt_dpo_checked = True
 
 
-def _check_before_conversion(model: nn.Module, args: Any) -> None:
-    """Refuse what the engine cannot reproduce, before anything is converted or a reference model is loaded."""
+def _check_arguments(args: Any) -> None:
+    """Refuse what the engine does not reproduce, before anything is converted or a reference model is loaded."""
     if getattr(args, "activation_offloading", False):
         raise ValueError("activation_offloading=True is not used with megatrain=True: the streamed engine keeps only "
                          "layer inputs and recomputes each layer in the backward. Remove it.")
-    if is_peft_model(model):
-        if "ref" in model.peft_config:
-            raise ValueError(
-                "this PEFT model carries a second adapter 'ref' (DPOTrainer adds it as the reference of a PeftModel "
-                "handed over with a trained adapter); hf_megatrain streams one adapter. Pass the plain base model "
-                "with peft_config=... (the reference is then the base with adapters disabled), or set "
-                "precompute_ref_log_probs=True on a model without the 'ref' adapter.")
-        return
-    if not args.precompute_ref_log_probs:
-        raise ValueError(
-            "full fine-tuning with megatrain=True needs precompute_ref_log_probs=True: the reference log-probs are "
-            "then computed by the same streamed model in one no-grad pass before training. A live frozen reference "
-            "(ref_model, or DPOTrainer loading a second copy) is not streamed by hf_megatrain yet. Or train LoRA "
-            "(peft_config=...): the reference is then the same streamed base with the adapters disabled.")
+
+
+def frozen_reference(ref: nn.Module, args: Any) -> nn.Module:
+    """``ref`` converted by its own engine with every parameter frozen: its layers streamed from a host copy in the
+    compute dtype (2 bytes per parameter in bf16), no FP32 master, no gradient, no optimizer state; called
+    directly by DPOTrainer (no-grad, TRL's fused head) like the policy."""
+    if args.world_size > 1:
+        raise NotImplementedError("a streamed reference model with several processes is not supported yet: set "
+                                  "precompute_ref_log_probs=True")
+    ref.requires_grad_(False)
+    config = args.megatrain_resolved_config(model_dtype=model_param_dtype(ref))
+    engine = MegaTrainEngine(ref, config, device=args.device)
+    if getattr(args, "disable_dropout", False):
+        _disable_streamed_dropout(engine)
+    return engine.model
+
+
+def _disable_streamed_dropout(engine: MegaTrainEngine) -> None:
+    """DPOTrainer disables dropout (disable_dropout=True) by walking model.modules(); the streamed layers' modules
+    are the executor's templates, which that walk does not reach."""
+    for template in engine.executor.templates:
+        disable_dropout_in_model(template.module)
 
 
 class MegaTrainDPOTrainer(megatrain_trainer_class(DPOTrainer)):

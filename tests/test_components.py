@@ -189,6 +189,29 @@ def test_step_state_waiters_block_until_ready_and_see_failures():
         st.wait_ready(0)
 
 
+# -- step counts (fakes: units as spans) ------------------------------------------------------------------------------
+def test_step_counts_per_parameter_only_where_some_skipped():
+    from types import SimpleNamespace as NS
+
+    from hf_megatrain.optim.step_counts import StepCounts
+
+    params = [NS(decay=True, offset=0, numel=4), NS(decay=False, offset=4, numel=2), NS(decay=True, offset=6, numel=3)]
+    counts = StepCounts([NS(index=0, params=params)], {0: 0, 1: 1})
+    hyper = ["decayed", "not decayed"]
+    counts.add(0)
+    assert counts.by_step(0, hyper, None) == [(1, [("decayed", [(0, 4), (6, 9)]), ("not decayed", [(4, 6)])])]
+    counts.add(0)  # the second parameter gets no gradient: left out, its skip counted
+    assert counts.by_step(0, hyper, [True, False, True]) == [(2, [("decayed", [(0, 4), (6, 9)])])]
+    assert counts.skipped_some(0) and counts.missed() == {0: [0, 1, 0]}
+    counts.add(0)  # all reached: the second parameter is one step behind
+    assert counts.by_step(0, hyper, None) == [(2, [("not decayed", [(4, 6)])]), (3, [("decayed", [(0, 4), (6, 9)])])]
+    counts.take_back(0)
+    state = counts.state_tensors()
+    again = StepCounts([NS(index=0, params=params)], {0: 0, 1: 1})
+    again.load_state_tensors(state)
+    assert again.of(0) == 2 and again.missed() == {0: [0, 1, 0]}
+
+
 # -- background jobs -------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("overlap", [False, True])
 def test_jobs_run_in_order_and_sync_reraises(overlap):

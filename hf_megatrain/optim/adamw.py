@@ -54,6 +54,7 @@ from .gradient_path import GradientPath
 from .jobs import Jobs
 from .ranks import ranks_of
 from .speculative_step import SpeculativeStep
+from .step_counts import StepCounts
 from .steppers import KernelStepper, UnitStepper
 
 if TYPE_CHECKING:
@@ -77,28 +78,22 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
         self.store, self.step_state, self.grads = store, state, grads
         self.ranks = ranks_of(dp)  # alone, or this rank's share of every update (optim/ranks.py)
         decay, no_decay = [], []
-        # unit index -> [(0 = decayed | 1 = not, spans)]: the kernel runs on whichever flat buffers hold the state.
-        self._unit_groups: dict[int, list[tuple[int, list[tuple[int, int]]]]] = {}
-        self._param_spans: dict[int, list[tuple[int, int, int]]] = {}  # unit -> (group, start, end) per parameter
         for unit in store.units:
-            per_group: dict[int, list[tuple[int, int]]] = {}
             for p in unit.params:
-                g = 0 if p.decay else 1
                 view = unit.view(unit.master, p)
                 if unit.plan.grad is unit.plan.master:  # (lean: none; GPU-stepped: on another device)
                     view.grad = unit.view(unit.grad, p)
-                (decay if g == 0 else no_decay).append(view)
-                per_group.setdefault(g, []).append((p.offset, p.offset + p.numel))
-                self._param_spans.setdefault(unit.index, []).append((g, p.offset, p.offset + p.numel))
-            self._unit_groups[unit.index] = sorted(per_group.items())
+                (decay if p.decay else no_decay).append(view)
         if not decay and not no_decay:
             raise ValueError("UnitAdamW: the store holds no trainable parameters")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        self._group_of = {}  # 0 = decayed, 1 = not decayed -> index into self.param_groups
+        group_of: dict[int, int] = {}  # 0 = decayed, 1 = not decayed -> index into self.param_groups
         for g, group in enumerate(groups):
             if group["params"]:
-                self._group_of[g] = len(self._group_of)
+                group_of[g] = len(group_of)
+        # AdamW step counts per unit and, where some parameter skipped steps, per parameter (optim/step_counts.py).
+        self.counts = StepCounts(store.units, group_of)
         super().__init__([g for g in groups if g["params"]], defaults)
         self.max_grad_norm = max_grad_norm
         self.skip_nonfinite = skip_nonfinite
@@ -123,13 +118,10 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
                 kernels.warm_up(dtype)
         elif host_kernel is kernels.HostKernel.NATIVE:  # (compute copies are bf16: the config allows no other)
             kernels.warm_up_native()
-        self._counts = [0] * len(store.units)  # AdamW step count per unit
         # Parameters without a gradient are skipped, as torch.optim.AdamW skips a None .grad (core/grad_reach.py says
-        # which were reached: ``take(unit)`` -> a flag per parameter, or None to step them all). ``_missed`` counts
-        # each parameter's skipped steps (its own step count is the unit's minus that), only where it is not zero.
+        # which were reached: ``take(unit)`` -> a flag per parameter, or None to step them all).
         self.grad_reach = grad_reach
         self._reached: dict[int, list[bool] | None] = {}
-        self._missed: dict[int, list[int]] = {}
         self.skipped_steps = 0
         self.last_step_skipped = False  # the last step() was skipped (non-finite norm): Trainer keeps its LR then
         # Wall time of the last *finished* step's unit updates; published by wait(), so reading it right after
@@ -288,11 +280,11 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
     def update_(self, unit: Unit, flats: list[torch.Tensor], hyper: list[kernels.Hyper], grad_scale: float | None,
                 refresh: bool = True) -> None:
         """One AdamW update of ``unit`` on [master, grad, exp_avg, exp_avg_sq] (counted), with its compute copy."""
-        self._counts[unit.index] += 1
+        self.counts.add(unit.index)
         compute = unit.compute if refresh else None
         t0 = time.perf_counter()
         lo, hi = self.own(unit)
-        for step, groups in self._groups_by_step(unit, hyper, self._reached.pop(unit.index, None)):
+        for step, groups in self.counts.by_step(unit.index, hyper, self._reached.pop(unit.index, None)):
             kernels.adamw_(*flats, self.owned(unit, groups), step, grad_scale, compute, self.host_kernel)
         if flats[0].device.type == "cpu":  # (GPU updates are asynchronous launches: not timed here)
             self.host_update_seconds += time.perf_counter() - t0
@@ -301,25 +293,9 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
                 self.host_kernel, grad_scale is not None, compute.element_size() if compute is not None else 0,
                 flats[1].element_size())
 
-    def _groups_by_step(self, unit: Unit, hyper: list[kernels.Hyper],
-                        reached: list[bool] | None) -> list[tuple[int, kernels.Groups]]:
-        """(step count, groups) of this update: every span at the unit's count, unless some parameter got no
-        gradient now (left out) or missed earlier steps (its own, lower count: torch counts steps per parameter)."""
-        i, count = unit.index, self._counts[unit.index]
-        if (reached is None or all(reached)) and i not in self._missed:
-            return [(count, self.groups_of(unit, hyper))]
-        missed = self._missed.setdefault(i, [0] * len(self._param_spans[i]))
-        by_step: dict[int, dict[int, list[tuple[int, int]]]] = {}
-        for k, (g, lo, hi) in enumerate(self._param_spans[i]):
-            if reached is not None and not reached[k]:
-                missed[k] += 1
-                continue
-            by_step.setdefault(count - missed[k], {}).setdefault(g, []).append((lo, hi))
-        return [(step, [(hyper[self._group_of[g]], spans) for g, spans in sorted(per.items())])
-                for step, per in sorted(by_step.items())]
-
     def groups_of(self, unit: Unit, hyper: list[kernels.Hyper]) -> kernels.Groups:
-        return [(hyper[self._group_of[g]], spans) for g, spans in self._unit_groups[unit.index]]
+        """``unit``'s spans per param group, with that group's hyper-parameters."""
+        return self.counts.groups(unit.index, hyper)
 
     # -- the gradient sink (optim/gradient_path.py) -------------------------------------------------------------------
     def landed(self, i: int, sq: float | None) -> None:
@@ -365,31 +341,29 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
     @property
     def unit_steps(self) -> torch.Tensor:
         """AdamW step count per unit."""
-        return torch.tensor(self._counts, dtype=torch.float32)
+        return self.counts.state_tensors()["unit_steps"]
 
     @property
     def missed_steps(self) -> dict[int, list[int]]:
         """Per unit some of whose parameters skipped steps (no gradient reached them, as torch.optim.AdamW skips a
         None ``.grad``): each parameter's skipped steps (its own step count is the unit's minus that). A copy."""
-        return {i: list(m) for i, m in self._missed.items()}
+        return self.counts.missed()
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         self.wait()
-        out = {"unit_steps": self.unit_steps}
+        counts = self.counts.state_tensors()  # (unit_steps, then per-parameter skipped steps where there are some)
+        out = {"unit_steps": counts.pop("unit_steps")}
         for u in self.store.units:
             out[f"exp_avg.{u.index}"] = u.exp_avg
             out[f"exp_avg_sq.{u.index}"] = u.exp_avg_sq
-        for i, missed in self._missed.items():  # per-parameter skipped steps (only units that skipped some)
-            out[f"missed_steps.{i}"] = torch.tensor(missed, dtype=torch.float32)
+        out.update(counts)
         return out
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         self.wait()
         if self.device_stepper is not None:
             self.device_stepper.forget()
-        self._counts = [int(v) for v in tensors["unit_steps"].tolist()]
-        self._missed = {u.index: [int(v) for v in tensors[f"missed_steps.{u.index}"].tolist()]
-                        for u in self.store.units if f"missed_steps.{u.index}" in tensors}
+        self.counts.load_state_tensors(tensors)
         for u in self.store.units:
             lo, hi = self.own(u)  # (data parallel: each rank fills its shard of the shared state)
             for key, dst in ((f"exp_avg.{u.index}", u.exp_avg), (f"exp_avg_sq.{u.index}", u.exp_avg_sq)):

@@ -126,7 +126,7 @@ class LeanAdamW(UnitAdamW):
             self.take_back_copies.restore_master(i, u.master)
         else:
             kernels.undo_master_(u.master, u.exp_avg, u.exp_avg_sq, self.groups_of(u, list(key[1])),
-                                 self._counts[i])
+                                 self.counts.of(i))
         u.refresh_compute_()  # (lean_compute_copy: the re-run streams the copy)
         self.step_state.touch(i)
 
@@ -138,9 +138,9 @@ class LeanAdamW(UnitAdamW):
             self.take_back_copies.restore_moments(i, u.exp_avg, u.exp_avg_sq)
             self.take_back_copies.forget(i)
         else:
-            kernels.undo_moments_(grad, u.exp_avg, u.exp_avg_sq, self.groups_of(u, list(key[1])), self._counts[i],
+            kernels.undo_moments_(grad, u.exp_avg, u.exp_avg_sq, self.groups_of(u, list(key[1])), self.counts.of(i),
                                   key[0])
-        self._counts[i] -= 1
+        self.counts.take_back(i)
 
     # -- step ---------------------------------------------------------------------------------------------------------
     def _unit_norm(self, u: Any) -> torch.Tensor:

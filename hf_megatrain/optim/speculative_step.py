@@ -31,6 +31,7 @@ from .take_back import TakeBackCopies
 if TYPE_CHECKING:
     from ..core.grad_reach import GradReach
     from .ranks import Ranks
+    from .step_counts import StepCounts
     from .device_stepper import DeviceStepper
 
 
@@ -122,8 +123,7 @@ class SpeculativeStep:
     device_stepper: DeviceStepper | None
     grad_reach: GradReach | None
     ranks: Ranks
-    _counts: list[int]
-    _missed: dict[int, list[int]]
+    counts: StepCounts
     _hyper: Callable[[], list[kernels.Hyper]]
     own: Callable[[Unit], tuple[int, int]]
     owned: Callable[[Unit, kernels.Groups], kernels.Groups]
@@ -161,7 +161,7 @@ class SpeculativeStep:
         # A unit some of whose parameters skip steps (no gradient now or before) keeps per-parameter step counts:
         # it is stepped the normal way, where take-back never applies.
         flags = self.grad_reach.peek(i) if self.grad_reach is not None else None
-        if (flags is not None and not all(flags)) or i in self._missed:
+        if (flags is not None and not all(flags)) or self.counts.skipped_some(i):
             return
         if self.exact_take_back and self.policy.would_update(sq):
             lo, hi = self.own(self.store.units[i])
@@ -219,9 +219,9 @@ class SpeculativeStep:
             copies.forget(i)
         else:  # the arithmetic inverse, within an ulp
             groups = self.owned(u, self.groups_of(u, list(key[1])))  # (data parallel: this rank's shard)
-            kernels.undo_master_(u.master, u.exp_avg, u.exp_avg_sq, groups, self._counts[i])
-            kernels.undo_moments_(self.grad_of(u), u.exp_avg, u.exp_avg_sq, groups, self._counts[i], key[0])
-        self._counts[i] -= 1
+            kernels.undo_master_(u.master, u.exp_avg, u.exp_avg_sq, groups, self.counts.of(i))
+            kernels.undo_moments_(self.grad_of(u), u.exp_avg, u.exp_avg_sq, groups, self.counts.of(i), key[0])
+        self.counts.take_back(i)
         u.refresh_compute_(self.own(u))
         self.step_state.touch(i)
         self.taken_back += 1

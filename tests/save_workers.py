@@ -80,11 +80,13 @@ def launch(fn: Callable[..., None], world: int, *args: object, timeout: float = 
 
 
 def trainer_worker(rank: int, world: int, out: str, shm: str, results: str, max_steps: int,
-                   resume: bool, kill_step: int = 0, kill_at: int = -1, export: bool = True) -> None:
+                   resume: bool, kill_step: int = 0, kill_at: int = -1, export: bool = True,
+                   dropout: float = 0.0, keep: int | None = 1) -> None:
     """One rank of a MegaTrainTrainer run in ``out`` (``resume``: from its last checkpoint) to ``max_steps``,
     then (``export``) ``save_model(out/final)``. Rank 0 writes its final FP32 masters to ``results/weights.pt``
     and, when armed (``kill_at >= 0`` at the end of step ``kill_step``), its mutation count to ``results/count``;
-    ``kill_at = k > 0`` kills it just before its k-th mutation."""
+    ``kill_at = k > 0`` kills it just before its k-th mutation. ``dropout``: the model's attention dropout (each
+    rank draws its own masks from its own RNG, which a resume must restore); ``keep``: ``save_total_limit``."""
     from transformers import TrainerCallback
 
     from hf_megatrain import MegaTrainTrainer
@@ -108,8 +110,8 @@ def trainer_worker(rank: int, world: int, out: str, shm: str, results: str, max_
 
     args = mt_args(out, config=dict(compute_dtype="float32", shared_memory_dir=shm), max_steps=max_steps,
                    per_device_train_batch_size=4 // world, ddp_backend="gloo", ddp_timeout=60,
-                   save_strategy="steps", save_steps=2, save_total_limit=1, max_grad_norm=0.5)
-    trainer = MegaTrainTrainer(model=tiny("llama"), args=args, train_dataset=dataset(), callbacks=[Arm()])
+                   save_strategy="steps", save_steps=2, save_total_limit=keep, max_grad_norm=0.5)
+    trainer = MegaTrainTrainer(model=tiny("llama", attention_dropout=dropout), args=args, train_dataset=dataset(), callbacks=[Arm()])
     trainer.train(resume_from_checkpoint=resume or None)
     if export:
         trainer.save_model(os.path.join(out, "final"))

@@ -31,9 +31,10 @@ WORLD = 2
 
 
 def _run(out: str, shm: str, results: str, max_steps: int, resume: bool, kill_at: int = -1,
-         export: bool = True) -> list[int]:
+         export: bool = True, dropout: float = 0.0, keep: int | None = 1) -> list[int]:
     shutil.rmtree(results, ignore_errors=True)
-    return S.launch(S.trainer_worker, WORLD, out, shm, results, max_steps, resume, 4, kill_at, export)
+    return S.launch(S.trainer_worker, WORLD, out, shm, results, max_steps, resume, 4, kill_at, export, dropout,
+                    keep)
 
 
 def _state(path: str) -> tuple:
@@ -95,3 +96,21 @@ def test_data_parallel_save_killed_at_every_mutation(tmp_path):
     assert {("checkpoint-2",), ("checkpoint-2", "checkpoint-4"), ("checkpoint-4",)} <= seen_checkpoints
     assert len(resumed) >= 5, resumed
     assert same(folder_tensors(os.path.join(work, "checkpoint-4")), natural["checkpoint-4"])
+
+
+@pytest.mark.slow  # forks 2 processes, 3 times
+def test_data_parallel_resume_restores_every_ranks_rng(tmp_path):
+    """Attention dropout draws each rank's masks from its own RNG: a checkpoint holds every rank's RNG state
+    (``rng_state_<rank>.pth``, as plain Trainer writes them) and a 2-process resume ends bitwise where the
+    uninterrupted run ends."""
+    shm, res = str(tmp_path / "shm"), str(tmp_path / "res")
+    os.makedirs(shm)
+    run, again = str(tmp_path / "run"), str(tmp_path / "again")
+    assert _run(run, shm, res, max_steps=4, resume=False, export=False, dropout=0.3, keep=None) == [0, 0]
+    final = torch.load(os.path.join(res, "weights.pt"))
+    assert {f"rng_state_{r}.pth" for r in range(WORLD)} <= set(os.listdir(os.path.join(run, "checkpoint-2")))
+    shutil.copytree(os.path.join(run, "checkpoint-2"), os.path.join(again, "checkpoint-2"))
+    assert _run(again, shm, res, max_steps=4, resume=True, export=False, dropout=0.3) == [0, 0]
+    got = torch.load(os.path.join(res, "weights.pt"))
+    for name, t in final.items():
+        assert torch.equal(got[name], t), f"resumed {name} differs from the uninterrupted run"

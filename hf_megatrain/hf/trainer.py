@@ -30,9 +30,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import sys
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from transformers import Trainer, TrainingArguments
@@ -350,6 +352,7 @@ class MegaTrainTrainer(Trainer):
             best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
             if self.state.best_global_step == self.state.global_step or os.path.exists(best):
                 self.state.best_model_checkpoint = best
+        self._mt_rng = self._mt_rng_states()  # (every rank's: a collective)
         if self.args.should_save:
             with ckpt.output_dir_lock(run_dir):  # (held already when train() runs: re-entrant)
                 ckpt.recover_interrupted_saves(run_dir)  # never removes the only complete copy; logs each step
@@ -362,6 +365,16 @@ class MegaTrainTrainer(Trainer):
             with ckpt.output_dir_lock(run_dir):
                 ckpt.rotate_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint)
 
+    def _mt_rng_states(self) -> list[dict] | None:
+        """Every data-parallel rank's RNG state (dropout masks differ per rank), gathered for the main process to
+        write as plain Trainer's ranks do (``rng_state_<rank>.pth``); None with one process."""
+        if self.engine.dp is None or self.args.save_only_model:
+            return None
+        state = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.random.get_rng_state()}
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.random.get_rng_state_all()
+        return self.engine.dp.all_gather_object(state)
+
     def _mt_write_checkpoint(self, output_dir: str) -> None:
         """Write checkpoint folder ``output_dir`` atomically (``checkpoint/atomic.py``), its manifest last."""
         with ckpt.atomic_directory(output_dir) as tmp:
@@ -373,6 +386,9 @@ class MegaTrainTrainer(Trainer):
                 with open(os.path.join(tmp, SCHEDULER_NAME), "wb") as f:
                     torch.save(self.lr_scheduler.state_dict(), f)
                 self._save_rng_state(tmp)
+                for rank, state in enumerate(self._mt_rng or []):  # (the other ranks': rng_state_<rank>.pth)
+                    if rank != self.args.process_index:
+                        torch.save(state, os.path.join(tmp, f"rng_state_{rank}.pth"))
             for cb in [c for c in self.callback_handler.callbacks + [self.control]
                        if isinstance(c, ExportableState)]:
                 name = cb.__class__.__name__

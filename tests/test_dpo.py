@@ -296,14 +296,18 @@ def _no_tf32():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("lora", [False, True], ids=["full-precomputed", "lora-live"])
-def test_gpu_dpo_matches_plain(tmp_path, _no_tf32, lora):
+@pytest.mark.parametrize("case", ["full-precomputed", "lora-live", "full-live-streamed-ref"])
+def test_gpu_dpo_matches_plain(tmp_path, _no_tf32, case):
     """On CUDA (fp32, TF32 off): every layer streamed with real streams and the CPU AdamW (speculative step), and
-    TRL's Triton kernel scoring only the completion tokens (its compact path, CUDA only)."""
+    TRL's Triton kernel scoring only the completion tokens (its compact path, CUDA only); a second engine streaming
+    the frozen reference beside the policy's on the same GPU."""
     cfg = {"compute_dtype": "float32", "device_layers": 0, "device_step_layers": 0}
-    if lora:
+    if case == "lora-live":
         torch.manual_seed(7)
         ref, ours = run_pair(tmp_path, peft_config=lora_config(), mt_config=cfg, use_cpu=False)
+    elif case == "full-live-streamed-ref":
+        ref, ours = run_pair(tmp_path, mt_config=cfg, use_cpu=False, live_ref=True)
+        assert ours.ref_model.megatrain_engine.device.type == "cuda"
     else:
         ref, ours = run_pair(tmp_path, mt_config=cfg, use_cpu=False, precompute_ref_log_probs=True)
     assert ours.engine.device.type == "cuda" and len(ours.engine.plans.kept) == 0

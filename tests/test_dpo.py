@@ -242,6 +242,8 @@ def test_refusals(tmp_path):
     with pytest.raises(ValueError, match="activation_offloading"):
         MegaTrainDPOTrainer(model=copy.deepcopy(model), args=MegaTrainDPOConfig(
             **args, precompute_ref_log_probs=True, activation_offloading=True), **kw)
+    # a user's DPOTrainer subclass composes with the DPO port too
+    assert issubclass(megatrain_trainer_class(type("MyDPOTrainer", (DPOTrainer,), {})), DPOPort)
     with pytest.raises(TypeError, match="MegaTrainDPOConfig"):
         MegaTrainDPOTrainer(model=copy.deepcopy(model), args=DPOConfig(**dpo_kwargs(tmp_path)), **kw)
     lean = dict(args, megatrain_config={"compute_dtype": "float32", "lean_store": True},

@@ -31,8 +31,8 @@ The reference log-probabilities:
 
 Refused, with what to change: a PEFT model whose reference would be a second ("ref") adapter, the lean store (its
 re-run replays the engine's own forward), vision datasets and several processes (not checked against plain
-DPOTrainer yet), ``activation_offloading``. MoE models train with DPOTrainer's router aux loss (logged as ``aux_loss``), the
-router logits coming from the engine's tap in the streamed layers.
+DPOTrainer yet), ``activation_offloading``. MoE models train with DPOTrainer's router aux loss (logged as
+``aux_loss``), the router logits coming from the engine's tap in the streamed layers.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class DPOPort(MegaTrainTrainer):
 
     _mt_dpo_checked = False
 
-    # -- before DPOTrainer.__init__ runs: the reference model ---------------------------------------------------------
+    # -- before DPOTrainer.__init__ runs: the reference model ----------------------------------------------------
     def _mt_init_arguments(self, base: type, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict]:
         """A live reference model is streamed frozen by its own engine *before* DPOTrainer sees it (DPOTrainer would
         place it on the GPU whole); without one, full fine-tuning must precompute (DPOTrainer would load a second
@@ -91,7 +91,7 @@ class DPOPort(MegaTrainTrainer):
             return bound.args[1:], bound.kwargs
         return args, kwargs
 
-    # -- before the model is converted (DPOTrainer has applied peft_config) --------------------------------------------
+    # -- before the model is converted (DPOTrainer has applied peft_config) -------------------------------------
     def _mt_setup(self, model: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         if args is not None and getattr(args, "megatrain", False) and is_peft_model(model) \
                 and "ref" in model.peft_config:
@@ -121,7 +121,7 @@ class DPOPort(MegaTrainTrainer):
             _disable_streamed_dropout(engine)
         return model
 
-    # -- loss -----------------------------------------------------------------------------------------------------------
+    # -- loss ------------------------------------------------------------------------------------------------------
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: torch.Tensor | int | None = None):
         if not self._mt:

@@ -27,6 +27,7 @@ from ..config import MegaTrainConfig
 from ..core.memory import alloc_host, gpu_budget
 from ..core.plan import Plans, Where
 from ..core.store import UnitStore
+from ..model.cross_layer import drop_unread_kv_stores
 from ..model.families import check_supported
 from ..model.layers import LayerStack, find_layer_stack, group_layers, unit_layouts
 from ..model.seq_tiling import tile_positionwise
@@ -112,6 +113,8 @@ def convert(model: nn.Module, config: MegaTrainConfig, device: torch.device, dec
     stack = find_layer_stack(model, config.layers_path)
     check_supported(model, stack)
     _check_plain_head(model)
+    if drop_unread_kv_stores(stack.layers):  # (Gemma 4 without KV sharing, transformers >= 5.24)
+        logger.info("hf_megatrain: key/value stores no layer reads switched off (model/cross_layer.py)")
     decay = default_decay_names(model) if decay_names is None else set(decay_names)
     ul = unit_layouts(model, stack, decay)
     shape = planner.ModelShape.from_layouts(model, ul)

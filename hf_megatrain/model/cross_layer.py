@@ -12,8 +12,9 @@ Functions; state that travels any other way is trained wrongly without an error:
 - **One block at several depths** (Zamba2's shared transformer block): refused by
   ``layers.check_no_shared_weights`` (each streamed layer would train its own copy).
 
-``check_no_cross_layer_state`` refuses the first kind at conversion where the config declares it (the
-``kv_sharing_modes`` transformers derives for every KV-sharing family, or a non-zero ``num_kv_shared_layers``);
+``check_no_cross_layer_state`` refuses the first kind at conversion where the config declares it (a layer reading
+in the ``kv_sharing_modes`` transformers derives for every KV-sharing family, or a non-zero ``num_kv_shared_layers``;
+layers that only store, which no layer reads, are switched off by ``drop_unread_kv_stores``);
 ``MappingWatch`` is the generic guard behind it: a layer call that changes a mapping object passed to it (a
 ``KVSharingDict`` or any other ``MutableMapping`` that the decoder hands from layer to layer) raises at once.
 """
@@ -41,7 +42,9 @@ def check_no_cross_layer_state(model: nn.Module) -> None:
         modes = getattr(cfg, "kv_sharing_modes", None)
     except Exception:  # noqa: BLE001 - a derived property that does not apply to this config
         modes = None
-    shared = [i for i, m in enumerate(modes or []) if m not in (None, "none")]
+    # "store": the layer keeps its keys/values for later ones (transformers >= 5.24 marks the last layer of each
+    # type so even where no layer reads them, for assistant models); only a layer that reads them shares state.
+    shared = [i for i, m in enumerate(modes or []) if m not in (None, "none", "store")]
     n = getattr(cfg, "num_kv_shared_layers", 0)
     if shared or (isinstance(n, int) and n > 0):
         where = f"layers {shared}" if shared else f"the last {n} layers"
@@ -50,6 +53,22 @@ def check_no_cross_layer_state(model: nn.Module) -> None:
             "(config kv_sharing_modes / num_kv_shared_layers). hf_megatrain recomputes each decoder layer alone in "
             "the backward, so the later layers' gradient would never reach the layers that computed those keys and "
             f"values (silently wrong training). {_WAY_OUT}")
+
+
+def drop_unread_kv_stores(layers: nn.Module) -> int:
+    """Switch off the key/value store of layers no layer reads from (Gemma 4's ``store_full_length_kv`` on a
+    model without KV sharing: ``check_no_cross_layer_state`` has passed). Such a store only fills the mapping the
+    decoder returns for an assistant model to read at generation; in training nothing reads it, and a layer writing
+    into the mapping it is passed is what ``MappingWatch`` refuses. Returns how many layers had one."""
+    mods = list(layers.modules())
+    if any(getattr(m, "is_kv_shared_layer", False) is True for m in mods):
+        return 0  # a layer reads them after all (a config edited after construction): MappingWatch refuses it
+    count = 0
+    for mod in mods:
+        if getattr(mod, "store_full_length_kv", None) is True:
+            mod.store_full_length_kv = False
+            count += 1
+    return count
 
 
 class MappingWatch:

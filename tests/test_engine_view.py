@@ -22,12 +22,10 @@ BELOW_ENGINE = ("checkpoint", "planner", "export")
 # Reads outside the protocol that remain until the engine offers what they need (the owners of these files and the
 # engine change them; an entry here may only be removed, never added):
 # - executor (templates / kinds): each layer's weightless module -> a planned ``engine.layer_templates()``;
-# - executor (activations.host_bytes): the pooled host bytes -> passed by the engine to offloaded_layers_for;
-# - state (wait_all): ``engine.wait_updates()``.
+# - executor (activations.host_bytes): the pooled host bytes -> passed by the engine to offloaded_layers_for.
 PENDING = {
     ("export/peft_support.py", "executor"),
     ("planner/predict.py", "executor"),
-    ("checkpoint/folders.py", "state"),
 }
 
 

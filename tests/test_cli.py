@@ -141,3 +141,26 @@ def test_launch_failure_propagates_exit_code(tmp_path):
     script.write_text("import os, sys\nassert os.environ['MEGATRAIN_CONFIG']\nsys.exit(3)\n")
     r = megatrain("launch", "--config", str(COMBINED), str(script))
     assert r.returncode == 3, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "mistral3"])
+def test_estimate_plans_a_multimodal_checkpoint(tmp_path, capsys, family):
+    """A ``...ForConditionalGeneration`` config (no causal-LM auto class) is planned as the model it trains as: its
+    language model's layers streamed, the towers resident; from a saved config and from one without
+    ``architectures``."""
+    from tests.multimodal_models import tiny_multimodal
+
+    model = tiny_multimodal(family)
+    VISION_TOWER_MIN = sum(p.numel() for n, p in model.named_parameters() if "vision" in n)  # noqa: N806
+    cfg = model.config
+    cfg.save_pretrained(str(tmp_path / "saved"))
+    cfg.architectures = None
+    cfg.save_pretrained(str(tmp_path / "bare"))
+    for where in ("saved", "bare"):
+        args = ["estimate", str(tmp_path / where), "--seq-len", "32", "--device-layers", "0", "--gpu-memory", "80",
+                "--json"]
+        assert cli.main(args) == 0
+        data = json.loads(capsys.readouterr().out)
+        streamed = data["params"]["trainable"] - data["shape"]["resident_numel"]
+        assert streamed > 0 and data["host"]["master fp32"] == 4 * streamed
+        assert data["shape"]["resident_numel"] > VISION_TOWER_MIN  # the tower and projector are resident

@@ -24,6 +24,7 @@ from ..config import MegaTrainConfig, resolve_config
 from ..engine.model_view import extra_sink
 from ..engine.runtime import MegaTrainEngine
 from ..model.layers import find_layer_stack
+from ..model.skeleton import causal_lm_skeleton
 from ..parallel import DataParallel
 
 logger = logging.getLogger(__name__)
@@ -67,25 +68,6 @@ def load_weights(engine: MegaTrainEngine, path: str, prefix: str | None = None,
                                             base_model_prefix=getattr(model, "base_model_prefix", None))
 
 
-def _skeleton(cfg, **kwargs) -> nn.Module:
-    """The causal-LM model for ``cfg``: ``AutoModelForCausalLM``, or, where its mapping does not know the config
-    class, the class the checkpoint names in ``architectures`` (what ``save_pretrained`` wrote: e.g.
-    ``MllamaForCausalLM`` saves its text config, ``mllama_text_model``, which no auto class maps; plain transformers
-    loads it with ``MllamaForCausalLM.from_pretrained``)."""
-    try:
-        return transformers.AutoModelForCausalLM.from_config(cfg, **kwargs)
-    except ValueError as e:
-        if "Unrecognized configuration class" not in str(e):
-            raise
-        for arch in getattr(cfg, "architectures", None) or []:
-            cls = getattr(transformers, arch, None)
-            if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel) \
-                    and isinstance(cfg, cls.config_class):
-                kwargs.pop("trust_remote_code", None)
-                return cls._from_config(cfg, **kwargs)
-        raise
-
-
 def launched_data_parallel() -> DataParallel | None:
     """The data-parallel ranks of this launch (``accelerate launch`` / torchrun with several processes: accelerate's
     state initialises torch.distributed from the launcher), or None for a single process."""
@@ -118,7 +100,7 @@ def from_pretrained_streamed(model_id_or_path: str, config: MegaTrainConfig | di
     cfg = transformers.AutoConfig.from_pretrained(path, **{k: v for k, v in hf_kwargs.items()
                                                            if k not in ("dtype", "torch_dtype", "attn_implementation")})
     with init_empty_weights(include_buffers=False):
-        model = _skeleton(cfg, **{k: v for k, v in hf_kwargs.items() if k in model_keys})
+        model = causal_lm_skeleton(cfg, **{k: v for k, v in hf_kwargs.items() if k in model_keys})
     model.tie_weights()  # accelerate's meta init skips the tying the constructor would do
     if os.path.isfile(os.path.join(path, "generation_config.json")):
         model.generation_config = transformers.GenerationConfig.from_pretrained(path)

@@ -38,8 +38,10 @@ def load_shape(path: str, layers_path: str | None = None, trust_remote_code: boo
         where = "the local config" if local else "the hub (no network, or not cached?)"
         raise FileNotFoundError(f"could not load a model config for {path!r} from {where}: {e}. Pass a local "
                                 "directory with config.json or a config.json path.") from e
+    from ..model.skeleton import causal_lm_skeleton
+
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(cfg, trust_remote_code=trust_remote_code)
+        model = causal_lm_skeleton(cfg, trust_remote_code=trust_remote_code)
     model.tie_weights()
     from ..model.families import check_supported  # a family the engine refuses must not "fit"
     from ..model.layers import find_layer_stack

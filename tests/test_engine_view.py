@@ -19,14 +19,9 @@ from .models import tiny
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "hf_megatrain"
 BELOW_ENGINE = ("checkpoint", "planner", "export")
 
-# Reads outside the protocol that remain until the engine offers what they need (the owners of these files and the
-# engine change them; an entry here may only be removed, never added):
-# - executor (templates / kinds): each layer's weightless module -> a planned ``engine.layer_templates()``;
-# - executor (activations.host_bytes): the pooled host bytes -> passed by the engine to offloaded_layers_for.
-PENDING = {
-    ("export/peft_support.py", "executor"),
-    ("planner/predict.py", "executor"),
-}
+# Reads outside the protocol that remain (none: the executor's templates are ``engine.layer_templates()``, the
+# activation pool's bytes an argument of ``planner.offloaded_layers_for``). An entry may only be removed, never added.
+PENDING: set[tuple[str, str]] = set()
 
 
 def _engine_reads(path: pathlib.Path) -> set[str]:

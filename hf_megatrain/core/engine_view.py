@@ -16,9 +16,9 @@ Reading without reaching in:
   ``stack`` (where the decoder layers sit in it: ``path``, ``layers`` -- the weightless proxies);
 - optimizer state for checkpoints: ``optimizer`` (None before ``create_optimizer``), through ``OptimizerStateIO``.
 
-Not here yet (reached through ``engine.executor`` today; see tests/test_engine_view.py ``PENDING``): each streamed
-layer's weightless template module (planned as ``engine.layer_templates()``) and the pooled host bytes of offloaded
-activations (planned as an argument the engine passes to ``planner.offloaded_layers_for``).
+- each streamed layer's weightless template module (its structure: PEFT's tuner layers, MoE router shapes):
+  ``layer_templates()``. The pooled host bytes of offloaded activations are an argument the engine passes to
+  ``planner.offloaded_layers_for``, not a member.
 """
 
 from __future__ import annotations
@@ -89,6 +89,10 @@ class EngineView(Protocol):
 
     def named_layer_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, tensor) per persistent buffer inside the streamed layers (moved out of the model)."""
+        ...
+
+    def layer_templates(self) -> list[nn.Module]:
+        """Each streamed layer's weightless (meta) template module, in layer order."""
         ...
 
     def wait_updates(self) -> None:

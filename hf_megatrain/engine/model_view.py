@@ -54,7 +54,7 @@ def _layer_parameters(engine: MegaTrainEngine) -> LayerParams:
     """Per streamed layer, (name inside the layer, parameter, its gradient buffer) in the layer's own order:
     trainable parameters are their FP32 masters, frozen ones the compute-dtype host copy, all sharing the store's
     memory; the gradient is the unit's FP32 host buffer where the plan keeps one beside the master, else None."""
-    out = []
+    out, templates = [], engine.layer_templates()
     for i, unit in enumerate(engine.layer_units):
         by_local: dict[str, tuple[nn.Parameter, torch.Tensor | None]] = {}
         keeps_grad = unit.grad is not None and unit.plan.grad is unit.plan.master
@@ -63,7 +63,7 @@ def _layer_parameters(engine: MegaTrainEngine) -> LayerParams:
                                  unit.view(unit.grad, p) if keeps_grad else None)
         for p in unit.frozen_params:
             by_local[p.local] = (nn.Parameter(unit.view(unit.frozen, p), requires_grad=False), None)
-        template = engine.executor.templates[engine.executor.kinds[i]].module
+        template = templates[i]
         order = [n for n, _ in template.named_parameters()]
         out.append([(n, *by_local[n]) for n in order if n in by_local])
     return out

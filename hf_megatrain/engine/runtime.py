@@ -210,6 +210,12 @@ class MegaTrainEngine:
             yield name, self.store.frozen_tensor(name)
         yield from ((n, p.detach()) for n, p in self.frozen_resident.items())
 
+    def layer_templates(self) -> list[nn.Module]:
+        """Each streamed layer's weightless template module, in layer order (layers of one kind share one): what
+        PEFT's key walk, merged exports and the planner's MoE count see of a layer's structure."""
+        ex = self.executor
+        return [ex.templates[k].module for k in ex.kinds]
+
     def named_layer_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(full model name, device tensor) of every persistent buffer inside the streamed layers (router
         score-correction biases, learned constants): conversion moved them out of the model, so exports and
@@ -340,7 +346,7 @@ class MegaTrainEngine:
         if key == self._activation_shape:
             return
         acts = self.executor.activations  # (its pooled host buffers serve any shape that fits them)
-        n = planner.offloaded_layers_for(self, seq_len=key[1], batch_size=key[0])
+        n = planner.offloaded_layers_for(self, seq_len=key[1], batch_size=key[0], pooled_host_bytes=acts.host_bytes)
         acts.offload = frozenset(range(n))
         self._activation_shape = key
         if n:

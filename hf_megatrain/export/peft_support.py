@@ -54,8 +54,8 @@ def _layers_visible(engine: EngineView) -> Iterator[None]:
     layers = engine.stack.layers
     proxies = list(layers)
     try:
-        for i, kind in enumerate(engine.executor.kinds):
-            layers[i] = copy.deepcopy(engine.executor.templates[kind].module)
+        for i, template in enumerate(engine.layer_templates()):
+            layers[i] = copy.deepcopy(template)
         yield
     finally:
         for i, proxy in enumerate(proxies):
@@ -161,10 +161,9 @@ def _merged_tensors(engine: EngineView) -> Iterator[tuple[str, torch.Tensor]]:
         if not n.startswith(layer_prefix) and n not in done:
             yield strip(n), t.float()
     layer_buffers = dict(engine.named_layer_buffers())  # the layers' real buffers (the templates' are meta)
-    for i, kind in enumerate(engine.executor.kinds):
-        tmpl = engine.executor.templates[kind]
+    for i, template in enumerate(engine.layer_templates()):
         prefix = f"{layer_prefix}{i}."
-        merged = _merge_unwrap(_materialize(tmpl.module, prefix, values))
+        merged = _merge_unwrap(_materialize(template, prefix, values))
         for n, t in merged.state_dict().items():
             yield strip(prefix + n), layer_buffers.get(prefix + n, t)
 

@@ -118,9 +118,7 @@ class ModelShape:
         units, res = engine.layer_units, engine.resident_unit
         frozen = [getattr(u, "frozen_numel", 0) for u in units]
         weights = [p.numel for u in units for p in list(u.params) + list(getattr(u, "frozen_params", []))]
-        # the layers' modules live in the executor's templates (one per kind of layer), the model keeps the rest
-        ex = getattr(engine, "executor", None)
-        layer_modules = [ex.templates[k].module for k in ex.kinds] if ex is not None else []
+        layer_modules = engine.layer_templates()  # (the layers' modules: the model keeps only proxies)
         inactive = routed_inactive_numel([engine.model, *layer_modules], getattr(engine.model, "config", None))
         return cls._with_dims(engine.model, [u.numel for u in units], frozen, res.numel,
                               getattr(res, "frozen_numel", 0), max(weights, default=0), inactive)
@@ -488,10 +486,12 @@ def check_fits(engine_or_shape: EngineView | ModelShape, config: MegaTrainConfig
         raise MemoryError("hf_megatrain: this run does not fit: " + "; ".join(errors))
 
 
-def offloaded_layers_for(engine: EngineView, seq_len: int, batch_size: int, gpu_available: int | None = None) -> int:
+def offloaded_layers_for(engine: EngineView, seq_len: int, batch_size: int, gpu_available: int | None = None,
+                         pooled_host_bytes: int = 0) -> int:
     """How many of ``engine``'s layers offload their saved input for a step of this shape (``activation_offload``'s
     rule against the engine's GPU budget; long_context.py). Raises ``MemoryError`` when the offloaded inputs
-    cannot fit the host memory left (the pinned buffers would be taken from the running process)."""
+    cannot fit the host memory left (the pinned buffers would be taken from the running process).
+    ``pooled_host_bytes``: pinned host memory the engine's activation pool already holds (reused, so available)."""
     config, dev = engine.config, engine.device
     if gpu_available is None and dev.type == "cuda" and torch.cuda.is_available():
         gpu_available = gpu_budget(dev) + torch.cuda.memory_allocated(dev)  # (its own buffers are in the plan)
@@ -508,7 +508,7 @@ def offloaded_layers_for(engine: EngineView, seq_len: int, batch_size: int, gpu_
                     format_bytes(gpu_available or 0), n, format_bytes(plan.device_total))
     if n:
         need = plan.host["offloaded activations (pinned, layer inputs)"]
-        avail = available_host_bytes() + engine.executor.activations.host_bytes  # (its pool is reused)
+        avail = available_host_bytes() + pooled_host_bytes
         if need > config.host_memory_fraction * avail:
             raise MemoryError(
                 f"hf_megatrain: this run does not fit: {n} layers' inputs offloaded for seq_len={seq_len}, "

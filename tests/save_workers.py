@@ -123,3 +123,14 @@ def trainer_worker(rank: int, world: int, out: str, shm: str, results: str, max_
                    os.path.join(results, "weights.pt"))
         with open(os.path.join(results, "count"), "w") as f:
             f.write(str(count[0]))
+
+
+def refused_resume_worker(rank: int, world: int, out: str, shm: str, results: str) -> None:
+    """Resume ``out``'s last checkpoint; the ``CheckpointError`` this rank raises goes to ``results/error_<rank>``."""
+    from hf_megatrain.checkpoint import CheckpointError
+
+    try:
+        trainer_worker(rank, world, out, shm, results, 4, True, export=False)
+    except CheckpointError as e:
+        with open(os.path.join(results, f"error_{rank}"), "w") as f:
+            f.write(str(e))

@@ -114,3 +114,22 @@ def test_data_parallel_resume_restores_every_ranks_rng(tmp_path):
     got = torch.load(os.path.join(res, "weights.pt"))
     for name, t in final.items():
         assert torch.equal(got[name], t), f"resumed {name} differs from the uninterrupted run"
+
+
+@pytest.mark.slow  # forks 2 processes, twice
+def test_data_parallel_resume_of_a_corrupt_checkpoint_is_refused_on_every_rank(tmp_path):
+    """The main process verifies the checkpoint (one reader of every byte per host) and every rank raises its
+    verdict: none loads, none waits for the others forever."""
+    shm, res, run = str(tmp_path / "shm"), str(tmp_path / "res"), str(tmp_path / "run")
+    os.makedirs(shm)
+    assert _run(run, shm, res, max_steps=2, resume=False, export=False) == [0, 0]
+    path = os.path.join(run, "checkpoint-2", ckpt.OPTIMIZER_TENSORS)
+    data = bytearray(open(path, "rb").read())
+    data[-3] ^= 1
+    open(path, "wb").write(bytes(data))
+    shutil.rmtree(res)
+    os.makedirs(res)
+    assert S.launch(S.refused_resume_worker, WORLD, run, shm, res) == [0, 0]
+    for rank in range(WORLD):
+        error = open(os.path.join(res, f"error_{rank}")).read()
+        assert ckpt.OPTIMIZER_TENSORS in error and "corrupt" in error, (rank, error)

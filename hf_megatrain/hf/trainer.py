@@ -424,9 +424,20 @@ class MegaTrainTrainer(Trainer):
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         if not self._mt:
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        # everything checked before any state is touched
-        ckpt.verify_checkpoint(resume_from_checkpoint,
-                               allow_unverified=self.args.megatrain_allow_unverified_checkpoint)
+        # everything checked before any state is touched; data parallel: by the main process alone (the ranks share
+        # one host's disk: N readers of every byte would make a resume N times longer), its verdict for all
+        error = None
+        if self.engine.dp is None or self.args.should_save:
+            try:
+                ckpt.verify_checkpoint(resume_from_checkpoint,
+                                       allow_unverified=self.args.megatrain_allow_unverified_checkpoint)
+            except ckpt.CheckpointError as e:
+                error = e
+        if self.engine.dp is not None:
+            message = self.engine.dp.broadcast_object(None if error is None else str(error))
+            error = error or (ckpt.CheckpointError(message) if message is not None else None)
+        if error is not None:
+            raise error
         ckpt.check_training_state(self.engine, os.path.join(resume_from_checkpoint, ckpt.OPTIMIZER_TENSORS))
         self._mt_load_weights(resume_from_checkpoint)
 

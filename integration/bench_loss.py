@@ -10,7 +10,7 @@ Every run goes through ``model.loss_impl.head_loss``, i.e. exactly what the engi
 ``num_items_in_batch`` normalisation). An implementation that cannot run is recorded with the reason, not fatal.
 
     python integration/bench_loss.py                             # JSON to $OUT/bench_loss.json (or ./)
-    python integration/bench_loss.py --tokens 8192,32768 --json integration/results/bench_loss_h100.json
+    python integration/bench_loss.py --tokens 8192,32768 --json integration/results/bench_loss/<date>_<commit>_bench_loss_<gpu>.json
     python integration/bench_loss.py --quick                     # small shapes: a smoke run (also on CPU)
 
 Liger / CCE are not in the GPU image: carry their wheels (``integration/prepare_loss_wheels.sh``) and

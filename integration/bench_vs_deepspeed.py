@@ -471,7 +471,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="global-norm clip for every system (1.0: clips every step at random init; a large value "
                          "such as 1e4 keeps clipping configured but inactive, as in a typical fine-tune)")
     ap.add_argument("--tiny", action="store_true", help="tiny Qwen2 (CPU smoke test of the plumbing)")
-    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "bench_vs_deepspeed"))
     ap.add_argument("--fresh", action="store_true", help="overwrite instead of merging into the existing JSON")
     ap.add_argument("--mirror", default=None, metavar="DIR",
                     help="also copy the JSON, the table and this invocation's logs here after every run (e.g. "

@@ -33,7 +33,7 @@ LMs.
 
 Status: ``pass`` (every error <= max(1e-5, 10 x noise floor)), ``fail`` (numbers or the error), ``refused``,
 ``cannot-build``, ``timeout``, ``skipped`` (encoder-decoder). One JSON line per family to
-``integration/results/family_sweep_cpu.jsonl`` and a Markdown table to ``family_sweep_cpu.md``.
+``integration/results/family_sweep/family_sweep_cpu.jsonl`` and a Markdown table to ``family_sweep_cpu.md``.
 
     PYTHONPATH=. python integration/family_sweep.py [--families llama,gpt_neo] [--jobs 2] [--timeout 120]
 """
@@ -54,7 +54,7 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "integration" / "results"
+RESULTS = ROOT / "integration" / "results" / "family_sweep"
 
 # Families people use most first, so a time-limited run covers them.
 PRIORITY = ["llama", "gpt_neo", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "phi", "phi3",

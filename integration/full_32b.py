@@ -62,7 +62,7 @@ TINY_WIDTH = dict(hidden_size=64, intermediate_size=160, num_attention_heads=4, 
 FULL_LAYERS = 64
 LR = 1e-5
 # Lent machines for --dry-run: name -> (host RAM available GiB, GPU memory free GiB). The H100 box's are measured
-# (results/scale_123b_h100_80gb_hbm3.json: 124.9 / 79.2); the H200 hosts' assume the same ~97.5% of nominal RAM
+# (results/scale_123b/2026-11-23_5b0a4a8_scale_123b_h100_80gb_hbm3.json: 124.9 / 79.2); the H200 hosts' assume the same ~97.5% of nominal RAM
 # available and the H100's 0.5 GiB of GPU in use at start.
 MACHINES = {"h200-x4 (512 GiB host)": (499.0, 139.9), "h200-x8 (560 GiB host)": (546.0, 139.9),
             "h100-x1 (128 GiB host)": (124.9, 79.2)}
@@ -306,7 +306,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--force", action="store_true", help="run even when the planner says it does not fit")
     ap.add_argument("--timeout", type=float, default=5400, help="seconds per phase (subprocess)")
     ap.add_argument("--alloc-conf", default="expandable_segments:True", help="PYTORCH_CUDA_ALLOC_CONF for runs")
-    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "full_32b"))
     ap.add_argument("--dry-run", action="store_true",
                     help="planner prediction only: for this machine, or with --machines for the lent kinds")
     ap.add_argument("--machines", action="store_true",

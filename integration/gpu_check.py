@@ -6,7 +6,7 @@
    tokens per step: step times, tokens/s, model TFLOP/s, MFU, and a profiler-trace summary (H2D/D2H under
    compute in forward and backward, GPU idle fraction).
 
-    python integration/gpu_check.py --out integration/results [--parts parity,overlap] [--layers 8]
+    python integration/gpu_check.py --out integration/results/gpu_check [--parts parity,overlap] [--layers 8]
 """
 
 from __future__ import annotations
@@ -201,7 +201,7 @@ def part_variants(layers: int, steps: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "integration/results"))
+    ap.add_argument("--out", default=os.environ.get("OUT", "integration/results/gpu_check"))
     ap.add_argument("--parts", default="parity,overlap")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--sizes", default="4,16")

@@ -7,7 +7,7 @@ the main thread and from a worker thread (where the optimizer runs), and alongsi
 gradient offload runs while the optimizer does). Bytes per parameter are counted from what each variant reads and
 writes; the host's copy bandwidth is measured the same way for the ceiling.
 
-    python integration/host_adamw_rate.py --out integration/results   # JSON: host_adamw_rate_<host>.json
+    python integration/host_adamw_rate.py --out integration/results/host_adamw   # JSON: host_adamw_rate_<host>.json
 """
 
 from __future__ import annotations

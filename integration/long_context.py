@@ -234,7 +234,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS, help="dense bf16 peak for the MFU")
     ap.add_argument("--timeout", type=float, default=5400, help="seconds per run (subprocess)")
     ap.add_argument("--alloc-conf", default="expandable_segments:True", help="PYTORCH_CUDA_ALLOC_CONF for runs")
-    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "long_context"))
     ap.add_argument("--dry-run", action="store_true", help="print the planner's prediction and exit")
     return ap.parse_args(argv)
 

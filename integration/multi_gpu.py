@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip", default="", help="comma list of parts to skip: parity, scaling")
     ap.add_argument("--tiny", action="store_true", help="tiny width on the CPU with gloo (smoke test)")
     ap.add_argument("--shm", default="/dev/shm", help="where the shared host store's files live")
-    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "multi_gpu"))
     a = ap.parse_args(argv)
     if a.tiny:
         a.layers, a.seq, a.batch, a.steps, a.warmup = 2, 32, 2, 2, 1

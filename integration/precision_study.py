@@ -13,7 +13,7 @@ seed), so their per-seed differences pair up. Recorded per run: the train loss c
 fixed held-out set and the final eval loss; reported per system: mean +- std over seeds, and per pair: the paired
 difference of final eval losses (mean +- std) against the reference's seed-to-seed std.
 
-    python integration/precision_study.py --out integration/results/precision_study_h100     # GPU: < 4 min
+    python integration/precision_study.py --out integration/results/precision_study/<date>_<commit>_precision_study_<gpu>     # GPU: < 4 min
     python integration/precision_study.py --tiny --out /tmp/ps                              # CPU smoke test
 
 Writes ``<out>/precision_study.json`` and ``<out>/precision_study.md``. Needs torch, transformers, accelerate and

@@ -391,12 +391,13 @@ def test_lean_step_allocates_no_layer_sized_transient():
     assert peak < layer_bytes / 2, (peak, layer_bytes)
 
 
-@pytest.mark.parametrize("run", ["scale_123b_lean_copy_L5_noclip_h100.json", "scale_123b_lean_copy_L5_clip1_h100.json"])
+@pytest.mark.parametrize("run", ["scale_123b/2026-11-25_c7bb5ea_scale_123b_lean_copy_L5_noclip_h100.json",
+                                 "scale_123b/2026-11-25_c7bb5ea_scale_123b_lean_copy_L5_clip1_h100.json"])
 def test_host_prediction_at_123b_width_within_3_percent(run):
     """Issue 31: the planner's host RAM at 123B width (lean store + bf16 copy, 5 layers, the run's shape) within 3 %
     of the high-water mark measured on the H100 machine after the lean step's transient was removed
-    (integration/results/session13_planner/; 107.3 GiB measured before, against 102.0 planned)."""
-    with open(os.path.join(ROOT, "integration", "results", "session13_planner", run)) as f:
+    (integration/results/scale_123b/, 2026-11-25; 107.3 GiB measured before, against 102.0 planned)."""
+    with open(os.path.join(ROOT, "integration", "results", run)) as f:
         measured = json.load(f)["runs"][0]["vm_hwm_gib"] * 1024 ** 3
     cfg = transformers.MistralConfig(hidden_size=12288, intermediate_size=28672, num_attention_heads=96,
                                      num_key_value_heads=8, head_dim=128, vocab_size=32768, num_hidden_layers=5,

@@ -36,7 +36,7 @@ class LossImpl(str, enum.Enum):
 
 
 FUSED: dict[LossImpl, ModuleType] = {LossImpl.LIGER: loss_liger, LossImpl.CCE: loss_cce}
-# What ``auto`` may pick, in order. Measured on the H100 (integration/results/bench_loss_h100.json, hidden 5120,
+# What ``auto`` may pick, in order. Measured on the H100 (integration/results/bench_loss/2026-11-23_6c2de76_bench_loss_h100.json, hidden 5120,
 # vocab 152064, bf16): Liger 245 ms / +4.7 GiB vs the compiled chunked loss's 260 ms / +7.9 GiB at 32k tokens
 # (90 vs 65 ms at 8k), gradients as close to fp32 as the chunked loss's. Cut Cross-Entropy used the least memory
 # (+1.8 GiB) but took 811 ms at 32k and its hidden-state gradient was 5x further from fp32: only when asked for.

@@ -52,7 +52,7 @@ CPU_MALLOC_RETENTION = 32 * 1024 ** 2
 PLACEMENT_STEPS = 50
 LOSS_CHUNK_FACTOR = 4.5  # live [chunk, V] fp32-sized blocks in one loss chunk (bf16/fp32 logits, log-softmax, grad)
 # ... when the chunk is compiled (one fused pass) or a fused loss never forms the logits: measured on the H100
-# (integration/results/bench_loss_h100.json, hidden 5120, vocab 152064, 8k tokens) 1.32 blocks beside the lm_head
+# (integration/results/bench_loss/2026-11-23_6c2de76_bench_loss_h100.json, hidden 5120, vocab 152064, 8k tokens) 1.32 blocks beside the lm_head
 # gradient for the compiled chunk; Liger and CCE less.
 FUSED_LOSS_CHUNK_FACTOR = 1.5
 

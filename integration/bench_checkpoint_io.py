@@ -2,6 +2,8 @@
 
     python integration/bench_checkpoint_io.py [--size 0.5] [--dir /path/on/the/disk] [--out results.json]
 
+(filed as ``integration/results/checkpoint_io/<date>_<commit>_checkpoint_io_<machine>.json``, see its README)
+
 Builds a Llama-shaped MegaTrainEngine of ``--size`` billion parameters on the CPU (random init, AdamW state
 allocated), then times, each against the same folder's filesystem (``--dir`` is created if missing):
 

@@ -31,6 +31,9 @@ HEAD_ALIASES: dict[str, tuple[str, ...]] = {
 IN_DECODER = frozenset({
     "attn_logit_softcapping", "moe_router_logit_softcapping", "mlp_up_softcap", "mlp_gate_softcap",
     "gate_soft_cap", "output_router_logits",
+    # DeepSeek-V2/V3's Hub configs: transformers' own deepseek_v2/v3 never read it; DeepSeek's remote code adds that
+    # loss inside the MoE layer (AddAuxiliaryLoss on the layer output), not at the head.
+    "aux_loss_alpha",
 })
 
 # What looks like a head extra by its name: soft-caps, logit scales / multipliers, auxiliary / z losses.

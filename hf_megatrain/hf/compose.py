@@ -42,6 +42,11 @@ class _ConvertAtTrainerInit(Trainer):
         """What ``MegaTrain<Base>.__init__`` hands ``Base.__init__``: unchanged unless a port overrides it."""
         return args, kwargs
 
+    def _mt_run_base_init(self, base: type[Trainer], args: tuple, kwargs: dict[str, Any]) -> None:
+        """Run ``base.__init__``; a port may wrap it (GRPO streams the reference GRPOTrainer would load:
+        hf/grpo_support.py)."""
+        base.__init__(self, *args, **kwargs)  # -> ... -> _ConvertAtTrainerInit.__init__ -> Trainer.__init__
+
     def __init__(self, model: Any = None, args: TrainingArguments | None = None, *pargs: Any, **kwargs: Any) -> None:
         model = self._mt_setup(model, args, kwargs)  # (MegaTrainTrainer's, found through self)
         super().__init__(model, args, *pargs, **kwargs)
@@ -59,7 +64,7 @@ def megatrain_trainer_class(base: type[Trainer]) -> type[MegaTrainTrainer]:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # (a port may prepare what base.__init__ takes, e.g. DPO's reference model: hf/dpo_support.py)
         args, kwargs = self._mt_init_arguments(base, args, kwargs)
-        base.__init__(self, *args, **kwargs)  # -> ... -> _ConvertAtTrainerInit.__init__ -> Trainer.__init__
+        self._mt_run_base_init(base, args, kwargs)
 
     name = f"MegaTrain{base.__name__}"
     return type(name, (_port_for(base), base, _ConvertAtTrainerInit),
@@ -69,7 +74,8 @@ def megatrain_trainer_class(base: type[Trainer]) -> type[MegaTrainTrainer]:
 
 # Trainers whose loss is ported onto the engine: the base's qualified name (found on a subclass's MRO too) -> the
 # port, "module:class", a MegaTrainTrainer subclass taking MegaTrainTrainer's place (imported only when asked for).
-_PORTS = {"trl.trainer.dpo_trainer.DPOTrainer": "hf_megatrain.hf.dpo_support:DPOPort"}
+_PORTS = {"trl.trainer.dpo_trainer.DPOTrainer": "hf_megatrain.hf.dpo_support:DPOPort",
+          "trl.trainer.grpo_trainer.GRPOTrainer": "hf_megatrain.hf.grpo_support:GRPOPort"}
 
 
 def _port_for(base: type[Trainer]) -> type[MegaTrainTrainer]:

@@ -15,9 +15,8 @@ and TRL's chunked kernel turns the final hidden states into per-token log-probab
 4096 tokens x 32768 vocabulary entries, recomputing each tile in the backward: the ``[tokens, vocab]`` logits are
 never formed. So chosen / rejected log-probabilities (one pass over the concatenated pair), every loss type,
 ``ld_alpha``, WPO weighting, f-divergences and the metrics (``rewards/*``, ``logps/*``, ``logits/*``, ``entropy``,
-``mean_token_accuracy``, ``num_tokens``) are TRL's code, logged as DPOTrainer logs them. This port only keeps the
-engine's step bookkeeping right around that call: gradients of an accumulation step land (FP32) before the next
-forward, and the step's last backward is marked (what ``MegaTrainTrainer.compute_loss`` does around its loss).
+``mean_token_accuracy``, ``num_tokens``) are TRL's code, logged as DPOTrainer logs them. The engine's step
+bookkeeping around that call (shared with GRPO) is ``TRLPort``'s, hf/trl_ports.py.
 
 The reference log-probabilities:
 - ``precompute_ref_log_probs=True``: DPOTrainer's own no-grad pass over the dataset before training, through the
@@ -40,18 +39,13 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-import torch
 from torch import nn
 from trl import DPOConfig, DPOTrainer
-from trl.trainer.utils import disable_dropout_in_model
 
-from ..core.plan import Stepper
-from ..engine.adapter_switch import follows_adapter_switches
-from ..engine.runtime import ENGINE_ATTR, MegaTrainEngine
+from ..engine.runtime import ENGINE_ATTR
 from ..export.peft_support import is_peft_model
 from .compose import megatrain_args_class, megatrain_trainer_class
-from .trainer import MegaTrainTrainer
-from .training_args import model_param_dtype
+from .trl_ports import TRLPort, check_one_process, frozen_reference
 
 __all__ = ["DPOPort", "MegaTrainDPOConfig", "MegaTrainDPOTrainer"]
 
@@ -59,11 +53,12 @@ __all__ = ["DPOPort", "MegaTrainDPOConfig", "MegaTrainDPOTrainer"]
 MegaTrainDPOConfig = megatrain_args_class(DPOConfig, "MegaTrainDPOConfig", __name__)
 
 
-class DPOPort(MegaTrainTrainer):
+class DPOPort(TRLPort):
     """DPOTrainer's loss on the engine: placed before ``MegaTrainTrainer`` in ``MegaTrain<DPOTrainer>``'s method
-    resolution order (compose.py); ``super(MegaTrainTrainer, self)`` reaches DPOTrainer's own methods."""
+    resolution order (compose.py); the loss wrapper, evaluation, dropout and the lean / PEFT checks are
+    ``TRLPort``'s (hf/trl_ports.py)."""
 
-    _mt_dpo_checked = False
+    _mt_trl_name = "DPO"
 
     # -- before DPOTrainer.__init__ runs: the reference model ----------------------------------------------------
     def _mt_init_arguments(self, base: type, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict]:
@@ -75,7 +70,7 @@ class DPOPort(MegaTrainTrainer):
         targs = given.get("args")
         if targs is None or not getattr(targs, "megatrain", False):
             return args, kwargs
-        _check_arguments(targs)
+        check_one_process(targs, "DPOTrainer")
         model, ref = given.get("model"), given.get("ref_model")
         peft = given.get("peft_config") is not None or is_peft_model(model)
         if ref is None and not peft and not targs.precompute_ref_log_probs:
@@ -102,49 +97,10 @@ class DPOPort(MegaTrainTrainer):
                 "precompute_ref_log_probs=True on a model without the 'ref' adapter.")
         return super()._mt_setup(model, args, kwargs)
 
-    def _mt_convert(self, model: nn.Module, args: Any) -> nn.Module:
-        model = super()._mt_convert(model, args)
-        engine = self.engine
-        if any(u.stepper is Stepper.LEAN for u in engine.plans.units):
-            raise ValueError("lean_store (or the optimizer state on disk) is not supported with DPO yet: its second "
-                             "forward+backward replays the engine's own loss, and DPOTrainer's loss runs the model's "
-                             "forward with TRL's fused head. Remove lean_store / optimizer_state_dir from "
-                             "megatrain_config.")
-        # PEFT: "adapters disabled" (DPO's reference) must reach the streamed layers, not only the visible modules:
-        # the engine makes PEFT's switch do so (engine/adapter_switch.py); a model without it would train silently
-        # against its own adapters.
-        if is_peft_model(engine.model) and not follows_adapter_switches(engine):
-            raise RuntimeError("hf_megatrain: this engine's PEFT model does not follow adapter switches "
-                               "(engine/adapter_switch.py); DPO's reference (adapters disabled) would be wrong")
-        # DPOTrainer disables dropout (disable_dropout=True) after Trainer.__init__, before its reference precompute.
-        if getattr(args, "disable_dropout", False):
-            _disable_streamed_dropout(engine)
-        return model
-
-    # -- loss ------------------------------------------------------------------------------------------------------
-    def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
-                     num_items_in_batch: torch.Tensor | int | None = None):
-        if not self._mt:
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        if not self._mt_dpo_checked:
-            self._mt_check_dpo()
-        engine = self.engine
-        # (the accumulation step's gradients land first; activation placement and the fits check for this shape)
-        engine.begin_direct_forward(inputs.get("input_ids"), inputs_embeds=inputs.get("inputs_embeds"))
-        out = super(MegaTrainTrainer, self).compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        # As MegaTrainTrainer.compute_loss: the backward about to run is the step's last when accelerate will sync.
-        engine.set_final_backward(model.training and torch.is_grad_enabled() and self.accelerator.sync_gradients)
-        return out
-
-    def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
-                        ignore_keys: list[str] | None = None):
-        # DPOTrainer's (it always computes its loss; the batch has no labels), never MegaTrainTrainer's.
-        return super(MegaTrainTrainer, self).prediction_step(model, inputs, prediction_loss_only, ignore_keys)
-
-    def _mt_check_dpo(self) -> None:
-        """What DPOTrainer decides after ``Trainer.__init__`` (the reference model, the dataset kind): checked
-        once. (MoE: the router logits DPOTrainer's fused head reads for its aux loss are the engine's router tap's,
-        recorded in the streamed layers' forward: tests/test_dpo.py checks it on Mixtral.)"""
+    def _mt_check_port(self) -> None:
+        """What DPOTrainer decides after ``Trainer.__init__`` (the reference model, the dataset kind). (MoE: the
+        router logits DPOTrainer's fused head reads for its aux loss are the engine's router tap's, recorded in the
+        streamed layers' forward: tests/test_dpo.py checks it on Mixtral.)"""
         ref = getattr(self, "ref_model", None)
         if ref is not None and not self.precompute_ref_logps and getattr(ref, ENGINE_ATTR, None) is None:
             raise ValueError("this reference model is not streamed by hf_megatrain (a second full copy on the GPU): "
@@ -153,38 +109,6 @@ class DPOPort(MegaTrainTrainer):
         if getattr(self, "_is_vision_dataset", False):
             raise NotImplementedError("vision preference datasets are not supported with megatrain=True yet "
                                       "(not tested against plain DPOTrainer).")
-        self._mt_dpo_checked = True
-
-
-def _check_arguments(args: Any) -> None:
-    """Refuse what the engine does not reproduce, before anything is converted or a reference model is loaded."""
-    if args.world_size > 1:
-        raise NotImplementedError(
-            "DPO through hf_megatrain runs in one process for now (several processes of one host have not been "
-            "checked against plain DPOTrainer yet, the reference precompute's sharded pass included). Launch one "
-            "process, or use MegaTrainTrainer / SFT for data-parallel runs.")
-    if getattr(args, "activation_offloading", False):
-        raise ValueError("activation_offloading=True is not used with megatrain=True: the streamed engine keeps only "
-                         "layer inputs and recomputes each layer in the backward. Remove it.")
-
-
-def frozen_reference(ref: nn.Module, args: Any) -> nn.Module:
-    """``ref`` converted by its own engine with every parameter frozen: its layers streamed from a host copy in the
-    compute dtype (2 bytes per parameter in bf16), no FP32 master, no gradient, no optimizer state; called
-    directly by DPOTrainer (no-grad, TRL's fused head) like the policy."""
-    ref.requires_grad_(False)
-    config = args.megatrain_resolved_config(model_dtype=model_param_dtype(ref))
-    engine = MegaTrainEngine(ref, config, device=args.device)
-    if getattr(args, "disable_dropout", False):
-        _disable_streamed_dropout(engine)
-    return engine.model
-
-
-def _disable_streamed_dropout(engine: MegaTrainEngine) -> None:
-    """DPOTrainer disables dropout (disable_dropout=True) by walking model.modules(); the streamed layers' modules
-    are the executor's templates, which that walk does not reach."""
-    for template in engine.executor.templates:
-        disable_dropout_in_model(template.module)
 
 
 class MegaTrainDPOTrainer(megatrain_trainer_class(DPOTrainer)):

@@ -4,6 +4,9 @@ Mechanism modules take explicit arguments; only this file decides defaults, vali
 knows the names users type (in yaml, in ``MEGATRAIN_*`` env vars, in ``TrainingArguments``).
 ``resolve_config`` is the one place a config is assembled from what the user gave (see its docstring for the
 order); the Trainer arguments, the Accelerate plugin, ``from_pretrained_streamed`` and ``megatrain launch`` call it.
+What an ``auto`` value or a mode becomes where that needs the model or the machine (placement, the host kernel,
+narrow gradients, speculation, lean units) is decided once per engine from this config by core/plan.py
+(``build_plans``, ``decide_modes``); nothing else reads those options (tests/test_mode_readers.py).
 """
 
 from __future__ import annotations

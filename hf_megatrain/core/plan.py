@@ -19,6 +19,11 @@ byte counts are sums of ``UnitPlan.nbytes`` over the same plans.
     resident (host)   host    host    host / disk  host (bf16)   HOST, then published to the device parameters
 
 "device" is the engine's device; on a CPU-only machine that is host memory too (tests run every plan there).
+
+``decide_modes`` decides, once per engine and from the same config and plans, how the step runs: the host AdamW
+kernel (``host_kernel``, its ``auto`` included), narrow gradients, speculation and whether lean units make the
+engine record each training forward for a re-run. The result (``StepModes``) is handed to the executor and the
+optimizer at construction; they carry it out without reading the options again.
 """
 
 from __future__ import annotations
@@ -26,9 +31,14 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import logging
+
 import torch
 
 from ..config import MegaTrainConfig
+from . import kernels
+
+logger = logging.getLogger(__name__)
 
 
 class Where(enum.Enum):
@@ -236,3 +246,62 @@ def build_plans(inputs: PlanInputs, config: MegaTrainConfig) -> Plans:
         where = (Where.HOST, Where.HOST, host_moments, host_copy, Stepper.HOST)
     units.append(UnitPlan(len(layer_numels), False, resident_numel, resident_frozen, *where))
     return Plans(units)
+
+
+def host_layer_plan(lean: bool, lean_copy: bool, compute_dtype: torch.dtype) -> UnitPlan:
+    """The plan of one host-stepped streamed layer of one parameter (``lean``: a lean one; ``lean_copy``: that keeps
+    its compute copy): what per-parameter byte formulas evaluate (core/store.py ``bytes_per_param``)."""
+    copy = Where.NONE if (lean and not lean_copy) or compute_dtype == torch.float32 else Where.HOST
+    grad, stepper = (Where.NONE, Stepper.LEAN) if lean else (Where.HOST, Stepper.HOST)
+    return UnitPlan(0, True, 1, 0, Where.HOST, grad, Where.HOST, copy, stepper)
+
+
+@dataclass(frozen=True)
+class StepModes:
+    """How the step runs, decided once per engine (``decide_modes``) and handed to whoever carries it out.
+
+    ``host_kernel``: the AdamW kernel over host units (core/kernels.py). ``narrow``: the dtype in which a host
+    gradient that is its step's only, whole visit crosses PCIe and lands (engine/offload.py), or None.
+    ``speculate``: host units are updated as their gradients land in the step's last backward
+    (optim/speculative_step.py). ``consume``: some units have no gradient buffer and consume each gradient as it
+    lands (optim/lean.py ``LeanAdamW``); the engine then records each training forward for a re-run."""
+
+    host_kernel: kernels.HostKernel = kernels.HostKernel.FUSED
+    narrow: torch.dtype | None = None
+    speculate: bool = False
+    consume: bool = False
+
+    def describe(self) -> dict[str, object]:
+        """What the run summary reports of these modes (engine/summary.py), under the config's names."""
+        return {"host_kernel": self.host_kernel.value, "speculative_step": self.speculate,
+                "narrow_grads": self.narrow is not None}
+
+
+def _host_kernel(choice: str, device_type: str) -> kernels.HostKernel:
+    """``host_kernel``: "auto" is the native kernel when training on a GPU and it builds here (same math either
+    way, only the speed differs: a failed build is said and the fused kernel used), else torch's fused one."""
+    if choice != "auto":
+        return kernels.HostKernel(choice)
+    if device_type != "cuda":
+        return kernels.HostKernel.FUSED
+    try:  # (built once per process; the optimizer's own warm-up then finds it ready)
+        kernels.warm_up_native()
+    except RuntimeError as e:
+        logger.warning("%s; host_kernel='auto' uses the fused kernel", e)
+        return kernels.HostKernel.FUSED
+    return kernels.HostKernel.NATIVE
+
+
+def decide_modes(config: MegaTrainConfig, plans: Plans, device_type: str, data_parallel: bool) -> StepModes:
+    """The step's modes for an engine with these plans on ``device_type`` (``data_parallel``: one of several
+    ranks). Narrow gradients where they are exact and the host kernel reads them (not on data-parallel ranks,
+    whose host gradients are reduce-scattered in FP32); speculation for host units (lean units consume their
+    gradients as they land anyway)."""
+    kernel = _host_kernel(config.host_kernel, device_type)
+    consume = any(p.stepper is Stepper.LEAN for p in plans.units)
+    compute = config.torch_compute_dtype
+    narrow = (config.narrow_grads and not data_parallel
+              and kernel in (kernels.HostKernel.COMPILED, kernels.HostKernel.NATIVE)
+              and config.torch_grad_offload_dtype == torch.float32 and compute.itemsize == 2)
+    return StepModes(host_kernel=kernel, narrow=compute if narrow else None,
+                     speculate=config.speculative_step and not consume, consume=consume)

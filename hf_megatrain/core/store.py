@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from .memory import alloc_host, alloc_on_disk, check_disk_space
-from .plan import Plans, Stepper, UnitPlan, Where
+from .plan import Plans, Stepper, UnitPlan, Where, host_layer_plan
 
 
 @dataclass
@@ -100,10 +100,7 @@ class Unit:
 def bytes_per_param(compute_dtype: torch.dtype, lean: bool = False, lean_copy: bool = False) -> int:
     """Host bytes per trainable parameter of a host-stepped streamed unit (``lean``: a lean unit; ``lean_copy``:
     one that keeps its compute copy), from the same ``UnitPlan.buffers`` formula the store and the planner use."""
-    copy = Where.NONE if (lean and not lean_copy) or compute_dtype == torch.float32 else Where.HOST
-    grad, stepper = (Where.NONE, Stepper.LEAN) if lean else (Where.HOST, Stepper.HOST)
-    plan = UnitPlan(0, True, 1, 0, Where.HOST, grad, Where.HOST, copy, stepper)
-    return plan.nbytes(Where.HOST, compute_dtype)
+    return host_layer_plan(lean, lean_copy, compute_dtype).nbytes(Where.HOST, compute_dtype)
 
 
 Layout = list[tuple[str, str, tuple[int, ...], bool]]  # (model name, name inside the unit, shape, decay)

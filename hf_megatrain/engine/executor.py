@@ -45,7 +45,8 @@ class StreamingExecutor:
     def __init__(self, units: list[Unit], state: StepState, kinds: list[int], templates: list[LayerTemplate],
                  buffers: list[dict[str, torch.Tensor]], *, device: torch.device, compute_dtype: torch.dtype,
                  grad_offload_dtype: torch.dtype, num_slots: int, micro_batch_size: int, pin: bool,
-                 activation_prefetch: int = 2, dp: DataParallel | None = None) -> None:
+                 activation_prefetch: int = 2, dp: DataParallel | None = None,
+                 narrow: torch.dtype | None = None) -> None:
         self.units, self.kinds, self.templates, self.buffers = units, kinds, templates, buffers
         self.device = device
         self.state = state
@@ -57,7 +58,7 @@ class StreamingExecutor:
         self.weights = WeightSlots(units, state, self.streams, device=device, compute_dtype=compute_dtype,
                                    num_slots=num_slots)
         self.grads = GradientOffload(units, state, self.streams, device=device, compute_dtype=compute_dtype,
-                                     offload_dtype=grad_offload_dtype, pin=pin, dp=dp)
+                                     offload_dtype=grad_offload_dtype, pin=pin, dp=dp, narrow=narrow)
         # The layers' saved inputs, on the device or offloaded to host (the engine sets which per step shape).
         self.activations = ActivationStore(device, prefetch=activation_prefetch, pin=pin)
         self.training = True
@@ -256,7 +257,7 @@ class StreamingExecutor:
         return grads_in
 
     def _record_reach(self, unit: Unit, tmpl: LayerTemplate, reached: list[bool]) -> None:
-        if unit.plan.grad is Where.NONE:
+        if unit.grad is None:  # (no buffer to give a parameter no backward reached its zeros: a lean unit)
             if not all(reached):
                 missing = [p.local for p, r in zip(tmpl.layout, reached) if not r]
                 raise RuntimeError(

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ..core.plan import Where
 from ..core.step_state import StepState
 from ..core.store import Unit
 
@@ -87,7 +86,7 @@ class GradientLanding:
         if not self.state.any_grad():
             return
         for u in [*self.executor.units, self.resident]:
-            if u.plan.grad is not Where.NONE and not self.state.has_grad(u.index):
+            if u.grad is not None and not self.state.has_grad(u.index):  # (a lean unit has no buffer to zero)
                 u.grad.zero_()
                 self.state.accumulate(u.index)
                 self.executor.grads.landed(u.index, None)

@@ -16,11 +16,12 @@ this module calls besides the step state. In the step's last backward (``final_b
 sets: ``MegaTrainEngine.set_final_backward``) each host gradient that lands goes to the sink's ``landed`` right
 here, so its speculative update starts while the backward runs.
 
-A *narrow* gradient (``narrow``, set by the engine when the host kernel reads one): a host unit's gradient that is
-the step's only visit (the step's last backward, first visit) and computed whole (not split into micro-batches,
-whose sum is FP32) holds exactly the compute-dtype values autograd produced, so it crosses PCIe and sits in the
-first half of the unit's FP32 host buffer in that dtype (``StepState.narrow`` says so; ``Unit.grad_as``): half the
-D2H bytes and half the optimizer's gradient reads, the same values. Readers outside the optimizer widen it first
+A *narrow* gradient (``narrow``: core/plan.py ``decide_modes`` turns it on for a host kernel that reads one; given
+at construction): a host unit's gradient that is the step's only visit (the step's last backward, first visit) and
+computed whole (not split into micro-batches, whose sum is FP32) holds exactly the compute-dtype values autograd
+produced, so it crosses PCIe and sits in the first half of the unit's FP32 host buffer in that dtype
+(``StepState.narrow`` says so; ``Unit.grad_as``): half the D2H bytes and half the optimizer's gradient reads, the
+same values. Readers outside the optimizer widen it first
 (``Unit.widen_grad_``). A lean unit's visit is its step's only one: whole, it lands narrow in its slab.
 
 The two offload buffers alternate, so layer i's D2H overlaps layer i-1's recompute. ``finish`` lands whatever is in
@@ -49,10 +50,13 @@ if TYPE_CHECKING:
     from ..parallel.group import DataParallel
 
 
+_NEVER, _ALWAYS, _FIRST_FINAL = "never", "always", "first final visit"  # when a unit's visit may land narrow
+
+
 class GradientOffload:
     def __init__(self, units: list[Unit], state: StepState, streams: StreamSet, *, device: torch.device,
                  compute_dtype: torch.dtype, offload_dtype: torch.dtype, pin: bool,
-                 dp: DataParallel | None = None) -> None:
+                 dp: DataParallel | None = None, narrow: torch.dtype | None = None) -> None:
         self.units, self.state, self.streams = units, state, streams
         self.dp = dp
         n = max(u.numel for u in units)
@@ -73,15 +77,18 @@ class GradientOffload:
         routes = {Where.DEVICE: self._to_device, Where.HOST: self._to_host if dp is None else self._to_shard,
                   Where.NONE: self._to_consumer}
         self.route: list[Callable[[int, Unit, torch.Tensor, bool], None]] = [routes[u.plan.grad] for u in units]
-        lean = any(u.plan.grad is Where.NONE for u in units)
-        self.sq_host = [alloc_host(1, torch.float32, pin) for _ in range(2)] if lean else []
+        # (the squared-norm cells of the consumer's two slabs)
+        self.sq_host = [alloc_host(1, torch.float32, pin) for _ in range(2)]
         # Host units: each first visit's squared norm lands beside its gradient (read by a speculative step).
         self.sq_cells = alloc_host(len(units), torch.float32, pin)
         self._next = 0
         self.d2h_bytes = 0
-        # The compute dtype when narrow gradients are on (``set_narrow``), else None; per offload buffer, the dtype
-        # its current gradient is in when narrow.
-        self.narrow: torch.dtype | None = None
+        # The compute dtype when narrow gradients are on, else None; per unit, when its visit may land narrow
+        # (decided here once: ALWAYS a consumed gradient, one per step; FIRST_FINAL a host gradient's only visit;
+        # NEVER); per offload buffer, the dtype its current gradient is in when narrow.
+        self.narrow = narrow
+        when = {Where.NONE: _ALWAYS, Where.HOST: _FIRST_FINAL, Where.DEVICE: _NEVER}
+        self._narrow_when = [when[u.plan.grad] if narrow is not None else _NEVER for u in units]
         self._narrow_k: list[torch.dtype | None] = [None, None]
         # Where landed gradients go besides the step state (the optimizer; ``attach``), and whether the backward in
         # progress is the step's last (written only by engine/landing.py: ``MegaTrainEngine.set_final_backward``,
@@ -89,13 +96,6 @@ class GradientOffload:
         self.sink: GradientSink | None = None
         self.final_backward = False
         self.unlanded = False  # a visit sent a gradient that the step's ``land`` has not landed yet
-
-    def set_narrow(self, dtype: torch.dtype | None) -> None:
-        """Narrow gradients on (the compute dtype) or off: the engine turns them on for a host kernel that reads
-        them. Not with data parallel, whose host gradients are reduce-scattered in FP32."""
-        if dtype is not None and self.dp is not None:
-            raise ValueError("hf_megatrain: narrow gradients do not apply to data-parallel ranks (narrow_grads=False)")
-        self.narrow = dtype
 
     def attach(self, sink: GradientSink) -> None:
         """The optimizer the engine created (a replaced one's successor): the one sink of every gradient."""
@@ -107,15 +107,13 @@ class GradientOffload:
         k = self._next
         self._next ^= 1
         self.streams.wait(self.streams.compute, self.done[k])
-        self._narrow_k[k] = self.narrow if whole and self._may_narrow(self.units[index]) else None
+        self._narrow_k[k] = self.narrow if whole and self._may_narrow(index) else None
         return k, self._off(k, n)
 
-    def _may_narrow(self, unit: Unit) -> bool:
-        if self.narrow is None:
-            return False
-        if unit.plan.grad is Where.NONE:
-            return True  # (lean: one backward per step)
-        return unit.plan.grad is Where.HOST and self.final_backward and not self.state.has_grad(unit.index)
+    def _may_narrow(self, index: int) -> bool:
+        when = self._narrow_when[index]
+        return when is _ALWAYS or (when is _FIRST_FINAL and self.final_backward
+                                          and not self.state.has_grad(self.units[index].index))
 
     def _off(self, k: int, n: int) -> torch.Tensor:
         dt = self._narrow_k[k]

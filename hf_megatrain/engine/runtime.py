@@ -22,15 +22,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
 
 from .. import planner
 from ..config import MegaTrainConfig, resolve_config
-from ..core import kernels
-from ..core.plan import Stepper, Where
+from ..core.plan import Where, decide_modes
 from ..core.step_state import StepState
 from ..core.threads import apply_host_threads
 from ..parallel.group import DataParallel
@@ -39,7 +38,8 @@ from ..parallel.setup import data_parallel_config
 from ..model.families import ModelHead
 from ..model.loss import TokenStats
 from ..optim.adamw import UnitAdamW
-from ..optim.lean import LeanAdamW
+from ..optim.lean import optimizer_for
+from ..optim.ranks import ranks_of
 from ..optim.speculation import GA_MESSAGE
 from .adapter_switch import follow_adapter_switches
 from .convert import convert, install_proxies
@@ -60,6 +60,11 @@ class MegaTrainOutput:
     token_stats: TokenStats | None = None  # per-token sums for TRL's SFT metrics, when asked for
 
 
+def _record_nothing(kwargs: dict[str, Any]) -> None:
+    """No lean units: nothing re-runs a forward, so none is recorded."""
+    return None
+
+
 class MegaTrainEngine:
     def __init__(self, model: nn.Module, config: MegaTrainConfig | Mapping[str, Any] | str | None = None,
                  device: torch.device | str | None = None, decay_names: set[str] | None = None,
@@ -70,11 +75,13 @@ class MegaTrainEngine:
         before they build it). ``dp``: the data-parallel ranks of this host training together (parallel/; None or
         one rank: alone)."""
         config = config if isinstance(config, MegaTrainConfig) else resolve_config(config, environ={})
+        # Data parallel is decided here, once: ``dp`` for construction, ``ranks`` (optim/ranks.py) for the rest.
         self.dp = dp if dp is not None and dp.world > 1 else None
+        self.ranks = ranks_of(self.dp)
         if self.dp is not None:
             config = data_parallel_config(config, self.dp)
         self.config = config
-        before, after = apply_host_threads(config.host_threads, 1 if self.dp is None else self.dp.world)
+        before, after = apply_host_threads(config.host_threads, self.ranks.world)
         if after != before:
             logger.info("hf_megatrain: host AdamW on %d CPU threads (the process had %d; host_threads=%d)", after,
                         before, config.host_threads)
@@ -90,6 +97,11 @@ class MegaTrainEngine:
         self.resident_params = conv.resident_params
         self.frozen_resident = conv.frozen_resident
         self.layer_buffer_names = conv.persistent_buffers
+        # How the step runs (host kernel, narrow gradients, speculation, lean units): decided once, handed on.
+        self.modes = decide_modes(config, self.plans, self.device.type, data_parallel=self.dp is not None)
+        # Lean units consume their gradients as they land: each training forward is recorded for a re-run.
+        self._record: Callable[[dict[str, Any]], StepReplay | None] = \
+            self._record_forward if self.modes.consume else _record_nothing
         # (data parallel: loads wait for every rank's shard of an update, not for a barrier per step)
         self.state = StepState(len(self.store.units),
                                peers=PeerCells(conv.peer_cells, self.dp.rank) if self.dp is not None else None)
@@ -98,13 +110,11 @@ class MegaTrainEngine:
             compute_dtype=self.compute_dtype, grad_offload_dtype=config.torch_grad_offload_dtype,
             num_slots=config.num_slots, micro_batch_size=config.micro_batch_size,
             pin=config.pin_memory and self.device.type == "cuda", activation_prefetch=config.activation_prefetch,
-            dp=self.dp)
+            dp=self.dp, narrow=self.modes.narrow)
         install_proxies(conv, self.executor)
         # Family extras of the HF head (soft-capping, logit scaling, MoE router aux loss): model/families.py.
         self.head_extras = ModelHead(model, self.stack, self.executor, loss_impl=config.loss_impl, device=self.device,
                                        compute_dtype=config.torch_compute_dtype)
-        # Lean units (decided by the plans): the optimizer is LeanAdamW and each training forward is recorded.
-        self.lean = any(p.stepper is Stepper.LEAN for p in self.plans.units)
         # The one place gradients land (the optimizer's land phase calls it; so do accumulation and parameters()).
         self.landing = GradientLanding(self.state, self.executor, self.resident_unit, self.resident_params)
         self._published = -1  # version of the resident unit last copied into its device working parameters
@@ -179,22 +189,20 @@ class MegaTrainEngine:
     def sync_device_(self) -> None:
         """After masters changed outside the optimizer (loading a checkpoint): every copy is stale."""
         self.wait_updates()
-        if self.dp is None:
-            self.store.refresh_all_compute_()
-        else:  # the shared masters are written (by local rank 0): each rank refreshes the compute copy it owns
-            self.dp.barrier()
-            for u in self.store.units:
-                u.refresh_compute_(self.dp.owns(u))
+        # (data parallel: the shared masters are written by local rank 0; each rank refreshes the compute copy it
+        # owns, and every rank's part is done before any rank reads the weights)
+        self.ranks.barrier()
+        for u in self.store.units:
+            u.refresh_compute_(self.ranks.own(u))
         self.state.touch()
         self.publish_resident()
-        if self.dp is not None:  # every rank's part done before any rank reads the weights
-            self.dp.barrier()
+        self.ranks.barrier()
 
     def writes_master(self, name: str) -> bool:
         """Whether this process fills parameter ``name``'s FP32 master on a load (checkpoint/folders.py): the
         data-parallel ranks of a host share the host units' masters, which local rank 0 alone writes
         (``sync_device_`` then waits for it); every process fills its own device units."""
-        return self.dp is None or self.dp.writes_shared(self.store.by_name[name][0])
+        return self.ranks.writes_shared(self.store.by_name[name][0])
 
     def named_master_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF parameter name, FP32 master) for every trainable parameter, tied names once; waits for updates in
@@ -277,7 +285,7 @@ class MegaTrainEngine:
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, num_items_in_batch: torch.Tensor | int | None = None,
                 return_logits: bool = False, token_stats: bool = False, **kwargs: Any) -> MegaTrainOutput:
-        replay = self._record_forward(dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
+        replay = self._record(dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
                                            num_items_in_batch=num_items_in_batch, return_logits=return_logits,
                                            **kwargs))
         self.publish_resident()
@@ -355,8 +363,8 @@ class MegaTrainEngine:
 
     # -- lean units: the step's forward, kept for a re-run -----------------------------------------------------------
     def _record_forward(self, kwargs: dict[str, Any]) -> StepReplay | None:
-        """Lean units, training forward: keep what re-running it needs (inputs, RNG, autocast, mode)."""
-        if not self.lean or self._replaying or not torch.is_grad_enabled():
+        """Lean units (``_record``), training forward: keep what re-running it needs (inputs, RNG, autocast, mode)."""
+        if self._replaying or not torch.is_grad_enabled():
             return None
         if self.landing.replay is not None:
             raise RuntimeError(GA_MESSAGE.format(what="a second training forward came after a backward"))
@@ -383,37 +391,16 @@ class MegaTrainEngine:
                 p.grad = None
 
     # -- optimizer ---------------------------------------------------------------------------------------------------
-    def _host_kernel(self) -> kernels.HostKernel:
-        choice = self.config.host_kernel
-        if choice != "auto":
-            return kernels.HostKernel(choice)
-        if self.device.type != "cuda":
-            return kernels.HostKernel.FUSED
-        try:  # (built once per process; the optimizer's own warm-up then finds it ready)
-            kernels.warm_up_native()
-        except RuntimeError as e:  # same math either way: only the speed differs, so say it and go on
-            logger.warning("%s; host_kernel='auto' uses the fused kernel", e)
-            return kernels.HostKernel.FUSED
-        return kernels.HostKernel.NATIVE
-
     def create_optimizer(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                          weight_decay: float = 0.0, max_grad_norm: float | None = None) -> UnitAdamW:
         if self.optimizer is not None:  # replaced (a second Trainer on the same engine): its work ends first
             self.optimizer.wait()
         order = [self.resident_unit.index] + [u.index for u in self.layer_units]
-        cls = LeanAdamW if self.lean else UnitAdamW
-        host_kernel = self._host_kernel()
-        # Narrow gradients (engine/offload.py) where they are exact and the host kernel reads them.
-        narrow = (self.config.narrow_grads and self.dp is None
-                  and host_kernel in (kernels.HostKernel.COMPILED, kernels.HostKernel.NATIVE)
-                  and self.config.torch_grad_offload_dtype == torch.float32 and self.compute_dtype.itemsize == 2)
         self.widen_gradients()  # (a replaced optimizer's step may have left some)
-        self.executor.grads.set_narrow(self.compute_dtype if narrow else None)
+        cls = optimizer_for(self.modes)  # (UnitAdamW, or LeanAdamW for lean units: optim/lean.py)
         self.optimizer = cls(self.store, self.state, self.landing, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                              max_grad_norm=max_grad_norm, unit_order=order, skip_nonfinite=self.config.skip_nonfinite,
                              overlap=self.config.overlap_optimizer, grad_reach=self.executor.reach,
-                             host_kernel=host_kernel, exact_take_back=self.config.exact_take_back,
-                             **({} if cls is LeanAdamW else {"speculate": self.config.speculative_step,
-                                                             "dp": self.dp}))
+                             modes=self.modes, ranks=ranks_of(self.dp), exact_take_back=self.config.exact_take_back)
         self.executor.grads.attach(self.optimizer)  # the one sink of landed gradients (speculation, lean)
         return self.optimizer

@@ -54,12 +54,7 @@ def run_summary(engine: Any, *, config_source: str | None = None) -> dict[str, A
         "config_source": config_source or "given to the engine",
     }
     if opt is not None:
-        out.update({
-            "host_kernel": opt.host_kernel.value,
-            "speculative_step": bool(getattr(opt, "speculate", False)),
-            "narrow_grads": engine.executor.grads.narrow is not None,
-            "max_grad_norm": opt.max_grad_norm,
-        })
+        out.update({**engine.modes.describe(), "max_grad_norm": opt.max_grad_norm})  # (core/plan.py StepModes)
     return out
 
 

@@ -16,14 +16,15 @@ first, then layer 0, 1, ...); the executor waits, per layer, until the step stat
 unit uses the same norm, hyper-parameters and kernel, so the math does not depend on who steps it.
 
 The optimizer is also the one sink of landed gradients (``GradientSink``, optim/gradient_path.py): the engine's
-offload calls ``landed`` / ``consume`` directly. With ``speculate=True`` the CPU's work overlaps the backward: in
+offload calls ``landed`` / ``consume`` directly. With speculation (``StepModes``, decided once by core/plan.py
+``decide_modes``; carried out by optim/speculative_step.py) the CPU's work overlaps the backward: in
 the step's last backward (``engine.set_final_backward``), each HOST unit is updated on a worker as soon as its
 gradient lands, with no clip factor; ``step()`` then takes back and redoes only the updates the true global norm
 proves wrong (exact to rounding: optim/speculation.py), and launches the rest. It does not wait for speculative
 updates still running: those judged right finish as ready, so the next forward starts after layer 0's update, not
 after all of them.
 
-Data parallel (``dp``, parallel/group.py; first version; the optimizer's ``ranks``, optim/ranks.py, chosen once):
+Data parallel (parallel/group.py; first version; the optimizer's ``ranks``, optim/ranks.py, chosen once by the engine):
 each rank steps only its shard of every HOST unit (in the host's shared store) and every rank the whole of the
 replicated DEVICE units, whose gradients it all-reduces after ``land``; the norm sums every rank's shard squared
 norms (one all-reduce). The updates overlap the next forward as in one process: ``step()`` does not wait for them,
@@ -45,20 +46,19 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from ..core import kernels
-from ..core.plan import Stepper, Where
+from ..core.plan import StepModes, Stepper
 from ..core.step_state import StepState
 from ..core.store import Unit, UnitStore
 from ..parallel.shards import clip_spans
 from .device_stepper import DeviceStepper
 from .gradient_path import GradientPath
 from .jobs import Jobs
-from .ranks import ranks_of
+from .ranks import Alone, Ranks
 from .speculative_step import SpeculativeStep
 from .step_counts import StepCounts
 from .steppers import KernelStepper, UnitStepper
 
 if TYPE_CHECKING:
-    from ..parallel.group import DataParallel
     from ..core.grad_reach import GradReach
 
 logger = logging.getLogger(__name__)
@@ -69,14 +69,13 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  max_grad_norm: float | None = None,
                  unit_order: list[int] | None = None, skip_nonfinite: bool = True, overlap: bool = False,
-                 host_kernel: kernels.HostKernel = kernels.HostKernel.FUSED, speculate: bool = False,
-                 grad_reach: GradReach | None = None, dp: DataParallel | None = None,
+                 modes: StepModes = StepModes(), grad_reach: GradReach | None = None, ranks: Ranks | None = None,
                  exact_take_back: bool = False) -> None:
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"invalid AdamW hyper-parameters lr={lr} betas={betas} eps={eps} "
                              f"weight_decay={weight_decay}")
         self.store, self.step_state, self.grads = store, state, grads
-        self.ranks = ranks_of(dp)  # alone, or this rank's share of every update (optim/ranks.py)
+        self.ranks = ranks if ranks is not None else Alone()  # or this rank's share of every update (optim/ranks.py)
         decay, no_decay = [], []
         for unit in store.units:
             for p in unit.params:
@@ -111,7 +110,7 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
             self._worker_of[Stepper.DEVICE_STREAMED] = 1
         # How host units are updated (core/kernels.py): the native and compiled kernels write the compute copy in
         # the same pass; built here, on the main thread, rather than in the middle of the first step on a worker.
-        self.host_kernel = host_kernel
+        self.host_kernel = host_kernel = modes.host_kernel  # (decided once: core/plan.py decide_modes)
         if host_kernel is kernels.HostKernel.COMPILED:
             copies = {u.compute.dtype for u in store.units if u.plan.stepper is Stepper.HOST and u.compute is not None}
             for dtype in copies or {None}:
@@ -137,7 +136,7 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
         self.last_grad_norm: float | None = None
         # The launch's workers: the HOST and DEVICE units on one, the DEVICE_STREAMED ones on another (optim/jobs.py).
         self._workers = [Jobs("megatrain-adamw", overlap) for _ in range(1 + (self.device_stepper is not None))]
-        self._init_speculation(speculate, exact_take_back)  # (speculative_step.py)
+        self._init_speculation(modes, exact_take_back)  # (speculative_step.py: on or off, chosen there once)
 
     # -- phases ------------------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -195,7 +194,7 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
         (torch skips parameters whose .grad is None)."""
         for u in self.store.units:
             if not self.step_state.has_grad(u.index) and not self.step_state.updating(u.index) \
-                    and u.plan.grad is not Where.NONE:
+                    and u.grad is not None:  # (a lean unit has no gradient buffer)
                 lo, hi = self.own(u)
                 u.grad[lo:hi].zero_()
                 self.step_state.accumulate(u.index, None)
@@ -297,13 +296,7 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
         """``unit``'s spans per param group, with that group's hyper-parameters."""
         return self.counts.groups(unit.index, hyper)
 
-    # -- the gradient sink (optim/gradient_path.py) -------------------------------------------------------------------
-    def landed(self, i: int, sq: float | None) -> None:
-        """The step's last backward: unit ``i``'s gradient is final (the offload, or the landing, calls this as it
-        lands it): with ``speculate`` its update may start now."""
-        if self.speculate:
-            self._on_landed(i, sq)
-
+    # -- the gradient sink (optim/gradient_path.py; ``landed``: speculative_step.py) ---------------------------------
     def consume(self, i: int, slab: torch.Tensor, sq: torch.Tensor, ready: object) -> Callable[[], None]:
         raise RuntimeError("hf_megatrain: a lean unit's gradient reached an optimizer without lean units "
                            "(the engine creates LeanAdamW for a lean plan)")

@@ -35,7 +35,7 @@ from typing import Any, Callable
 import torch
 
 from ..core import kernels
-from ..core.plan import Stepper
+from ..core.plan import StepModes, Stepper
 from ..core.step_state import StepState
 from ..core.store import UnitStore
 from .adamw import UnitAdamW
@@ -44,6 +44,13 @@ from .jobs import Jobs
 from .speculation import Act, Key, SpeculationPolicy, StepDecision
 
 logger = logging.getLogger(__name__)
+
+
+def optimizer_for(modes: StepModes) -> type[UnitAdamW]:
+    """The optimizer class of an engine whose step runs in ``modes`` (core/plan.py ``decide_modes``): LeanAdamW
+    where some units consume their gradients as they land, else UnitAdamW."""
+    return LeanAdamW if modes.consume else UnitAdamW
+
 
 class LeanAdamW(UnitAdamW):
     """``UnitAdamW`` whose LEAN units are updated as their gradients land (see the module docstring)."""

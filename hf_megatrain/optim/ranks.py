@@ -1,6 +1,6 @@
 """Which part of each update this process makes: alone (every unit whole) or as one of the data-parallel ranks
-sharing the host's store (parallel/group.py). Chosen once, when the optimizer is built; its phases call it without
-asking which.
+sharing the host's store (parallel/group.py). Chosen once (``ranks_of``), when the engine and its optimizer are
+built; the optimizer's phases and the engine's master refreshes call it without asking which.
 
 With data parallel each rank steps only its shard of every HOST unit (in the host's shared store) and the whole of
 the replicated DEVICE units, whose gradients it all-reduces before the norm; the norm sums every rank's shard squared
@@ -41,6 +41,10 @@ class Alone:
     def reached(self, i: int, taken: list[bool] | None) -> list[bool] | None:
         """Which parameters of unit ``i`` this step updates (None: all): what this process's backward reached."""
         return taken
+
+    def writes_shared(self, u: Unit) -> bool:
+        """Whether this process fills ``u``'s masters on a load (checkpoint/folders.py): alone, every one."""
+        return True
 
     def barrier(self) -> None:
         pass
@@ -92,6 +96,10 @@ class SharedHostRanks:
         """Unit ``i``'s flags merged over the ranks (this rank's own, ``taken``, are in them)."""
         return self._reached.pop(i)
 
+    def writes_shared(self, u: Unit) -> bool:
+        """Local rank 0 fills the shared (HOST) units' masters on a load, every rank its own replicated ones."""
+        return self.dp.writes_shared(u)
+
     def barrier(self) -> None:
         self.dp.barrier()
 
@@ -100,4 +108,5 @@ Ranks = Alone | SharedHostRanks
 
 
 def ranks_of(dp: DataParallel | None) -> Ranks:
+    """The one place a process's share is decided: alone (no group, or a group of one), or this rank's."""
     return Alone() if dp is None or dp.world <= 1 else SharedHostRanks(dp)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from ..core import kernels
-from ..core.plan import Stepper
+from ..core.plan import StepModes, Stepper
 from ..core.step_state import StepState
 from ..core.store import Unit, UnitStore
 from .jobs import Jobs
@@ -111,6 +111,10 @@ class SpeculativeWorker:
             self._done.clear()
 
 
+def _not_speculating(i: int, sq: float | None) -> None:
+    pass
+
+
 class SpeculativeStep:
     """Mixed into ``UnitAdamW``: what it uses of the optimizer is declared here."""
 
@@ -131,8 +135,10 @@ class SpeculativeStep:
     grad_of: Callable[[Unit], torch.Tensor]
     update_: Callable[..., None]
 
-    def _init_speculation(self, speculate: bool, exact_take_back: bool = False) -> None:
-        self.speculate = speculate
+    def _init_speculation(self, modes: StepModes, exact_take_back: bool = False) -> None:
+        speculate = self.speculate = modes.speculate  # (decided once: core/plan.py decide_modes)
+        # What the gradient sink's ``landed`` does, chosen here once: start a speculative update, or nothing.
+        self._landed: Callable[[int, float | None], None] = self._on_landed if speculate else _not_speculating
         self.exact_take_back = exact_take_back
         self.policy = SpeculationPolicy(norm_first=bool(self.max_grad_norm and self.max_grad_norm > 0))
         self.speculation = SpeculativeWorker(self.step_state, self.unit_order, speculate and self.overlap)
@@ -149,6 +155,11 @@ class SpeculativeStep:
                                                ranks_on_host=self.ranks.world)
         self.speculated = 0  # units updated during a backward
         self.taken_back = 0  # speculative updates taken back and redone (steps that clipped after one that did not)
+
+    def landed(self, i: int, sq: float | None) -> None:
+        """The gradient sink (optim/gradient_path.py), the step's last backward: unit ``i``'s gradient is final (the
+        offload, or the landing, calls this as it lands it); with speculation its update may start now."""
+        self._landed(i, sq)
 
     def _on_landed(self, i: int, sq: float | None) -> None:
         """Main thread, the step's last backward (``UnitAdamW.landed``): unit ``i``'s gradient is final. A HOST unit

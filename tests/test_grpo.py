@@ -173,6 +173,45 @@ def test_grpo_full_finetune_streamed_reference_matches_plain(tmp_path):
     check_parity(ref, ours)
 
 
+@pytest.mark.slow
+def test_grpo_moe_router_aux_loss_matches_plain(tmp_path):
+    """Mixtral with the router aux loss: GRPOTrainer's fused head reads the router logits, recorded by the engine's
+    tap inside the streamed layers; aux_loss is logged as GRPOTrainer logs it. (config.output_router_logits=False:
+    with it on, plain GRPOTrainer's generate() fails in transformers 5.24's Mixtral aux loss on a cached decoding
+    step; GRPOTrainer asks for the router logits in its loss's forward either way.)"""
+    ref, ours = run_pair(tmp_path, tiny("mixtral", output_router_logits=False))
+    assert ours.aux_loss_enabled and logs(ours)[0]["aux_loss"] > 0
+    check_parity(ref, ours)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora-kl"])
+def test_grpo_resume_from_checkpoint(tmp_path, lora):
+    """A checkpoint at step 2, resumed in a fresh trainer, ends on the uninterrupted run's weights (masters, AdamW
+    moments and the sampling RNG restored; the rollouts of step 3 generated again from the restored state)."""
+    model = tiny("llama")
+
+    def trainer(out, **over):
+        extra = dict(peft_config=lora_config()) if lora else {}
+        args = MegaTrainGRPOConfig(**grpo_kwargs(out, **over), beta=0.1 if lora else 0.0,
+                                   megatrain_config={"compute_dtype": "float32"})
+        return MegaTrainGRPOTrainer(model=copy.deepcopy(model), reward_funcs=even_tokens, args=args,
+                                    train_dataset=prompts(), processing_class=tokenizer(), **extra)
+
+    whole = trainer(tmp_path / "whole")
+    whole.train()
+    first = trainer(tmp_path / "cut", save_strategy="steps", save_steps=2)
+    first.train()
+    resumed = trainer(tmp_path / "cut", save_strategy="no")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "cut" / "checkpoint-2"))
+    want, got = trained(whole), trained(resumed)
+    assert sorted(want) == sorted(got)
+    for n in want:
+        assert rel(got[n], want[n]) < REL, (n, rel(got[n], want[n]))
+    assert logs(resumed)[-1]["loss"] == pytest.approx(logs(whole)[-1]["loss"], rel=REL)
+    assert logs(resumed)[-1]["reward"] == pytest.approx(logs(whole)[-1]["reward"], rel=REL)
+
+
 def test_refusals(tmp_path):
     model = tiny("llama")
     kw = dict(reward_funcs=even_tokens, train_dataset=prompts(4), processing_class=tokenizer())
@@ -200,3 +239,35 @@ def test_refusals(tmp_path):
     with pytest.raises(ValueError, match="'ref'"):
         MegaTrainGRPOTrainer(model=get_peft_model(copy.deepcopy(model), lora_config()),
                              args=MegaTrainGRPOConfig(**args, beta=0.1), **kw)
+
+
+@pytest.fixture
+def _no_tf32():
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", ["full-clipped", "lora-kl"])
+def test_gpu_grpo_matches_plain(tmp_path, _no_tf32, case):
+    """On CUDA (fp32, TF32 off): rollouts sampled on the GPU through every layer streamed with real streams (the KV
+    cache on the device), the CPU AdamW with its speculative step, TRL's fused head on CUDA."""
+    cfg = {"compute_dtype": "float32", "device_layers": 0, "device_step_layers": 0}
+    model = tiny("llama")
+    data = prompts()
+    over = dict(use_cpu=False, num_iterations=2, epsilon=0.05) if case == "full-clipped" else \
+        dict(use_cpu=False, beta=0.1, steps_per_generation=1)
+    peft = lora_config() if case == "lora-kl" else None
+    ref = GRPOTrainer(model=copy.deepcopy(model), reward_funcs=even_tokens, peft_config=copy.deepcopy(peft),
+                      args=GRPOConfig(**grpo_kwargs(tmp_path / "ref", **over)), train_dataset=data,
+                      processing_class=tokenizer())
+    ref.train()
+    ours = MegaTrainGRPOTrainer(model=copy.deepcopy(model), reward_funcs=even_tokens, peft_config=copy.deepcopy(peft),
+                                args=MegaTrainGRPOConfig(**grpo_kwargs(tmp_path / "mt", **over), megatrain_config=cfg),
+                                train_dataset=data, processing_class=tokenizer())
+    ours.train()
+    assert ours.engine.device.type == "cuda" and len(ours.engine.plans.kept) == 0
+    check_parity(ref, ours)

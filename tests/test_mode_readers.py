@@ -22,6 +22,8 @@ import sys
 import tokenize
 from pathlib import Path
 
+import torch
+
 PACKAGE = Path(__file__).resolve().parent.parent / "hf_megatrain"
 
 # Refusals of unsupported combinations in the integrations (TRL ports), which move between modules as those grow:
@@ -152,6 +154,32 @@ def test_the_allow_list_names_only_readers_that_exist() -> None:
             if not any(not qual or q == qual or q.startswith(qual + ".") for q, _ in hits):
                 stale.append(f"{mode}: {a}")
     assert not stale, "allow-list entries that no longer read their mode (remove them):\n" + "\n".join(stale)
+
+
+def test_decide_modes_decides_each_mode_once_from_the_config_and_plans() -> None:
+    """The one resolution: ``auto`` off a GPU is the fused kernel; narrow gradients need a kernel that reads them,
+    bf16 compute, FP32 offload and one process; lean plans consume their gradients and never speculate."""
+    from hf_megatrain.config import MegaTrainConfig
+    from hf_megatrain.core.kernels import HostKernel
+    from hf_megatrain.core.plan import PlanInputs, build_plans, decide_modes
+
+    inputs = PlanInputs(numels=[64, 64, 32], frozen_numels=[0, 0, 0], device_type="cpu")
+
+    def modes(data_parallel: bool = False, **kw: object):
+        cfg = MegaTrainConfig(**{"compute_dtype": "bfloat16", "resident_placement": "host", **kw})
+        return decide_modes(cfg, build_plans(inputs, cfg), "cpu", data_parallel)
+
+    auto = modes()
+    assert (auto.host_kernel, auto.narrow, auto.speculate, auto.consume) == (HostKernel.FUSED, None, True, False)
+    native = modes(host_kernel="native")
+    assert native.narrow is torch.bfloat16 and native.host_kernel is HostKernel.NATIVE
+    assert modes(data_parallel=True, host_kernel="native").narrow is None
+    assert modes(host_kernel="native", narrow_grads=False).narrow is None
+    assert modes(host_kernel="native", compute_dtype="float32").narrow is None
+    lean = modes(lean_store=True)
+    assert lean.consume and not lean.speculate
+    assert not modes(speculative_step=False).speculate
+    assert native.describe() == {"host_kernel": "native", "speculative_step": True, "narrow_grads": True}
 
 
 def test_code_lines_blank_strings_and_comments() -> None:

@@ -171,11 +171,11 @@ def render(data: dict[str, Any]) -> str:
         f"Plan: every decoder layer streamed and host-stepped, bf16 compute, {s['batch']} x {s['seq_len']:,} = "
         f"{s['batch'] * s['seq_len']:,} tokens per step, an {s['gpu_gib']:g} GiB H100 and {s['host_gib']:,.0f} GiB "
         f"of host RAM ({s['host_memory_fraction']:g} of it usable). Host RAM is the whole process's planned peak "
-        "(store + baseline + staging + offloaded activations), in GiB. Step time: `planner/step_time.py` with the "
+        "(store + baseline + staging + offloaded activations), in GiB; the GPU peak is that of the same store as the step time (layer inputs offloaded to host memory where the 80 GiB would not hold them). Step time: `planner/step_time.py` with the "
         "H100 machine's measured rates, clipping on every step, for the first store that fits (default, else "
         "lean + copy, else lean); MoE FLOPs count the active parameters.", "",
         "| model | type | params total / active | status | host GiB at 18 / 14 / 12 B/param | fits 1.5 TB at | "
-        "GPU plan (GiB) | step time | tokens/s | MFU | bound by |",
+        "GPU peak (GiB) | step time | tokens/s | MFU | bound by |",
         "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in data["models"]:
         st = r["stores"]
@@ -187,7 +187,9 @@ def render(data: dict[str, Any]) -> str:
         status = r["status"] if r["status"] == "supported" else f"refused ({r['reason'][:80]}...)"
         step = (f"{_time(c['step_s'])}" + (f" ({dict((lbl, p) for lbl, p, _ in STORES)[chosen]} B)"
                                            if chosen != "default" else "")) if c else "-"
-        gpu = f"{st['default']['gpu_bytes'] / GiB:.0f}" + ("" if st["default"]["gpu_fits"] else " (too big)")
+        g = c or st["default"]  # the GPU plan of the store the step time is for
+        gpu = f"{g['gpu_bytes'] / GiB:.0f}" + ("" if g["gpu_fits"] else " (too big)") + (
+            f" ({g['offloaded_layers']} inputs offloaded)" if g["offloaded_layers"] else "")
         tps, mfu = (f"{c['tokens_per_s']:,.0f}", f"{c['mfu']:.0%}") if c else ("-", "-")
         bound = _bound(c["bottleneck"]) if c else "-"
         lines.append(f"| [{r['name']}](https://huggingface.co/{r['source']}) | `{r['model_type']}` | {params} | "

@@ -161,6 +161,7 @@ def test_grpo_lora_kl_reference_matches_plain(tmp_path):
     check_parity(ref, ours)
 
 
+@pytest.mark.slow
 def test_grpo_full_finetune_streamed_reference_matches_plain(tmp_path):
     """Full fine-tuning with beta>0: GRPOTrainer's reference (loaded from the policy's checkpoint) is loaded on the
     CPU and streamed frozen by its own engine instead of placed whole on the device."""
@@ -221,6 +222,7 @@ def test_refusals(tmp_path):
                         (dict(use_transformers_continuous_batching=True), "continuous_batching"),
                         (dict(cache_implementation="static"), "cache_implementation"),
                         (dict(cast_lm_head_to_fp32=True), "cast_lm_head_to_fp32=True"),
+                        (dict(beta=0.1, sync_ref_model=True), "sync_ref_model=True"),
                         (dict(use_adaptive_entropy=True, save_strategy="steps"), "use_adaptive_entropy")]:
         with pytest.raises(ValueError, match=match):
             MegaTrainGRPOTrainer(model=copy.deepcopy(model), args=MegaTrainGRPOConfig(**{**args, **over}), **kw)

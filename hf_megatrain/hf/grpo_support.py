@@ -14,7 +14,9 @@ converted model, whose decoder layers are the engine's streamed proxies; each de
 weights in once for the whole batch, the HF KV cache kept per layer on the device (engine/kv_cache.py). The cost
 of a rollout is therefore about one pass of the weights over PCIe per generated token *position* (shared by every
 sequence of the batch): large generation batches (``per_device_train_batch_size x steps_per_generation``) are what
-make it useful. Sampling, EOS masking, rewards, group advantages and every metric are GRPOTrainer's code.
+make it useful. Sampling, EOS masking, rewards, group advantages and every metric are GRPOTrainer's code. (The
+KV cache of the whole generation batch lives on the GPU beside the training state; a reward *model* is GRPOTrainer's
+to place: it goes on the GPU whole.)
 
 The loss is GRPOTrainer's own ``compute_loss`` (every ``loss_type``, PPO clipping, ``num_iterations`` > 1 with the
 old log-probs from a no-grad pass, entropy masking, the KL term) over per-token log-probs from TRL's fused LM head

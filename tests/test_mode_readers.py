@@ -50,13 +50,13 @@ MODES: dict[str, tuple[list[str], set[str]]] = {
         "config.py",
         "core/plan.py",  # decide_modes
         "engine/runtime.py::MegaTrainEngine.__init__",  # hands it to the executor's offload, once
-        "planner/step_time.py",  # models the D2H bytes
+        "planner/step_time.py::layer_costs",  # models the D2H bytes (from decide_modes)
     }),
     "speculation": ([r"\bspeculative_step\b", r"\bspeculate\b", r"\bmodes\.speculate\b"], {
         "config.py",
         "core/plan.py",  # decide_modes
         "optim/speculative_step.py",  # the strategy (on or off: chosen in _init_speculation)
-        "planner/step_time.py",  # models the overlap
+        "planner/step_time.py::layer_costs",  # models the overlap (from decide_modes)
     }),
     "data parallel": ([r"\bdp\s+is\s+(not\s+)?None\b", r"\bif\s+(not\s+)?(self\.|engine\.)?dp\s*(:|\band\b|\bor\b)"], {
         "optim/ranks.py",  # ranks_of: alone, or this rank's share (the strategy)
@@ -65,8 +65,7 @@ MODES: dict[str, tuple[list[str], set[str]]] = {
         "hf/trainer.py",  # TODO(issue 30): the Trainer's save coordination still asks engine.dp
     }),
     "host kernel auto": ([r"\bconfig\.host_kernel\b"], {
-        "core/plan.py::decide_modes",  # the one resolution of "auto" (with _host_kernel)
-        "planner/step_time.py",  # TODO(issue 30): predicts with its own reading of "auto"
+        "core/plan.py::decide_modes",  # the one resolution of "auto" (with _host_kernel; the planner asks it too)
     }),
 }
 

@@ -277,13 +277,16 @@ class StepModes:
                 "narrow_grads": self.narrow is not None}
 
 
-def _host_kernel(choice: str, device_type: str) -> kernels.HostKernel:
+def _host_kernel(choice: str, device_type: str, probe: bool) -> kernels.HostKernel:
     """``host_kernel``: "auto" is the native kernel when training on a GPU and it builds here (same math either
-    way, only the speed differs: a failed build is said and the fused kernel used), else torch's fused one."""
+    way, only the speed differs: a failed build is said and the fused kernel used), else torch's fused one.
+    Without ``probe`` (the planner, predicting another machine) the native kernel is assumed to build."""
     if choice != "auto":
         return kernels.HostKernel(choice)
     if device_type != "cuda":
         return kernels.HostKernel.FUSED
+    if not probe:
+        return kernels.HostKernel.NATIVE
     try:  # (built once per process; the optimizer's own warm-up then finds it ready)
         kernels.warm_up_native()
     except RuntimeError as e:
@@ -292,12 +295,14 @@ def _host_kernel(choice: str, device_type: str) -> kernels.HostKernel:
     return kernels.HostKernel.NATIVE
 
 
-def decide_modes(config: MegaTrainConfig, plans: Plans, device_type: str, data_parallel: bool) -> StepModes:
+def decide_modes(config: MegaTrainConfig, plans: Plans, device_type: str, data_parallel: bool,
+                 probe: bool = True) -> StepModes:
     """The step's modes for an engine with these plans on ``device_type`` (``data_parallel``: one of several
-    ranks). Narrow gradients where they are exact and the host kernel reads them (not on data-parallel ranks,
-    whose host gradients are reduce-scattered in FP32); speculation for host units (lean units consume their
-    gradients as they land anyway)."""
-    kernel = _host_kernel(config.host_kernel, device_type)
+    ranks; ``probe``: build the native kernel to see that "auto" may use it -- the planner passes False). Narrow
+    gradients where they are exact and the host kernel reads them (not on data-parallel ranks, whose host gradients
+    are reduce-scattered in FP32); speculation for host units (lean units consume their gradients as they land
+    anyway)."""
+    kernel = _host_kernel(config.host_kernel, device_type, probe)
     consume = any(p.stepper is Stepper.LEAN for p in plans.units)
     compute = config.torch_compute_dtype
     narrow = (config.narrow_grads and not data_parallel

@@ -34,7 +34,7 @@ import torch
 
 from ..config import MegaTrainConfig
 from ..core import kernels
-from ..core.plan import Plans, Stepper, Where
+from ..core.plan import Plans, Stepper, Where, decide_modes
 
 if TYPE_CHECKING:
     from .predict import ModelShape
@@ -130,10 +130,10 @@ def layer_costs(shape: ModelShape, config: MegaTrainConfig, plans: Plans, seq_le
     A = 2.0 * shape.q_dim * seq_len * tokens  # causal attention FLOPs of one forward
     elem = _elementwise_bytes(shape, config.torch_compile, c) * tokens
     o = _elt(config.torch_grad_offload_dtype)
-    kernel = kernels.HostKernel.NATIVE if config.host_kernel == "auto" else kernels.HostKernel(config.host_kernel)
+    modes = decide_modes(config, plans, "cuda", data_parallel=False, probe=False)  # (the engine's own decision)
+    kernel = modes.host_kernel
     whole = not 0 < config.micro_batch_size < tokens // max(seq_len, 1)
-    narrow = (config.narrow_grads and o == 4 and grad_accum == 1 and whole
-              and kernel is not kernels.HostKernel.FUSED)  # (the fused kernel reads FP32 gradients only)
+    narrow = modes.narrow is not None and grad_accum == 1 and whole
     g = c if narrow else o
     out = []
     for up in plans.layers:
@@ -150,7 +150,7 @@ def layer_costs(shape: ModelShape, config: MegaTrainConfig, plans: Plans, seq_le
             gpu_s = up.numel * _GPU_ADAMW_BYTES / hbm
         state = 12 * up.numel if up.stepper is Stepper.DEVICE_STREAMED else 0  # master + moments in and out
         speculative = up.stepper is Stepper.LEAN or (
-            up.stepper is Stepper.HOST and config.speculative_step and config.overlap_optimizer and not clipping)
+            up.stepper is Stepper.HOST and modes.speculate and config.overlap_optimizer and not clipping)
         out.append(LayerCost(fwd, bwd, (weights + state) / h2d,
                              (0 if up.grad is Where.DEVICE or kept else g * up.numel + state) / d2h,
                              host_s, gpu_s, speculative))

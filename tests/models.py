@@ -81,3 +81,15 @@ def tiny(family: str, tie: bool = False, **over) -> transformers.PreTrainedModel
             if n.endswith("bias") or n.endswith("sinks"):
                 p.normal_(0.0, 0.02)
     return model
+
+
+def word_tokenizer(vocab_size: int = 96) -> transformers.PreTrainedTokenizerFast:
+    """A word-level tokenizer over ids ``t0 .. t{vocab_size-1}`` (built in code: no Hub): pad t0, eos t1, unk t3.
+    What TRL's trainers need as ``processing_class`` for the tiny models."""
+    import tokenizers
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t3"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1",
+                                                unk_token="t3")

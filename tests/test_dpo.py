@@ -25,19 +25,14 @@ from trl import DPOConfig, DPOTrainer  # noqa: E402
 from hf_megatrain.hf.compose import megatrain_args_class, megatrain_trainer_class  # noqa: E402
 from hf_megatrain.hf.dpo_support import DPOPort, MegaTrainDPOConfig, MegaTrainDPOTrainer  # noqa: E402
 
-from .models import tiny  # noqa: E402
+from .models import tiny, word_tokenizer  # noqa: E402
 
 VOCAB = 96
 REL = 1e-5
 
 
 def tokenizer() -> transformers.PreTrainedTokenizerFast:
-    """A word-level tokenizer over the tiny models' 96 ids (built in code: no Hub)."""
-    vocab = {f"t{i}": i for i in range(VOCAB)}
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t3"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1",
-                                                unk_token="t3")
+    return word_tokenizer(VOCAB)
 
 
 def pairs(n: int = 12, seed: int = 0) -> "datasets.Dataset":

@@ -27,7 +27,7 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from hf_megatrain.hf.compose import megatrain_args_class, megatrain_trainer_class  # noqa: E402
 from hf_megatrain.hf.grpo_support import GRPOPort, MegaTrainGRPOConfig, MegaTrainGRPOTrainer  # noqa: E402
 
-from .models import tiny  # noqa: E402
+from .models import tiny, word_tokenizer  # noqa: E402
 
 VOCAB = 96
 REL = 1e-5
@@ -35,12 +35,7 @@ CLIP = 0.05  # max_grad_norm: below the tiny models' gradient norms, so every st
 
 
 def tokenizer() -> transformers.PreTrainedTokenizerFast:
-    """A word-level tokenizer over the tiny models' 96 ids (built in code: no Hub)."""
-    vocab = {f"t{i}": i for i in range(VOCAB)}
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t3"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1",
-                                                unk_token="t3")
+    return word_tokenizer(VOCAB)
 
 
 def prompts(n: int = 8, seed: int = 0) -> "datasets.Dataset":

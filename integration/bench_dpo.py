@@ -22,10 +22,15 @@ in DPOTrainer's ``__init__``, 2·N per token) is timed apart (``ref_precompute_s
 in none of those; peak GPU and host memory are over the whole subprocess, precompute included. Results are merged
 into ``<out>/bench_dpo_<gpu>.json`` with the command and rendered as ``<out>/bench_dpo_<gpu>.md``.
 
-    bash integration/install_peers.sh   # on the device, before DeepSpeed runs (offline, from .carry/wheels)
-    python integration/bench_dpo.py --pairs 8 --mirror $OUT      # 32k tokens per step, both systems
-    python integration/bench_dpo.py --pairs 4 --mirror $OUT      # 16k (merged into the same JSON)
-    python integration/bench_dpo.py --tiny --systems megatrain   # CPU smoke
+On the device (carry ``.carry``: trl / datasets / transformers / peft wheels in .carry/dpo_wheels, DeepSpeed's in
+.carry/wheels; one pair count per call, ~6-8 min each with the install):
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .carry/dpo_wheels/*.whl && \
+      export PYTHONPATH=/tmp/site:$PWD && PREBUILD_CPU_ADAM=1 bash integration/install_peers.sh && \
+      python3 integration/bench_dpo.py --pairs 8 --budget 390 --timeout 300 --mirror $OUT   # 32k tokens per step
+    ... the same with --pairs 4 (16k tokens per step), merged into the same JSON when the first call's
+    integration/results/bench_dpo/bench_dpo_<gpu>.json is in the working tree
+    python integration/bench_dpo.py --tiny          # CPU smoke (hf_megatrain; DeepSpeed absent -> error record)
 
 A failing run (OOM, DeepSpeed missing, timeout) becomes an error record and the next run goes on; with ``--micro
 auto`` a run that runs out of memory is retried with gradient accumulation (P -> P/2 x 2 -> P/4 x 4 pairs), every

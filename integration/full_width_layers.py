@@ -151,7 +151,7 @@ def materialise(model: torch.nn.Module, device: torch.device, dtype: torch.dtype
 
 
 def megatrain_config(spec: dict[str, Any]) -> MegaTrainConfig:
-    return MegaTrainConfig.from_dict({"compute_dtype": "float32" if spec["tiny"] else "bfloat16",
+    return MegaTrainConfig.from_dict({"compute_dtype": spec["dtype"],
                                       "device_layers": 0, "device_step_layers": 0,
                                       **(spec.get("megatrain_config") or {})})
 
@@ -167,7 +167,7 @@ def estimate(spec: dict[str, Any]) -> dict[str, Any]:
     cfg = model.config.get_text_config()
     n_all = sum(p.numel() for p in model.parameters())
     n_layers = sum(p.numel() for p in find_layer_stack(model, None).layers.parameters())
-    c = 4 if spec["tiny"] else 2
+    c = torch.empty((), dtype=getattr(torch, spec["dtype"])).element_size()
     t = spec["batch"] * spec["seq"]
     hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "d_model")
     heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_heads")
@@ -238,8 +238,8 @@ class InputGrad:
 
 def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     device = torch.device("cpu") if spec["tiny"] or not torch.cuda.is_available() else torch.device("cuda")
-    dtype = torch.float32 if spec["tiny"] else torch.bfloat16
-    tol = TOL_TINY if spec["tiny"] else TOL_BF16
+    dtype = getattr(torch, spec["dtype"])
+    tol = TOL_TINY if dtype == torch.float32 else TOL_BF16
     rec: dict[str, Any] = {"model": spec["model"], "layers": spec["layers"], "tolerances": tol, "times_s": {}}
     times = rec["times_s"]
     t = time.perf_counter()
@@ -283,14 +283,15 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     hook.take()
     hook.handle.remove()
     model.zero_grad(set_to_none=True)
-    if device.type == "cuda":  # the layers go to the host as a checkpoint would arrive; residents stay on the GPU
-        find_layer_stack(model, None).layers.to("cpu")
+    if device.type == "cuda":  # the model goes to the host as from_pretrained gives it: the engine's usual input
+        model.to("cpu")
         torch.cuda.empty_cache()
 
     # (b) the same weights through the engine, every layer streamed
     t = time.perf_counter()
     engine = MegaTrainEngine(model, megatrain_config(spec), device=device)
     times["engine_build"] = time.perf_counter() - t
+    rec["loss_impl"] = str(getattr(engine.head_extras, "loss_impl", None))
     rec["engine_plans"] = {"device_layers": len(engine.plans.kept), "device_step_layers":
                            len(engine.plans.device_stepped), "resident_on_device": engine.plans.resident_on_device}
     hook = InputGrad(model.get_input_embeddings())
@@ -318,6 +319,9 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     norms: dict[str, float] = {}
     grads: dict[str, dict[str, Any]] = {}
     for name, g in ref.items():
+        if name not in engine.store.by_name:
+            grads[name] = {"rel": None, "error": "not among the engine's trainable parameters"}
+            continue
         unit, ps = engine.store.by_name[name]
         if unit.grad is None:
             grads[name] = {"rel": None, "error": "the engine keeps no gradient for this unit"}
@@ -383,6 +387,18 @@ def auto_layers(spec: dict[str, Any], host_avail: int, gpu_total: int | None) ->
     raise AssertionError
 
 
+def _commit() -> str | None:
+    """The checkout's commit (None where the tree came without git, as on the device machine)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=10)
+        return out.stdout.strip() or None if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def write(path: str, doc: dict[str, Any]) -> None:
     with open(path, "w") as f:
         json.dump(doc, f, indent=1, default=str)
@@ -402,14 +418,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--megatrain-config", default=None, help="JSON of MegaTrainConfig overrides")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "full_width_layers"))
     ap.add_argument("--tiny", action="store_true", help="CPU smoke: the same code at small widths, fp32, tol 1e-5")
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                    help="weights and compute (default: bfloat16, with --tiny float32)")
     ap.add_argument("--in-process", action="store_true", help="run each model in this process (default with --tiny)")
+    ap.add_argument("--spawn", action="store_true", help="a subprocess per model also with --tiny")
     ap.add_argument("--plan-only", action="store_true", help="estimates and skip decisions only, no run")
     a = ap.parse_args(argv)
     if a.tiny and a.seq == 4096:
         a.seq = 32
     if a.tiny and a.vocab == 32768:
         a.vocab = 128
-    in_process = a.in_process or a.tiny
+    in_process = a.in_process or (a.tiny and not a.spawn)
+    a.dtype = a.dtype or ("float32" if a.tiny else "bfloat16")
     models = [m.strip() for m in a.models.split(",") if m.strip()]
     unknown = [m for m in models if not (CONFIGS / f"{m}.json").exists()]
     if unknown:
@@ -420,20 +440,17 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(a.out, exist_ok=True)
     info = machine()
     host_avail = available_host_bytes()
-    gpu_total = None
-    if not a.tiny and torch.cuda.is_available():
-        gpu_total = torch.cuda.get_device_properties(0).total_memory
-    elif not a.tiny:
-        gpu_total = 80 * GIB  # planning for the H100 without one (--plan-only on a CPU machine)
+    # (from nvidia-smi: a CUDA context in this parent would take GPU memory from every child)
+    gpu_total = None if a.tiny else int(info["gpu_total_gib"] * GIB) if info.get("gpu") else 80 * GIB
     gpu_name, slug = gpu_slug(a.tiny)
     command = "python integration/full_width_layers.py " + shlex.join(sys.argv[1:] if argv is None else argv)
-    common = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "machine": info,
+    common = {"command": command, "commit": _commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "machine": info,
               "versions": versions(), "vocab_note": f"vocab_size cut to {a.vocab} (lm_head / embeddings only; "
               "every decoder-layer width is the Hub config's)" if a.vocab else "vocab_size as published"}
     records = []
     for m in models:
         spec = {"model": m, "layers": a.layers, "vocab": a.vocab, "seq": a.seq, "batch": a.batch, "tiny": a.tiny,
-                "seed": 0, "megatrain_config": json.loads(a.megatrain_config) if a.megatrain_config else None,
+                "dtype": a.dtype, "seed": 0, "megatrain_config": json.loads(a.megatrain_config) if a.megatrain_config else None,
                 "gpu_total_bytes": gpu_total}
         path = os.path.join(a.out, f"{m}_{slug}.json")
         rec: dict[str, Any] = {"model": m, "spec": spec}

@@ -83,13 +83,18 @@ def tiny(family: str, tie: bool = False, **over) -> transformers.PreTrainedModel
     return model
 
 
+SPECIAL_WORDS = {0: "<pad>", 1: "<eos>", 3: "<unk>"}
+
+
 def word_tokenizer(vocab_size: int = 96) -> transformers.PreTrainedTokenizerFast:
-    """A word-level tokenizer over ids ``t0 .. t{vocab_size-1}`` (built in code: no Hub): pad t0, eos t1, unk t3.
-    What TRL's trainers need as ``processing_class`` for the tiny models."""
+    """A word-level tokenizer over ids 0 .. vocab_size-1 (built in code: no Hub): word ``t<i>`` is id i, except the
+    special tokens pad 0, eos 1, unk 3, named so that no word starts with one (special tokens are matched inside
+    words first: an unk named ``t3`` would split ``t35`` into ``t3`` + ``5``). What TRL's trainers need as
+    ``processing_class`` for the tiny models."""
     import tokenizers
 
-    vocab = {f"t{i}": i for i in range(vocab_size)}
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t3"))
+    vocab = {SPECIAL_WORDS.get(i, f"t{i}"): i for i in range(vocab_size)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1",
-                                                unk_token="t3")
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                                unk_token="<unk>")

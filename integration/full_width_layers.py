@@ -23,7 +23,14 @@ not fit the machine or the ``--budget`` has no room left. One JSON per model und
 versions, and a summary.
 
     python integration/full_width_layers.py --out $OUT/full_width_layers --budget 540   # H100, ~5-7 minutes
+    python integration/full_width_layers.py --plan-only               # the estimates and skip decisions only
     python integration/full_width_layers.py --tiny --out /tmp/fwl    # CPU smoke, fp32, tolerance 1e-5 (seconds)
+
+``--layers 0`` (default) keeps two layers where the host holds them (one layer hands off to the next through the
+slots), else one (the first: gpt-oss's sliding-window layer, Llama 4's chunked-RoPE layer). ``--tiny`` divides the
+widths down (TINY) and runs in this process; ``--tiny --dtype bfloat16`` checks the bf16 path's code on a CPU,
+``--tiny --spawn`` the subprocess path. The per-model record keeps the cut config, the attention / experts
+implementation transformers chose, the loss kernel, every gradient's relative error and the phase times.
 """
 
 from __future__ import annotations

@@ -43,10 +43,7 @@ import argparse
 import json
 import os
 import shlex
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -55,7 +52,9 @@ ROOT = os.path.dirname(HERE)
 sys.path[:0] = [HERE, ROOT]
 
 from bench.common import PEAK_TFLOPS, versions  # noqa: E402
-from bench_vs_deepspeed import child_env, gpu_slug, log_tail, mirror  # noqa: E402
+from bench import child  # noqa: E402
+from bench.child import log_tail  # noqa: E402
+from bench_vs_deepspeed import child_env, gpu_slug, mirror  # noqa: E402
 
 RUNNERS = {"megatrain": "run_dpo_megatrain.py", "deepspeed": "run_dpo_deepspeed.py"}
 LABEL = {"megatrain": "hf_megatrain (every layer streamed)", "deepspeed": "DeepSpeed ZeRO-3 offload"}
@@ -81,45 +80,12 @@ def attempts(system: str, pairs: int, a: argparse.Namespace) -> list[dict[str, A
 # -- running one system -------------------------------------------------------------------------------------------------
 def run_child(system: str, spec: dict, a: argparse.Namespace, timeout: float, log_path: str) -> dict[str, Any]:
     """The system's runner in its own process group; its JSON record, or an error record from its log's tail."""
-    result = tempfile.NamedTemporaryFile(prefix=f"bench_dpo_{system}_", suffix=".json", delete=False).name
-    cmd = [sys.executable, os.path.join(HERE, "bench", RUNNERS[system]), "--spec", json.dumps(spec),
-           "--result", result]
-    t0 = time.perf_counter()
-    status = None
     env = child_env(a)
     env.setdefault("TQDM_DISABLE", "1")
-    with open(log_path, "w") as log:
-        log.write("$ " + shlex.join(cmd) + "\n")
-        log.flush()
-        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
-        try:
-            p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            status = "timeout"
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                try:
-                    os.killpg(p.pid, sig)
-                    p.wait(timeout=15)
-                    break
-                except (subprocess.TimeoutExpired, ProcessLookupError):
-                    continue
-    record: dict[str, Any] = {}
-    try:
-        with open(result) as f:
-            record = json.loads(f.read().strip().splitlines()[-1])
-    except (OSError, ValueError, IndexError):
-        pass
-    finally:
-        if os.path.exists(result):
-            os.remove(result)
-    if not record:
-        tail = log_tail(log_path)
-        record = {"system": system, "pairs": spec["pairs"], "spec": spec, "status": status or "error",
-                  "oom": "out of memory" in tail.lower(),
-                  "error": (f"timed out after {timeout:.0f}s" if status == "timeout" else
-                            f"runner exited with code {p.returncode} without a result") + "\n" + tail[-3000:]}
+    run = child.run_child(os.path.join(HERE, "bench", RUNNERS[system]), spec, log_path, env, timeout)
+    record = run.record or run.error_record(timeout, system=system, pairs=spec["pairs"], spec=spec)
     record["pairs"] = spec["pairs"]
-    record["subprocess_wall_s"] = time.perf_counter() - t0
+    record["subprocess_wall_s"] = run.wall_s
     record["log"] = os.path.relpath(log_path, ROOT) if log_path.startswith(ROOT) else log_path
     return record
 

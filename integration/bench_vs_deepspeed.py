@@ -38,10 +38,8 @@ import importlib.util
 import json
 import os
 import shlex
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -49,6 +47,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path[:0] = [HERE, ROOT]
 
+from bench import child  # noqa: E402
+from bench.child import log_tail  # noqa: E402
 from bench.common import FULL_SEQ, PEAK_TFLOPS, REGIMES, TINY_SEQ, regime_of, versions  # noqa: E402
 
 RUNNERS = {"megatrain": "run_megatrain.py", "plain": "run_plain.py", "deepspeed": "run_deepspeed.py",
@@ -151,52 +151,12 @@ def child_env(a: argparse.Namespace) -> dict[str, str]:
     return env
 
 
-def log_tail(path: str, n: int = 40) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-n:])
-    except OSError:
-        return ""
 
 
 def run_child(system: str, spec: dict, a: argparse.Namespace, timeout: float, log_path: str) -> dict[str, Any]:
-    result = tempfile.NamedTemporaryFile(prefix=f"bench_{system}_", suffix=".json", delete=False).name
-    cmd = [sys.executable, os.path.join(HERE, "bench", RUNNERS[system]), "--spec", json.dumps(spec),
-           "--result", result]
-    t0 = time.perf_counter()
-    status = None
-    with open(log_path, "w") as log:
-        log.write("$ " + shlex.join(cmd) + "\n")
-        log.flush()
-        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(a), cwd=ROOT,
-                             start_new_session=True)
-        try:
-            p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            status = "timeout"
-            for sig, grace in ((signal.SIGTERM, 15), (signal.SIGKILL, 15)):
-                try:
-                    os.killpg(p.pid, sig)  # the runner's own process group (start_new_session)
-                    p.wait(timeout=grace)
-                    break
-                except (subprocess.TimeoutExpired, ProcessLookupError):
-                    continue
-    record: dict[str, Any] = {}
-    try:
-        with open(result) as f:
-            record = json.loads(f.read().strip().splitlines()[-1])
-    except (OSError, ValueError, IndexError):
-        pass
-    finally:
-        if os.path.exists(result):
-            os.remove(result)
-    if not record:
-        tail = log_tail(log_path)
-        record = {"system": system, "batch": spec["batch"], "spec": spec,
-                  "status": status or "error", "oom": "out of memory" in tail.lower(),
-                  "error": (f"timed out after {timeout:.0f}s" if status == "timeout" else
-                            f"runner exited with code {p.returncode} without a result") + "\n" + tail[-3000:]}
-    record["subprocess_wall_s"] = time.perf_counter() - t0
+    run = child.run_child(os.path.join(HERE, "bench", RUNNERS[system]), spec, log_path, child_env(a), timeout)
+    record = run.record or run.error_record(timeout, system=system, batch=spec["batch"], spec=spec)
+    record["subprocess_wall_s"] = run.wall_s
     record["log"] = os.path.relpath(log_path, ROOT) if log_path.startswith(ROOT) else log_path
     return record
 

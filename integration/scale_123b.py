@@ -30,11 +30,9 @@ import dataclasses  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import shlex  # noqa: E402
-import signal  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
-import tempfile  # noqa: E402
 import threading  # noqa: E402
 from typing import Any, Callable  # noqa: E402
 
@@ -45,7 +43,9 @@ sys.path[:0] = [HERE, ROOT]
 import torch  # noqa: E402
 
 from bench.common import GIB, PEAK_TFLOPS, StepClock, _vm_hwm_bytes, runner_main, throughput, versions  # noqa: E402
-from bench_vs_deepspeed import gpu_slug, log_tail, mirror  # noqa: E402
+from bench import child  # noqa: E402
+from bench.child import log_tail  # noqa: E402
+from bench_vs_deepspeed import gpu_slug, mirror  # noqa: E402
 from hf_megatrain import MegaTrainConfig, MegaTrainEngine, planner  # noqa: E402
 from hf_megatrain.model.layers import find_layer_stack  # noqa: E402
 from hf_megatrain.core.memory import available_host_bytes  # noqa: E402
@@ -383,40 +383,10 @@ def child_env(alloc_conf: str | None) -> dict[str, str]:
 def spawn(spec: dict, timeout: float, log_path: str, env: dict[str, str], script: str = __file__) -> dict[str, Any]:
     """One run of ``script --spec ... --result ...`` (a ``runner_main`` child) in its own process group (killed whole
     on timeout); an error record when no result came back."""
-    prefix = os.path.splitext(os.path.basename(script))[0] + "_"
-    result = tempfile.NamedTemporaryFile(prefix=prefix, suffix=".json", delete=False).name
-    cmd = [sys.executable, os.path.abspath(script), "--spec", json.dumps(spec), "--result", result]
-    t0, status = time.perf_counter(), None
-    with open(log_path, "w") as log:
-        log.write("$ " + shlex.join(cmd) + "\n")
-        log.flush()
-        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
-        try:
-            p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            status = "timeout"
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                try:
-                    os.killpg(p.pid, sig)
-                    p.wait(timeout=15)
-                    break
-                except (subprocess.TimeoutExpired, ProcessLookupError):
-                    continue
-    record: dict[str, Any] = {}
-    try:
-        with open(result) as f:
-            record = json.loads(f.read().strip().splitlines()[-1])
-    except (OSError, ValueError, IndexError):
-        tail = log_tail(log_path)
-        record = {"layers": spec["layers"], "spec": spec, "status": status or "error",
-                  "oom": "out of memory" in tail.lower(),
-                  "error": (f"timed out after {timeout:.0f}s" if status else
-                            f"exited with code {p.returncode} without a result") + "\n" + tail[-3000:]}
-    finally:
-        if os.path.exists(result):
-            os.remove(result)
+    run = child.run_child(script, spec, log_path, env, timeout)
+    record = run.record or run.error_record(timeout, layers=spec["layers"], spec=spec)
     record.setdefault("layers", spec["layers"])
-    record.update(subprocess_wall_s=time.perf_counter() - t0, log=os.path.basename(log_path), returncode=p.returncode)
+    record.update(subprocess_wall_s=run.wall_s, log=os.path.basename(log_path), returncode=run.returncode)
     return record
 
 

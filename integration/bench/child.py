@@ -1,0 +1,81 @@
+"""One benchmark run in its own process: ``<runner> --spec <json> --result <file>``, killed whole on timeout.
+
+Every benchmark here runs each (system, size) in a fresh process (a crash, an out-of-memory kill or a hung
+collective costs one record, not the benchmark) and reads back the one JSON line the runner wrote. ``run_child``
+does that for ``bench_vs_deepspeed.py``, ``bench_dpo.py`` and ``scale_123b.py``; each caller shapes its own records.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def log_tail(path: str, n: int = 40) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+    except OSError:
+        return ""
+
+
+@dataclass
+class ChildRun:
+    record: dict[str, Any] | None  # the runner's JSON record; None when none came back
+    timed_out: bool
+    returncode: int | None
+    wall_s: float
+    log_path: str
+
+    def error_record(self, timeout: float, **keys: Any) -> dict[str, Any]:
+        """The record of a run that returned none: ``keys`` (what identifies the run), the status, whether the log
+        says out of memory, and the log's tail."""
+        tail = log_tail(self.log_path)
+        why = (f"timed out after {timeout:.0f}s" if self.timed_out else
+               f"runner exited with code {self.returncode} without a result")
+        return {**keys, "status": "timeout" if self.timed_out else "error", "oom": "out of memory" in tail.lower(),
+                "error": why + "\n" + tail[-3000:]}
+
+
+def run_child(script: str, spec: dict, log_path: str, env: dict[str, str], timeout: float) -> ChildRun:
+    """``script`` with ``spec`` in its own process group, output to ``log_path``; SIGTERM then SIGKILL to the whole
+    group on timeout (a runner's own children die with it)."""
+    prefix = os.path.splitext(os.path.basename(script))[0] + "_"
+    result = tempfile.NamedTemporaryFile(prefix=prefix, suffix=".json", delete=False).name
+    cmd = [sys.executable, os.path.abspath(script), "--spec", json.dumps(spec), "--result", result]
+    t0, timed_out = time.perf_counter(), False
+    with open(log_path, "w") as log:
+        log.write("$ " + shlex.join(cmd) + "\n")
+        log.flush()
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.killpg(p.pid, sig)
+                    p.wait(timeout=15)
+                    break
+                except (subprocess.TimeoutExpired, ProcessLookupError):
+                    continue
+    record = None
+    try:
+        with open(result) as f:
+            record = json.loads(f.read().strip().splitlines()[-1]) or None
+    except (OSError, ValueError, IndexError):
+        pass
+    finally:
+        if os.path.exists(result):
+            os.remove(result)
+    return ChildRun(record, timed_out, p.returncode, time.perf_counter() - t0, log_path)

@@ -98,7 +98,8 @@ def test_native_host_kernel_is_the_fused_kernel_with_its_copy(beta1, narrow):
 def test_native_host_kernel_releases_the_gil():
     """The overlapped optimizer updates a layer while Python drives the backward on another thread: the native
     kernel must let that thread run (inductor's binding of the compiled kernel holds the GIL for the whole call:
-    the other thread's longest pause is then the call itself)."""
+    the other thread's longest pause is then the call itself). A loaded machine can also deschedule the watching
+    thread for a while: the best of three tries is judged (a kernel holding the GIL pauses it in every try)."""
     import threading
     import time
 
@@ -107,28 +108,33 @@ def test_native_host_kernel_releases_the_gil():
     groups = [(kernels.Hyper(1e-3, (0.9, 0.999), 1e-8, 0.0), [(0, n)])]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # (a core left for the Python thread, so its pauses are the GIL's, not the OS's)
+    tries = []
     try:
         kernels.adamw_(*state, groups, 1, None, None, kernels.HostKernel.NATIVE)  # (built)
-        t0 = time.perf_counter()
-        kernels.adamw_(*state, groups, 2, None, None, kernels.HostKernel.NATIVE)
-        one_call = time.perf_counter() - t0
-        done = threading.Event()
+        for attempt in range(3):
+            t0 = time.perf_counter()
+            kernels.adamw_(*state, groups, 2, None, None, kernels.HostKernel.NATIVE)
+            one_call = time.perf_counter() - t0
+            done = threading.Event()
 
-        def update():
-            for step in range(3, 7):
-                kernels.adamw_(*state, groups, step, None, None, kernels.HostKernel.NATIVE)
-            done.set()
+            def update():
+                for step in range(3, 7):
+                    kernels.adamw_(*state, groups, step, None, None, kernels.HostKernel.NATIVE)
+                done.set()
 
-        t = threading.Thread(target=update)
-        t.start()
-        last, pause = time.perf_counter(), 0.0
-        while not done.is_set():
-            now = time.perf_counter()
-            pause, last = max(pause, now - last), now
-        t.join()
+            t = threading.Thread(target=update)
+            t.start()
+            last, pause = time.perf_counter(), 0.0
+            while not done.is_set():
+                now = time.perf_counter()
+                pause, last = max(pause, now - last), now
+            t.join()
+            tries.append((pause, one_call))
+            if pause < 0.5 * one_call:
+                break
     finally:
         torch.set_num_threads(threads)
-    assert pause < 0.5 * one_call, (pause, one_call)
+    assert any(pause < 0.5 * one_call for pause, one_call in tries), tries
 
 
 @pytest.mark.parametrize("impl", IMPLS)

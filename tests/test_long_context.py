@@ -145,14 +145,14 @@ def test_parity_activation_offload_with_tiling_and_prefetch_one():
     run_parity(tiny("llama", num_hidden_layers=4), config=cfg)
 
 
-def test_parity_partial_offload_first_layers():
+def test_parity_partial_offload_first_layers(monkeypatch):
     """The first two of four layers offloaded, the last two kept: the rule the planner's 'auto' applies."""
     model = tiny("llama", num_hidden_layers=4)
     ref = copy.deepcopy(model)
     engine = MegaTrainEngine(copy.deepcopy(model), MegaTrainConfig(compute_dtype="float32"), device="cpu")
     ids = torch.randint(0, 96, (2, 12))
-    engine._activation_shape = (2, 12)  # placement given by hand (on a CPU 'auto' offloads nothing)
-    engine.executor.activations.offload = frozenset({0, 1})
+    # the planner's answer given by hand (on a CPU 'auto' offloads nothing): the engine offloads the first two
+    monkeypatch.setattr(planner, "offloaded_layers_for", lambda *a, **k: 2)
     loss = engine(input_ids=ids, labels=ids).loss
     loss.backward()
     engine.finish_backward()

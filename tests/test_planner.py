@@ -323,10 +323,10 @@ def test_gpu_step_check_once_per_shape_in_training_only(monkeypatch):
     assert calls == []
     engine.device = torch.device("cuda")  # only the gate is exercised below: no tensor moves
     for shape in ((2, 12), (2, 12), (1, 12), (2, 12)):
-        engine._check_step_fits(torch.zeros(shape, dtype=torch.long), {})
-    engine._check_step_fits(None, {"inputs_embeds": torch.zeros(2, 7, 32)})
+        engine.begin_direct_forward(torch.zeros(shape, dtype=torch.long))
+    engine.begin_direct_forward(None, inputs_embeds=torch.zeros(2, 7, 32))
     engine.model.eval()
-    engine._check_step_fits(torch.zeros(4, 12, dtype=torch.long), {})
+    engine.begin_direct_forward(torch.zeros(4, 12, dtype=torch.long))
     assert calls == [(2, 12), (1, 12), (2, 7)]
 
 
@@ -349,7 +349,7 @@ def test_engine_gpu_step_check_is_advisory(monkeypatch, caplog):
     engine.device = torch.device("cuda")  # only the gate is exercised: no tensor moves
     engine.model.train()
     with caplog.at_level("WARNING"):
-        engine._check_step_fits(torch.zeros(2, 12, dtype=torch.long), {})
+        engine.begin_direct_forward(torch.zeros(2, 12, dtype=torch.long))
     assert "reduce micro_batch_size" in caplog.text
 
 

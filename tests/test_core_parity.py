@@ -133,6 +133,7 @@ def test_disk_tier_rejects_missing_directory(tmp_path):
         MegaTrainConfig(optimizer_state_dir=str(tmp_path / "nope"))
 
 
+@pytest.mark.slow  # (a variant of a fast test's path: the fast tier stays under 2 minutes)
 def test_parity_compiled_layers():
     # torch.compile of the layer template (inductor, CPU codegen): fused FP32 reductions round differently than
     # eager's, so the bound is 1e-4 (measured: grads 3e-5, weights 2e-5 on tiny llama with in-layer split).

@@ -132,6 +132,7 @@ def test_dpo_full_finetune_precomputed_reference_matches_plain(tmp_path):
     check_parity(ref, ours)
 
 
+@pytest.mark.slow  # (a variant of a fast test's path: the fast tier stays under 2 minutes)
 def test_dpo_full_finetune_live_streamed_reference_matches_plain(tmp_path):
     """Full fine-tuning against a live reference model: ours streams it frozen through a second engine (its layers
     from a host copy in the compute dtype, no master / gradient / optimizer state); evaluated too."""
@@ -161,6 +162,7 @@ def test_dpo_lora_live_reference_matches_plain(tmp_path):
     check_parity(ref, ours)
 
 
+@pytest.mark.slow  # (a variant of a fast test's path: the fast tier stays under 2 minutes)
 def test_dpo_lora_precomputed_reference_matches_plain(tmp_path):
     """LoRA with the reference precomputed before training: DPOTrainer's own pass, adapters disabled. LoRA dropout
     0.1 with DPOConfig's disable_dropout=True: DPOTrainer zeroes the dropout modules it finds, and the streamed

@@ -144,6 +144,7 @@ def lora_config():
                       init_lora_weights=False)
 
 
+@pytest.mark.slow  # (a variant of a fast test's path: the fast tier stays under 2 minutes)
 def test_grpo_lora_kl_reference_matches_plain(tmp_path):
     """LoRA with beta>0: the KL term against the streamed base with adapters disabled; a generation per accumulation
     step (steps_per_generation=1: a rollout between two backwards of one step); evaluated (GRPOTrainer's own

@@ -433,6 +433,7 @@ def test_estimate_cli_lean_store(tmp_path, capsys):
     assert not any("lean_compute_copy" in n for n in copied["notes"])
 
 
+@pytest.mark.slow  # (a variant of a fast test's path: the fast tier stays under 2 minutes)
 def test_trainer_exact_resume_with_lean_compute_copy(tmp_path):
     """bf16 with ``lean_compute_copy``: a resumed run (masters loaded, the copies refreshed from them) continues
     bit-identically to the uninterrupted one."""

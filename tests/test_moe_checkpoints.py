@@ -193,7 +193,7 @@ def _qwen2_moe() -> transformers.PreTrainedModel:
 MOE_BUILDERS = {"mixtral": lambda: tiny("mixtral"), "qwen2_moe": _qwen2_moe}
 
 
-@pytest.mark.parametrize("family", list(MOE_BUILDERS))
+@pytest.mark.parametrize("family", [pytest.param("mixtral", marks=pytest.mark.slow), "qwen2_moe"])  # (fast tier: one)
 def test_trainer_resumes_from_plain_trainer_moe_checkpoint(tmp_path, family):
     """A checkpoint of plain transformers' Trainer (save_pretrained: per-expert keys on disk) resumed by
     MegaTrainTrainer: the weights are the checkpoint's, converted as from_pretrained converts them."""
@@ -214,6 +214,7 @@ def test_trainer_resumes_from_plain_trainer_moe_checkpoint(tmp_path, family):
                                                                                        dtype=torch.float32))
 
 
+@pytest.mark.slow  # (a variant of a fast test's path: the fast tier stays under 2 minutes)
 def test_trainer_exact_resume_moe(tmp_path):
     """MegaTrainTrainer's own MoE checkpoint (fused in-memory names) resumed: bit for bit as uninterrupted."""
     from .test_trainer import dataset, losses, mt_args

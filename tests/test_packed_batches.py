@@ -66,7 +66,8 @@ def test_packed_batch_respects_sequence_boundaries():
     assert rel(packed, one_by_one) <= 1e-5
 
 
-@pytest.mark.parametrize("opts", [{"padding_free": True, "max_length": None}, {"packing": True, "max_length": 24}],
+@pytest.mark.parametrize("opts", [{"padding_free": True, "max_length": None},
+                                  pytest.param({"packing": True, "max_length": 24}, marks=pytest.mark.slow)],
                          ids=["padding_free", "packing"])
 def test_trl_padding_free_and_packing_match_plain_sfttrainer(tmp_path, opts):
     pytest.importorskip("trl")

@@ -244,6 +244,7 @@ def test_trainer_with_peft_model_matches_plain_trainer_and_saves_adapter(tmp_pat
     assert rel(_our_logits(trainer.engine, ids), theirs) <= 1e-5
 
 
+@pytest.mark.slow  # (a variant of a fast test's path: the fast tier stays under 2 minutes)
 def test_trainer_peft_checkpoint_resume(tmp_path):
     args = dict(max_steps=4, save_strategy="steps", save_steps=2, logging_steps=1)
     full = MegaTrainTrainer(model=lora(tiny("llama")), args=_args(tmp_path / "a", **args), train_dataset=_dataset())

@@ -101,6 +101,7 @@ def test_unverifiable_checkpoint_is_refused_unless_accepted_knowingly(tmp_path):
     assert knowingly.state.global_step == 3
 
 
+@pytest.mark.slow  # (a variant of a fast test's path: the fast tier stays under 2 minutes)
 def test_resumed_hyper_parameters_are_the_checkpoint_s_as_in_plain_trainer(tmp_path):
     """Plain Trainer's resume takes each group's betas / eps / weight decay from optimizer.pt (torch's
     load_state_dict), whatever the new arguments say; so does hf_megatrain's."""

@@ -202,6 +202,7 @@ def _slow_updates(monkeypatch, seconds: float = 0.3) -> None:
     monkeypatch.setattr(UnitAdamW, "update_", slow)
 
 
+@pytest.mark.slow  # (a variant of a fast test's path: the fast tier stays under 2 minutes)
 def test_train_returns_with_the_last_update_finished(tmp_path, monkeypatch):
     _slow_updates(monkeypatch)
     trainer = MegaTrainTrainer(model=tiny("llama"), args=mt_args(tmp_path, {"compute_dtype": "float32",

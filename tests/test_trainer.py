@@ -180,6 +180,7 @@ def test_exact_resume(tmp_path):
         assert torch.equal(full.engine.store.master_tensor(n), resumed.engine.store.master_tensor(n)), n
 
 
+@pytest.mark.slow  # (a variant of a fast test's path: the fast tier stays under 2 minutes)
 def test_exact_resume_with_gpu_stepped_layers_on_host_state(tmp_path):
     """device_step_state="host" (the GPU-stepped layers' master and moments live on the host and are copied in for
     each update): a resumed run loads them and goes on bit for bit; the copies taken before the load are not used."""
@@ -195,6 +196,7 @@ def test_exact_resume_with_gpu_stepped_layers_on_host_state(tmp_path):
         assert torch.equal(full.engine.store.master_tensor(n), resumed.engine.store.master_tensor(n)), n
 
 
+@pytest.mark.slow  # (a variant of a fast test's path: the fast tier stays under 2 minutes)
 def test_exact_resume_bf16_compute_bf16_export(tmp_path):
     """The FP32 master travels next to bf16 exported weights, so resuming stays exact."""
     cfg = {"compute_dtype": "bfloat16", "save_dtype": "bfloat16"}

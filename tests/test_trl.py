@@ -83,6 +83,7 @@ def test_sft_matches_plain_sfttrainer(tmp_path):
     assert max(r.get("mean_token_accuracy", 0.0) for r in our_logs) > 0.05  # the metric is exercised, not all 0
 
 
+@pytest.mark.slow  # (a variant of a fast test's path: the fast tier stays under 2 minutes)
 def test_sft_metrics_with_fused_loss_path(tmp_path, monkeypatch):
     """The fused implementations never form logits: the metrics then come from a separate chunked pass. Run that
     path on CPU with the chunked kernel standing in for the fused one: same metrics as the in-loss path."""

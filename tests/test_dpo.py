@@ -26,6 +26,7 @@ from hf_megatrain.hf.compose import megatrain_args_class, megatrain_trainer_clas
 from hf_megatrain.hf.dpo_support import DPOPort, MegaTrainDPOConfig, MegaTrainDPOTrainer  # noqa: E402
 
 from .models import tiny, word_tokenizer  # noqa: E402
+from .trl_parity import logs, rel, trained  # noqa: E402
 
 VOCAB = 96
 REL = 1e-5
@@ -54,24 +55,6 @@ def dpo_kwargs(out, **over):
               dataloader_num_workers=0, bf16=False, gradient_checkpointing=False, beta=0.5)
     kw.update(over)
     return kw
-
-
-def logs(trainer, key: str = "loss") -> list[dict]:
-    """The numeric entries of every log line holding ``key`` (training: "loss"; evaluation: "eval_loss")."""
-    return [{k: v for k, v in h.items() if isinstance(v, (int, float)) and k not in ("epoch", "learning_rate")
-             and not k.endswith(("_runtime", "_per_second"))}
-            for h in trainer.state.log_history if key in h]
-
-
-def trained(trainer) -> dict[str, torch.Tensor]:
-    """Every trainable parameter by name, FP32 (the engine's masters; the plain model's parameters)."""
-    if getattr(trainer, "engine", None) is not None:
-        return {n: t.detach().float().cpu().clone() for n, t in trainer.engine.named_master_tensors()}
-    return {n: p.detach().float().cpu().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
 def run_pair(tmp_path, *, peft_config=None, composed=False, evaluate=False, family="llama", mt_config=None,

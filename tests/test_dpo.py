@@ -26,7 +26,7 @@ from hf_megatrain.hf.compose import megatrain_args_class, megatrain_trainer_clas
 from hf_megatrain.hf.dpo_support import DPOPort, MegaTrainDPOConfig, MegaTrainDPOTrainer  # noqa: E402
 
 from .models import tiny, word_tokenizer  # noqa: E402
-from .trl_parity import logs, rel, trained  # noqa: E402
+from .trl_parity import check_resume_is_exact, logs, rel, trained  # noqa: E402
 
 VOCAB = 96
 REL = 1e-5
@@ -255,17 +255,7 @@ def test_dpo_resume_from_checkpoint(tmp_path, lora):
         return MegaTrainDPOTrainer(model=copy.deepcopy(model), args=args, train_dataset=pairs(),
                                    processing_class=tokenizer(), **extra)
 
-    whole = trainer(tmp_path / "whole")
-    whole.train()
-    first = trainer(tmp_path / "cut", save_strategy="steps", save_steps=2)
-    first.train()
-    resumed = trainer(tmp_path / "cut", save_strategy="no")
-    resumed.train(resume_from_checkpoint=str(tmp_path / "cut" / "checkpoint-2"))
-    want, got = trained(whole), trained(resumed)
-    assert sorted(want) == sorted(got)
-    for n in want:
-        assert rel(got[n], want[n]) < REL, (n, rel(got[n], want[n]))
-    assert logs(resumed)[-1]["loss"] == pytest.approx(logs(whole)[-1]["loss"], rel=REL)
+    check_resume_is_exact(trainer, tmp_path, REL)
 
 
 @pytest.fixture

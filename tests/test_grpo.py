@@ -28,7 +28,7 @@ from hf_megatrain.hf.compose import megatrain_args_class, megatrain_trainer_clas
 from hf_megatrain.hf.grpo_support import GRPOPort, MegaTrainGRPOConfig, MegaTrainGRPOTrainer  # noqa: E402
 
 from .models import tiny, word_tokenizer  # noqa: E402
-from .trl_parity import logs, rel, trained  # noqa: E402
+from .trl_parity import check_resume_is_exact, logs, rel, trained  # noqa: E402
 
 VOCAB = 96
 REL = 1e-5
@@ -178,18 +178,7 @@ def test_grpo_resume_from_checkpoint(tmp_path, lora):
         return MegaTrainGRPOTrainer(model=copy.deepcopy(model), reward_funcs=even_tokens, args=args,
                                     train_dataset=prompts(), processing_class=tokenizer(), **extra)
 
-    whole = trainer(tmp_path / "whole")
-    whole.train()
-    first = trainer(tmp_path / "cut", save_strategy="steps", save_steps=2)
-    first.train()
-    resumed = trainer(tmp_path / "cut", save_strategy="no")
-    resumed.train(resume_from_checkpoint=str(tmp_path / "cut" / "checkpoint-2"))
-    want, got = trained(whole), trained(resumed)
-    assert sorted(want) == sorted(got)
-    for n in want:
-        assert rel(got[n], want[n]) < REL, (n, rel(got[n], want[n]))
-    assert logs(resumed)[-1]["loss"] == pytest.approx(logs(whole)[-1]["loss"], rel=REL)
-    assert logs(resumed)[-1]["reward"] == pytest.approx(logs(whole)[-1]["reward"], rel=REL)
+    check_resume_is_exact(trainer, tmp_path, REL, keys=("loss", "reward"))
 
 
 def test_refusals(tmp_path):

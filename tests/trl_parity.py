@@ -22,3 +22,22 @@ def trained(trainer) -> dict[str, torch.Tensor]:
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def check_resume_is_exact(trainer, tmp_path, rel_tol: float, keys: tuple[str, ...] = ("loss",)) -> None:
+    """``trainer(out, **args)`` builds a fresh trainer writing to ``out``: three steps uninterrupted, and three
+    steps resumed from the checkpoint saved at step 2, end with the same weights and the same last logged ``keys``."""
+    import pytest
+
+    whole = trainer(tmp_path / "whole")
+    whole.train()
+    first = trainer(tmp_path / "cut", save_strategy="steps", save_steps=2)
+    first.train()
+    resumed = trainer(tmp_path / "cut", save_strategy="no")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "cut" / "checkpoint-2"))
+    want, got = trained(whole), trained(resumed)
+    assert sorted(want) == sorted(got)
+    for n in want:
+        assert rel(got[n], want[n]) < rel_tol, (n, rel(got[n], want[n]))
+    for k in keys:
+        assert logs(resumed)[-1][k] == pytest.approx(logs(whole)[-1][k], rel=rel_tol), k

@@ -41,3 +41,28 @@ def check_resume_is_exact(trainer, tmp_path, rel_tol: float, keys: tuple[str, ..
         assert rel(got[n], want[n]) < rel_tol, (n, rel(got[n], want[n]))
     for k in keys:
         assert logs(resumed)[-1][k] == pytest.approx(logs(whole)[-1][k], rel=rel_tol), k
+
+
+def check_trainers_match(ref, ours, required: tuple[str, ...], rel_tol: float) -> tuple[list[dict], list[dict]]:
+    """Plain ``ref`` and our ``ours`` after the same training: every evaluation and training log entry within
+    ``rel_tol`` (3 training log lines, the same keys, ``required`` among them) and every trained weight. Returns
+    (our eval logs, our training logs) for the caller's own checks."""
+    import pytest
+
+    our_eval = logs(ours, "eval_loss")
+    for r, o in zip(logs(ref, "eval_loss"), our_eval, strict=True):
+        assert sorted(r) == sorted(o)
+        for k in r:
+            assert o[k] == pytest.approx(r[k], rel=rel_tol, abs=1e-6), (k, o[k], r[k])
+    ref_logs, our_logs = logs(ref), logs(ours)
+    assert len(our_logs) == 3 and [sorted(r) for r in ref_logs] == [sorted(o) for o in our_logs]
+    for key in required:
+        assert key in our_logs[0], key
+    for r, o in zip(ref_logs, our_logs):
+        for k in r:
+            assert o[k] == pytest.approx(r[k], rel=rel_tol, abs=1e-6), (r["step"], k, o[k], r[k])
+    want, got = trained(ref), trained(ours)
+    assert sorted(want) == sorted(got)
+    for n in want:
+        assert rel(got[n], want[n]) < rel_tol, (n, rel(got[n], want[n]))
+    return our_eval, our_logs

@@ -1,7 +1,7 @@
 """Issue 16, items 2, 6 and 7, against plain HF + torch.optim.AdamW (tests/parity.py):
 
 - stacks mixing layer classes (Jamba: Mamba / attention, dense / MoE) are found without ``layers_path`` and train
-  with parity; stacks whose layers share weights (Zamba2's shared block) are refused, naming the parameter;
+  with parity, also where layers share weights (Zamba2's shared block: trained in tests/test_shared_blocks.py);
 - head extras under alternative config names (JetMoe's ``aux_loss_coef``) are applied; a head-extra-like config
   attribute in no alias table is refused at conversion, naming it;
 - per-layer-type configs (Gemma3n's per-layer ``intermediate_size`` list, HF's ``per_layer_config``) are planned for
@@ -34,14 +34,13 @@ def test_mixed_class_stack_is_found_and_trains_with_parity():
     run_parity(model, steps=2)
 
 
-def test_stack_with_shared_block_is_refused_clearly():
+def test_stack_with_shared_block_is_found():
+    """Layers 1 and 3 share one transformer block: still the stack (trained once: tests/test_shared_blocks.py)."""
     cfg = _zamba2_config()
     with torch.device("meta"):
         model = transformers.Zamba2ForCausalLM(cfg)
-    with pytest.raises(ValueError, match=r"layers 1 and 3 of its decoder stack \(model.layers\) share the parameter"):
-        find_layer_stack(model)
-    with pytest.raises(ValueError, match="share the parameter"):
-        find_layer_stack(model, "model.layers")
+    assert find_layer_stack(model).path == "model.layers"
+    assert find_layer_stack(model, "model.layers").path == "model.layers"
 
 
 def _zamba2_config() -> transformers.Zamba2Config:

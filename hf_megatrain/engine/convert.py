@@ -31,6 +31,7 @@ from ..model.cross_layer import drop_unread_kv_stores
 from ..model.families import check_supported
 from ..model.layers import LayerStack, find_layer_stack, group_layers, unit_layouts
 from ..model.seq_tiling import tile_positionwise
+from ..model.shared_blocks import SharedParams, shared_by_layer
 from ..model.template import LayerTemplate, is_stochastic
 from .executor import StreamingExecutor
 from .kv_cache import CachingStreamedLayer
@@ -99,6 +100,7 @@ class Converted:
     resident_params: dict[str, nn.Parameter]  # trainable parameters outside the layers (device working copies)
     frozen_resident: dict[str, nn.Parameter]  # frozen ones (device, compute dtype)
     peer_cells: torch.Tensor | None = None  # data parallel: [ranks, units] update counts in shared memory
+    shared: list[SharedParams] | None = None  # per layer: the parameters it shares with others (resident)
 
 
 def convert(model: nn.Module, config: MegaTrainConfig, device: torch.device, decay_names: set[str] | None,
@@ -130,6 +132,11 @@ def convert(model: nn.Module, config: MegaTrainConfig, device: torch.device, dec
     # Layers -> store + templates. One layer at a time, so peak memory grows by one layer.
     layers = stack.layers
     kinds = group_layers(layers)
+    # Parameters several layers share are resident (model/shared_blocks.py); taken before ``to("meta")`` below
+    # replaces the layers' parameters, so these objects keep their values.
+    shared = shared_by_layer(layers)
+    shared_ids = {id(p) for s in shared for p in s.values()}
+    shared_first = {n: p for n, p in model.named_parameters() if id(p) in shared_ids}
     templates: dict[int, LayerTemplate] = {}
     buffers: list[dict[str, torch.Tensor]] = []
     persistent: list[list[str]] = []
@@ -141,7 +148,8 @@ def convert(model: nn.Module, config: MegaTrainConfig, device: torch.device, dec
                                                 seq_chunk_tokens=chunk)
         if not next(layer.parameters(), torch.empty(0, device="meta")).is_meta:
             for n, p in layer.named_parameters():
-                store.load_(f"{stack.path}.{i}.{n}", p.detach())
+                if id(p) not in shared_ids:
+                    store.load_(f"{stack.path}.{i}.{n}", p.detach())
         buffers.append({n: b.to(device) for n, b in layer.named_buffers()})
         persistent.append([n for n in layer.state_dict() if n in buffers[-1]])  # state_dict: persistent ones
         layer.to("meta")  # free this layer's weights now that the store holds them
@@ -150,7 +158,7 @@ def convert(model: nn.Module, config: MegaTrainConfig, device: torch.device, dec
     # Resident parameters: FP32 master + a compute-dtype working copy on the device; where the plan keeps the unit
     # on the device the working parameters are views of its buffers (the optimizer's refresh updates them).
     layer_ids = {id(p) for p in layers.parameters()}
-    outside = [(n, p) for n, p in model.named_parameters() if id(p) not in layer_ids]
+    outside = [(n, p) for n, p in model.named_parameters() if id(p) not in layer_ids] + list(shared_first.items())
     resident_params = {n: p for n, p in outside if p.requires_grad}
     frozen_resident = {n: p for n, p in outside if not p.requires_grad}
     res = store.units[-1]
@@ -174,7 +182,7 @@ def convert(model: nn.Module, config: MegaTrainConfig, device: torch.device, dec
             if b is not None and not b.is_meta:
                 mod._buffers[bname] = b.to(device)
     return Converted(stack, plans, store, kinds, [templates[k] for k in range(len(templates))], buffers, persistent,
-                     originals, resident_params, frozen_resident)
+                     originals, resident_params, frozen_resident, shared=shared)
 
 
 def install_proxies(conv: Converted, executor: StreamingExecutor) -> None:
@@ -183,3 +191,4 @@ def install_proxies(conv: Converted, executor: StreamingExecutor) -> None:
     layers = conv.stack.layers
     for i, layer in enumerate(conv.originals):
         layers[i] = CachingStreamedLayer(executor, i, layer)
+        layers[i].shared_params = conv.shared[i] if conv.shared else {}

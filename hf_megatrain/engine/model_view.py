@@ -63,6 +63,7 @@ def _layer_parameters(engine: MegaTrainEngine) -> LayerParams:
                                  unit.view(unit.grad, p) if keeps_grad else None)
         for p in unit.frozen_params:
             by_local[p.local] = (nn.Parameter(unit.view(unit.frozen, p), requires_grad=False), None)
+        by_local.update({n: (p, None) for n, p in _shared_of(engine, i).items()})  # (resident: their own .grad)
         template = templates[i]
         order = [n for n, _ in template.named_parameters()]
         out.append([(n, *by_local[n]) for n in order if n in by_local])
@@ -122,8 +123,16 @@ def _aliases(engine: MegaTrainEngine) -> dict[str, str]:
     """Tied names the store holds once: alias -> the name its master is kept under."""
     model = engine.model
     first = {id(p): n for n, p in {**engine.resident_params, **engine.frozen_resident}.items()}
-    return {name: first[id(t)] for name, t in type(model).state_dict(model, keep_vars=True).items()
-            if id(t) in first and first[id(t)] != name}
+    named = dict(type(model).state_dict(model, keep_vars=True))
+    for i in range(len(engine.layer_units)):  # a block several layers share: each use's names
+        named.update({f"{engine.stack.path}.{i}.{n}": p for n, p in _shared_of(engine, i).items()})
+    return {name: first[id(t)] for name, t in named.items() if id(t) in first and first[id(t)] != name}
+
+
+def _shared_of(engine: MegaTrainEngine, index: int) -> dict[str, nn.Parameter]:
+    """The parameters streamed layer ``index`` shares with other layers, by name inside it (resident parameters:
+    model/shared_blocks.py)."""
+    return getattr(engine.stack.layers[index], "shared_params", {})
 
 
 def _load_state_dict(engine: MegaTrainEngine, state_dict: dict[str, torch.Tensor], strict: bool = True,

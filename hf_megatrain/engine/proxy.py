@@ -24,6 +24,7 @@ from torch.utils import _pytree as pytree
 
 from ..model.cross_layer import MappingWatch
 from ..model.layers import copy_plain_attributes
+from ..model.shared_blocks import SharedParams, with_shared
 from .layer_io import Call, grad_positions
 
 if TYPE_CHECKING:
@@ -79,10 +80,11 @@ class StreamedLayer(nn.Module):
         copy_plain_attributes(original, self)
         self.index = index
         self._executor = [executor]  # a list keeps it out of the module tree
+        self.shared_params: SharedParams = {}  # parameters it shares with other layers (model/shared_blocks.py)
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         ex = self._executor[0]
-        call = (args, kwargs)
+        call = (args, with_shared(kwargs, self.shared_params))  # (inputs of the Function: their gradients flow back)
         if ex.rows.probing:  # the decoder re-run that finds which inputs hold batch rows (engine/batch_rows.py)
             return ex.rows.visit(self.index, hidden_states, call)
         watch = MappingWatch(pytree.tree_leaves(call))  # state a layer writes for later layers: refused

@@ -24,6 +24,7 @@ from ..config import MegaTrainConfig, resolve_config
 from ..engine.model_view import extra_sink
 from ..engine.runtime import MegaTrainEngine
 from ..model.layers import find_layer_stack
+from ..model.shared_blocks import shared_ids
 from ..model.skeleton import causal_lm_skeleton
 from ..parallel import DataParallel
 
@@ -31,8 +32,10 @@ logger = logging.getLogger(__name__)
 
 
 def _materialize_resident(model: nn.Module, layers_path: str | None) -> None:
-    """Give the meta parameters outside the decoder stack real (empty) host storage, keeping ties."""
-    layer_ids = {id(p) for p in find_layer_stack(model, layers_path).layers.parameters()}
+    """Give the meta parameters outside the decoder stack, and those its layers share (resident:
+    model/shared_blocks.py), real (empty) host storage, keeping ties."""
+    layers = find_layer_stack(model, layers_path).layers
+    layer_ids = {id(p) for p in layers.parameters()} - shared_ids(layers)
     new: dict[int, nn.Parameter] = {}
     for mod in model.modules():
         for name, p in list(mod._parameters.items()):

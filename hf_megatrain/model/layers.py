@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .head_config import is_composite
+from .shared_blocks import shared_ids
 
 _SCALARS = (int, float, str, bool, type(None))
 # Attributes that differ per layer but do not change what a training forward computes.
@@ -43,7 +44,7 @@ def find_layer_stack(model: nn.Module, layers_path: str | None = None) -> LayerS
     With ``layers_path`` ("model.layers") that exact ModuleList is used. Otherwise the ModuleList holding the most
     parameters is chosen among the lists of one layer class and the model's main layer list even where it mixes
     classes (hybrid stacks; see ``_is_stack_candidate``): the decoder stack dominates any HF decoder-only LM.
-    Layers that share weights are refused (``check_no_shared_weights``).
+    Parameters several layers share (one block at several depths) are trained once (model/shared_blocks.py).
     """
     if layers_path:
         parent_path, _, attr = layers_path.rpartition(".")
@@ -54,9 +55,7 @@ def find_layer_stack(model: nn.Module, layers_path: str | None = None) -> LayerS
             raise ValueError(f"layers_path={layers_path!r} does not exist in {type(model).__name__}") from e
         if not isinstance(target, nn.ModuleList):
             raise ValueError(f"layers_path={layers_path!r} is a {type(target).__name__}, not an nn.ModuleList")
-        stack = LayerStack(parent, attr, layers_path)
-        check_no_shared_weights(model, stack)
-        return stack
+        return LayerStack(parent, attr, layers_path)
 
     best: tuple[int, str] | None = None
     within, decoder = _language_model_modules(model)
@@ -77,9 +76,7 @@ def find_layer_stack(model: nn.Module, layers_path: str | None = None) -> LayerS
             "MegaTrainConfig(layers_path='model.layers') (the dotted path of the nn.ModuleList of decoder layers).")
     parent_path, _, attr = best[1].rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
-    stack = LayerStack(parent, attr, best[1])
-    check_no_shared_weights(model, stack)
-    return stack
+    return LayerStack(parent, attr, best[1])
 
 
 def _language_model_modules(model: nn.Module) -> tuple[set[int] | None, nn.Module | None]:
@@ -118,22 +115,6 @@ def _is_stack_candidate(model: nn.Module, name: str, module: nn.ModuleList) -> b
     base = getattr(model, "base_model", model)
     parent = model.get_submodule(parent_path) if parent_path else model
     return attr in _STACK_NAMES or parent is base
-
-
-def check_no_shared_weights(model: nn.Module, stack: LayerStack) -> None:
-    """Refuse a stack whose layers share parameters (one block reused at several depths, Zamba-style): each
-    streamed layer holds its own copy of its weights, so a shared weight would silently be trained as separate
-    copies."""
-    owner: dict[int, int] = {}
-    for i, layer in enumerate(stack.layers):
-        for n, p in layer.named_parameters():
-            j = owner.setdefault(id(p), i)
-            if j != i:
-                raise ValueError(
-                    f"{type(model).__name__} is not supported: layers {j} and {i} of its decoder stack "
-                    f"({stack.path}) share the parameter {n!r} (a block reused at several depths). hf_megatrain "
-                    "streams each layer with its own copy of its weights, so shared weights would be trained as "
-                    "separate copies. Train this model with plain transformers.")
 
 
 def _attr_signature(module: nn.Module) -> tuple:
@@ -203,17 +184,19 @@ class UnitLayouts:
 
 def unit_layouts(model: nn.Module, stack: LayerStack, decay: set[str] | None = None) -> UnitLayouts:
     """Unit layouts of ``model`` (works on the meta device). Parameters shared by tying appear once, under their
-    first name (``named_parameters`` order), as in the store."""
+    first name (``named_parameters`` order), as in the store; those several layers share are resident
+    (model/shared_blocks.py)."""
     decay = decay or set()
     layers = stack.layers
+    shared = shared_ids(layers)
     layouts: list[Layout] = []
     frozen: list[FrozenLayout] = []
     for i, layer in enumerate(layers):
         prefix = f"{stack.path}.{i}."
-        named = list(layer.named_parameters())
+        named = [(n, p) for n, p in layer.named_parameters() if id(p) not in shared]
         layouts.append([(prefix + n, n, tuple(p.shape), prefix + n in decay) for n, p in named if p.requires_grad])
         frozen.append([(prefix + n, n, tuple(p.shape)) for n, p in named if not p.requires_grad])
-    layer_ids = {id(p) for p in layers.parameters()}
+    layer_ids = {id(p) for p in layers.parameters()} - shared
     resident = [(n, p) for n, p in model.named_parameters() if id(p) not in layer_ids]
     layouts.append([(n, n, tuple(p.shape), n in decay) for n, p in resident if p.requires_grad])
     frozen.append([(n, n, tuple(p.shape)) for n, p in resident if not p.requires_grad])

@@ -34,6 +34,7 @@ from torch.func import functional_call
 from ..core.compiling import CompiledCall, is_concurrent_trace, mark_token_dims
 from ..core.store import ParamSlice
 from .seq_tiling import TilingReport, tile_positionwise
+from .shared_blocks import take_shared
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,7 @@ class LayerTemplate:
                  args: tuple, kwargs: dict[str, Any]) -> Any:
         if self.module.training != training:
             self.module.train(training)
+        params, kwargs = take_shared(params, kwargs)  # (parameters several layers share: model/shared_blocks.py)
         tensors = {**params, **buffers}
         if self.compiled is not None:
             # A failure may come after part of the compiled call ran (a graph break) and drew random numbers: the

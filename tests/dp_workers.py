@@ -88,8 +88,7 @@ def save(engine: MegaTrainEngine, path: str, rank: int = 0) -> None:
     if rank == 0:
         os.makedirs(path, exist_ok=True)
         ckpt.save_training_state(engine, path, master=True)
-    if engine.dp is not None:
-        engine.dp.barrier()  # no rank's next update may touch the state while it is written
+    engine.ranks.barrier()  # no rank's next update may touch the state while it is written (alone: no-op)
 
 
 def resume(engine: MegaTrainEngine, path: str) -> None:

@@ -62,7 +62,6 @@ MODES: dict[str, tuple[list[str], set[str]]] = {
         "optim/ranks.py",  # ranks_of: alone, or this rank's share (the strategy)
         "engine/runtime.py::MegaTrainEngine.__init__",  # conversion, peers, the offload's route: once
         "engine/offload.py::GradientOffload.__init__",  # the host gradients' route (reduce-scatter): once
-        "hf/trainer.py",  # TODO(issue 30): the Trainer's save coordination still asks engine.dp
     }),
     "host kernel auto": ([r"\bconfig\.host_kernel\b"], {
         "core/plan.py::decide_modes",  # the one resolution of "auto" (with _host_kernel; the planner asks it too)

@@ -150,9 +150,9 @@ class MegaTrainTrainer(Trainer):
         cpu = engine.device.type == args.device.type == "cpu"  # ("cpu:0" in a multi-process CPU launch)
         if engine.device != args.device and not cpu:
             raise ValueError(f"the engine runs on {engine.device} but TrainingArguments.device is {args.device}")
-        if args.world_size > 1 and (engine.dp is None or engine.dp.world != args.world_size):
+        if args.world_size > 1 and engine.ranks.world != args.world_size:
             raise ValueError(f"this run has {args.world_size} processes but the engine was built for "
-                             f"{1 if engine.dp is None else engine.dp.world}: build it with dp=hf_megatrain."
+                             f"{engine.ranks.world}: build it with dp=hf_megatrain."
                              "parallel.DataParallel.from_process_group(), or pass the unconverted model")
         self.engine = engine
         return engine.model
@@ -301,8 +301,8 @@ class MegaTrainTrainer(Trainer):
         standard checkpoint; with several processes the others wait until it is written, so none updates the
         shared store while it is read."""
         super().save_model(output_dir, _internal_call)
-        if self._mt and self.engine is not None and self.engine.dp is not None:
-            self.engine.dp.barrier()
+        if self._mt and self.engine is not None:
+            self.engine.ranks.barrier()
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         if not self._mt:
@@ -336,8 +336,7 @@ class MegaTrainTrainer(Trainer):
                                  dtype=dtype if dtype is not None else self._mt_config.save_dtype)
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
-        if self.engine.dp is not None:
-            self.engine.dp.barrier()
+        self.engine.ranks.barrier()
         return files
 
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
@@ -357,8 +356,7 @@ class MegaTrainTrainer(Trainer):
             with ckpt.output_dir_lock(run_dir):  # (held already when train() runs: re-entrant)
                 ckpt.recover_interrupted_saves(run_dir)  # never removes the only complete copy; logs each step
                 self._mt_write_checkpoint(output_dir)
-        if self.engine.dp is not None:  # no rank updates the shared state before the main process has written it
-            self.engine.dp.barrier()
+        self.engine.ranks.barrier()  # no rank updates the shared state before the main process has written it
         if self.args.push_to_hub:
             self._push_from_checkpoint(output_dir)
         if self.args.should_save:
@@ -367,13 +365,13 @@ class MegaTrainTrainer(Trainer):
 
     def _mt_rng_states(self) -> list[dict] | None:
         """Every data-parallel rank's RNG state (dropout masks differ per rank), gathered for the main process to
-        write as plain Trainer's ranks do (``rng_state_<rank>.pth``); None with one process."""
-        if self.engine.dp is None or self.args.save_only_model:
+        write as plain Trainer's ranks do (``rng_state_<rank>.pth``); one process: its own, which Trainer writes."""
+        if self.args.save_only_model:
             return None
         state = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.random.get_rng_state()}
         if torch.cuda.is_available():
             state["cuda"] = torch.cuda.random.get_rng_state_all()
-        return self.engine.dp.all_gather_object(state)
+        return self.engine.ranks.all_gather_object(state)
 
     def _mt_write_checkpoint(self, output_dir: str) -> None:
         """Write checkpoint folder ``output_dir`` atomically (``checkpoint/atomic.py``), its manifest last."""
@@ -427,15 +425,14 @@ class MegaTrainTrainer(Trainer):
         # everything checked before any state is touched; data parallel: by the main process alone (the ranks share
         # one host's disk: N readers of every byte would make a resume N times longer), its verdict for all
         error = None
-        if self.engine.dp is None or self.args.should_save:
+        if self.args.should_save:  # (one process: always)
             try:
                 ckpt.verify_checkpoint(resume_from_checkpoint,
                                        allow_unverified=self.args.megatrain_allow_unverified_checkpoint)
             except ckpt.CheckpointError as e:
                 error = e
-        if self.engine.dp is not None:
-            message = self.engine.dp.broadcast_object(None if error is None else str(error))
-            error = error or (ckpt.CheckpointError(message) if message is not None else None)
+        message = self.engine.ranks.broadcast_object(None if error is None else str(error))
+        error = error or (ckpt.CheckpointError(message) if message is not None else None)
         if error is not None:
             raise error
         ckpt.check_training_state(self.engine, os.path.join(resume_from_checkpoint, ckpt.OPTIMIZER_TENSORS))

@@ -1,6 +1,7 @@
 """Which part of each update this process makes: alone (every unit whole) or as one of the data-parallel ranks
 sharing the host's store (parallel/group.py). Chosen once (``ranks_of``), when the engine and its optimizer are
-built; the optimizer's phases and the engine's master refreshes call it without asking which.
+built; the optimizer's phases, the engine's master refreshes and the Trainer's save coordination (barriers, the
+main process's verdict, every rank's RNG state: hf/trainer.py) call it without asking which.
 
 With data parallel each rank steps only its shard of every HOST unit (in the host's shared store) and the whole of
 the replicated DEVICE units, whose gradients it all-reduces before the norm; the norm sums every rank's shard squared
@@ -10,7 +11,7 @@ zeros to its mean gradient), as one process over the whole batch would.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -48,6 +49,14 @@ class Alone:
 
     def barrier(self) -> None:
         pass
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """The main process's ``obj`` on every process: alone, ``obj``."""
+        return obj
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every process's ``obj``, by rank: alone, ``[obj]``."""
+        return [obj]
 
 
 class SharedHostRanks:
@@ -102,6 +111,12 @@ class SharedHostRanks:
 
     def barrier(self) -> None:
         self.dp.barrier()
+
+    def broadcast_object(self, obj: Any) -> Any:
+        return self.dp.broadcast_object(obj)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return self.dp.all_gather_object(obj)
 
 
 Ranks = Alone | SharedHostRanks

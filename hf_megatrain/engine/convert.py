@@ -29,6 +29,7 @@ from ..core.plan import Plans, Where
 from ..core.store import UnitStore
 from ..model.cross_layer import drop_unread_kv_stores
 from ..model.families import check_supported
+from ..model.head_config import head_module_params
 from ..model.layers import LayerStack, find_layer_stack, group_layers, unit_layouts
 from ..model.seq_tiling import tile_positionwise
 from ..model.shared_blocks import SharedParams, shared_by_layer
@@ -71,13 +72,9 @@ def _check_plain_head(model: nn.Module) -> None:
     """The chunked loss multiplies by ``lm_head.weight`` (+ bias): an adapter wrapped around lm_head (LoRA on it)
     would be silently skipped, so refuse it."""
     head = model.get_output_embeddings()
-    extra = [n for n, _ in head.named_parameters() if n not in ("weight", "bias")]
-    if extra and not any("lora_" in n or "modules_to_save" in n or "original_module" in n for n in extra):
-        raise ValueError(  # the family's own head (Dory's nGPT-style learned logit scale), not an adapter
-            f"{type(model).__name__} is not supported: its output embeddings ({type(head).__name__}) carry "
-            f"parameters besides weight / bias ({extra[:3]}) that its forward applies to the logits; hf_megatrain "
-            "computes the loss from lm_head.weight (+ bias) directly and would skip them (another loss than plain "
-            "transformers). Train this model with plain transformers.")
+    # (the family's own head parameters -- Dory's learned logit scale -- are trained: its forward runs per chunk)
+    own = set(head_module_params(head))
+    extra = [n for n, _ in head.named_parameters() if n not in ("weight", "bias") and n not in own]
     if extra:
         raise ValueError(
             f"the output embeddings ({type(head).__name__}) carry extra parameters {extra[:3]}: hf_megatrain computes "

@@ -35,7 +35,8 @@ import torch
 from torch import nn
 
 from .cross_layer import check_no_cross_layer_state
-from .head_config import check_head_extras, head_value, is_composite, text_config_of
+from .head_config import (check_head_extras, head_module_params, head_transforms, head_value, is_composite,
+                          other_layer_lists, text_config_of)
 from .layers import LayerStack
 from .loss import TokenStats
 from .loss_impl import choose, head_loss
@@ -78,10 +79,19 @@ def check_supported(model: nn.Module, stack: LayerStack) -> None:
         raise ValueError(f"{name} has no output embeddings (lm_head) to train a language-model loss on. {hint}")
     # A causal LM: the engine runs the module that owns the layer stack, then the output embeddings. Any trainable
     # weight outside both (BERT's MLM transform, its embeddings outside the encoder, a value head) would be skipped.
-    # A multimodal model runs its own forward up to lm_head (model/multimodal.py): its towers are in the path.
-    inside = {id(p) for p in stack.parent.parameters()} | {id(p) for p in head.parameters()}
+    # A multimodal model runs its own forward up to lm_head (model/multimodal.py): its towers are in the path; so
+    # does a model with a head transform before the projection (head_config.head_transforms: ModernBERT-decoder).
+    inside = {id(p) for p in stack.parent.parameters()} | {id(p) for p in head.parameters()} | \
+        {id(p) for m in head_transforms(base_model_of(model), stack.parent) for p in m.parameters()}
     outside = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in inside]
     if outside and not is_composite(base_model_of(model)):
+        stacks = other_layer_lists(model, stack.layers, {id(p) for p in model.parameters() if id(p) not in inside})
+        if stacks:
+            raise ValueError(
+                f"{name} is not supported: its forward runs {len(stacks) + 1} layer stacks ({stack.path}, "
+                f"{', '.join(stacks[:3])}): a hierarchical / multi-stack model, not the one decoder-layer stack "
+                "(embeddings -> layers -> norm -> lm_head) that hf_megatrain streams. (If the model has one decoder "
+                "stack and hf_megatrain picked the wrong list, name it: MegaTrainConfig(layers_path=...).)")
         shown = ", ".join(outside[:4]) + (", ..." if len(outside) > 4 else "")
         decoder = stack.path.rpartition(".")[0] or "model"
         raise ValueError(
@@ -264,9 +274,12 @@ class ModelHead:
             RouterAux.detect(model, stack, executor)
         # The loss implementation (model/loss_impl.py), chosen once for this head and device.
         head = model.get_output_embeddings()
+        # A head whose forward applies parameters of its own (Dory's logit_scale): its forward per chunk, unfused.
+        self.head_params = head_module_params(head)
+        unfused = f"{type(head).__name__} applies {', '.join(self.head_params[:3])}" if self.head_params else None
         self.loss_impl, why = choose(loss_impl, device or torch.device("cpu"),
                                      bias=getattr(head, "bias", None) is not None, softcap=self.softcap,
-                                     dtype=compute_dtype)
+                                     dtype=compute_dtype, unfused=unfused)
         self.loss_impl_reason = why
         logger.info("hf_megatrain: head loss %s (%s)", self.loss_impl.value, why)
 
@@ -301,9 +314,12 @@ class ModelHead:
              num_items_in_batch: torch.Tensor | int | None, router_logits: list[torch.Tensor] | None,
              attention_mask: torch.Tensor | None, compiled: bool = False,
              stats: TokenStats | None = None) -> torch.Tensor:
-        loss = head_loss(self.loss_impl, self._scaled(hidden, head), head.weight, labels,
+        head_fn = ((lambda h: self.logits(h, head)), [p for p in head.parameters() if p.requires_grad]) \
+            if self.head_params else None  # (the head's forward with the extras: from the unscaled hidden state)
+        loss = head_loss(self.loss_impl, hidden if head_fn else self._scaled(hidden, head), head.weight, labels,
                          bias=getattr(head, "bias", None), num_items_in_batch=num_items_in_batch,
-                         chunk_tokens=chunk_tokens, softcap=self.softcap, compiled=compiled, stats=stats)
+                         chunk_tokens=chunk_tokens, softcap=self.softcap, compiled=compiled, stats=stats,
+                         head_fn=head_fn)
         if router_logits is not None and self.router is not None and self.router.coef is not None:
             aux = self.router.loss(router_logits, attention_mask)
             if aux is not None:

@@ -114,3 +114,84 @@ def check_head_extras(model: Any) -> None:
                 f"would silently compute another loss than plain transformers. Set config.{name} to its neutral "
                 "value (None / 0) to train without it, or add its meaning to hf_megatrain/model/head_config.py "
                 "HEAD_ALIASES if it is one of the extras listed there under another name.")
+
+
+# -- heads whose forward does more than ``weight @ h (+ bias)`` ---------------------------------------------------
+# Parameter names an adapter library puts inside a module it wraps (PEFT's LoRA / modules_to_save): such a head is
+# an adapter, not the family's own head; engine/convert.py refuses it.
+_ADAPTER_MARKS = ("lora_", "modules_to_save", "original_module", "base_layer")
+
+
+def head_module_params(head: Any) -> list[str]:
+    """Names of the output embeddings' own parameters besides ``weight`` / ``bias`` (Dory's learned per-token
+    ``logit_scale``): its forward applies them to the logits, so the loss runs that forward per chunk
+    (loss.py ``module_cross_entropy``). Empty for a plain projection, and for an adapter-wrapped head."""
+    names = [n for n, _ in head.named_parameters()]
+    if any(mark in n for n in names for mark in _ADAPTER_MARKS):
+        return []
+    return [n for n in names if n not in ("weight", "bias")]
+
+
+def head_transforms(model: Any, decoder: Any) -> list[Any]:
+    """The model's direct children other than the one holding ``decoder`` (the module that owns the layer stack)
+    and other than the output embeddings themselves, that hold parameters: what its forward applies between the
+    decoder's last hidden state and the projection (ModernBERT-decoder's ``lm_head``: dense -> act -> norm before
+    ``decoder``). A child that contains the output embeddings (a head module wrapping transform and projection)
+    counts too. The model's own forward applies them (``own_forward_reason``)."""
+    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    out = []
+    for child in model.children():
+        if child is head or any(m is decoder for m in child.modules()):
+            continue
+        if next(child.parameters(), None) is not None:
+            out.append(child)
+    return out
+
+
+def aux_loss_needs_forward(model: Any) -> bool:
+    """Whether the family's ``load_balancing_loss_func`` takes other arguments than transformers' usual
+    ``(gate_logits, num_experts, top_k, attention_mask)`` (Doge's product-key router: ``num_keys`` too, logits
+    ``[2, tokens, keys]``): hf_megatrain cannot call it itself, the model's own forward computes that aux loss."""
+    import inspect
+    import sys
+
+    fn = getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None)
+    if fn is None:
+        return False
+    try:
+        names = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return True
+    return names[:4] != ["gate_logits", "num_experts", "top_k", "attention_mask"]
+
+
+def own_forward_reason(model: Any, decoder: Any) -> str | None:
+    """Why the engine must run ``model``'s own forward up to lm_head's input (model/multimodal.py
+    ``ModelForwardRun``: the forward's code runs unchanged, the projection's input recorded, its ``loss_function``
+    neutralised) rather than only ``decoder``, the module that owns the layer stack; None where that is enough."""
+    if is_composite(model):
+        return "a multimodal model: its towers and projector run before the language model"
+    transforms = head_transforms(model, decoder)
+    if transforms:
+        return (f"its forward applies {', '.join(type(m).__name__ for m in transforms)} between the decoder and the "
+                "output embeddings")
+    if aux_loss_needs_forward(model):
+        return "its MoE aux loss function takes arguments hf_megatrain does not pass: its forward computes it"
+    return None
+
+
+def other_layer_lists(model: Any, layers: Any, outside: set[int]) -> list[str]:
+    """Dotted names of the model's non-empty ``nn.ModuleList``s, other than ``layers``, whose parameters are all
+    among ``outside`` (ids of the trainable parameters the engine would not reach): further layer stacks, so a
+    hierarchical / multi-stack forward (BLT's local encoder, global transformer and local decoder; HRM's H and L
+    modules), not one decoder-layer stack."""
+    from torch import nn
+
+    found = []
+    for name, mod in model.named_modules():
+        if mod is layers or not isinstance(mod, nn.ModuleList) or len(mod) == 0:
+            continue
+        ids = [id(p) for p in mod.parameters()]
+        if ids and all(i in outside for i in ids) and not any(name.startswith(f"{f}.") for f in found):
+            found.append(name)
+    return found

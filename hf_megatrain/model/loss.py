@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Callable
 
 import torch
 
@@ -183,6 +184,58 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     """Loss of ``lm_head(hidden)`` against ``labels`` ([B, T] hidden [B, T, H]); see the module docstring."""
     flat, targets, normalizer = prepare_targets(hidden, labels, num_items_in_batch, shift)
     return _LinearCrossEntropy.apply(flat, weight, bias, targets, normalizer, chunk_tokens, softcap, compiled, stats)
+
+
+class _HeadCrossEntropy(torch.autograd.Function):
+    """The loss through a head *function* ``z = fn(h)`` (the output embeddings' own forward and what follows it),
+    chunk by chunk: autograd over exactly the ops the model's head runs, per chunk, with the gradients of the
+    hidden chunk and of every parameter ``fn`` reads kept (FP32-accumulated across chunks) and the chunk's graph
+    freed. ``params`` are inputs of the Function, so its backward hands their gradients to autograd."""
+
+    @staticmethod
+    def forward(ctx, hidden, targets, normalizer, chunk, fn, stats, *params):  # type: ignore[override]
+        need_grad = any(ctx.needs_input_grad[i] for i in [0] + list(range(6, 6 + len(params))))
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_h = torch.empty_like(hidden) if need_grad else None
+        grad_p = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in params] if need_grad else []
+        for a in range(0, hidden.shape[0], chunk):
+            t = targets[a:a + chunk]
+            with torch.enable_grad() if need_grad else torch.no_grad():
+                h = hidden[a:a + chunk].detach().requires_grad_(need_grad)
+                z = fn(h).float()  # [n, V]
+                part = torch.nn.functional.cross_entropy(z, t, ignore_index=IGNORE_INDEX, reduction="sum")
+                grads = torch.autograd.grad(part / normalizer, [h, *params], allow_unused=True) if need_grad else ()
+            total += part.detach()
+            if stats is not None:
+                stats.add(z, t)
+            if need_grad:
+                grad_h[a:a + chunk] = grads[0]
+                for acc, g in zip(grad_p, grads[1:]):
+                    if g is not None:
+                        acc.add_(g)
+        ctx.save_for_backward(grad_h, *grad_p)
+        ctx.dtypes = [p.dtype for p in params]
+        return total / normalizer
+
+    @staticmethod
+    def backward(ctx, grad_loss):  # type: ignore[override]
+        grad_h, *grad_p = ctx.saved_tensors
+        scale = grad_loss.to(torch.float32)
+        gh = grad_h * scale.to(grad_h.dtype) if grad_h is not None else None
+        gp = [(g * scale).to(dt) for g, dt in zip(grad_p, ctx.dtypes)] if grad_p else [None] * len(ctx.dtypes)
+        return (gh, None, None, None, None, None, *gp)
+
+
+def module_cross_entropy(hidden: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor],
+                         params: list[torch.Tensor], labels: torch.Tensor, *,
+                         num_items_in_batch: torch.Tensor | int | None = None, chunk_tokens: int = 4096,
+                         stats: TokenStats | None = None) -> torch.Tensor:
+    """Loss of ``fn(hidden)`` against ``labels`` ([B, T], hidden [B, T, H]) where ``fn`` maps hidden rows to final
+    logits through the model's own head (Dory's ``logit_scale`` after the projection) and reads ``params`` (its
+    trainable parameters): the exact unfused path, one ``[chunk, vocab]`` block at a time (``_HeadCrossEntropy``).
+    Same shift and normalisation as ``linear_cross_entropy``."""
+    flat, targets, normalizer = prepare_targets(hidden, labels, num_items_in_batch)
+    return _HeadCrossEntropy.apply(flat, targets, normalizer, chunk_tokens, fn, stats, *params)
 
 
 @torch.no_grad()

@@ -12,6 +12,12 @@ Every implementation gets the same inputs from ``prepare_targets`` (HF's shift, 
 ``num_items_in_batch`` or the counted tokens; nan when nothing counts) and the same head extras: logit scaling is
 applied to the hidden state before this point, soft-capping is passed to the kernel. The fused ones never form
 the logits, so the SFT metrics (``TokenStats``) take one extra no-grad chunked pass with them.
+
+A head whose forward applies parameters of its own besides ``weight`` / ``bias`` (Dory's learned per-token logit
+scale after the projection) is no fused kernel's ``weight @ h``: ``choose`` is told why (``unfused``) and the loss
+runs the head's own forward chunk by chunk (``loss.module_cross_entropy``), exact, one ``[chunk, vocab]`` block at a
+time; the reason is logged with the choice. (A transform *before* the projection -- ModernBERT-decoder's dense ->
+act -> norm -- is applied by the model's own forward, model/multimodal.py ``ModelForwardRun``, and stays fusable.)
 """
 
 from __future__ import annotations
@@ -19,11 +25,12 @@ from __future__ import annotations
 import enum
 import logging
 from types import ModuleType
+from typing import Callable
 
 import torch
 
 from . import loss_cce, loss_liger
-from .loss import IGNORE_INDEX, TokenStats, linear_cross_entropy, prepare_targets, token_stats
+from .loss import IGNORE_INDEX, TokenStats, linear_cross_entropy, module_cross_entropy, prepare_targets, token_stats
 
 logger = logging.getLogger(__name__)
 
@@ -44,13 +51,20 @@ AUTO_ORDER = (LossImpl.LIGER,)
 
 
 def choose(requested: str | LossImpl, device: torch.device, *, bias: bool, softcap: float | None,
-           dtype: torch.dtype = torch.float32,
-           fused: dict[LossImpl, ModuleType] | None = None) -> tuple[LossImpl, str]:
+           dtype: torch.dtype = torch.float32, fused: dict[LossImpl, ModuleType] | None = None,
+           unfused: str | None = None) -> tuple[LossImpl, str]:
     """(implementation, why) for ``requested`` on ``device`` with this head and compute ``dtype``. ``fused``
-    replaces ``FUSED`` (tests; then every entry is auto's candidate, in order)."""
+    replaces ``FUSED`` (tests; then every entry is auto's candidate, in order). ``unfused``: why this head cannot
+    be a fused kernel's ``weight @ h`` (its forward applies parameters of its own): the chunked loss through the
+    head's forward (``module_cross_entropy``), and an error where a fused one is named."""
     order = AUTO_ORDER if fused is None else tuple(fused)
     fused = FUSED if fused is None else fused
     want = LossImpl(requested)
+    if unfused is not None:
+        if want not in (LossImpl.AUTO, LossImpl.CHUNKED):
+            raise ValueError(f"loss_impl={want.value!r} cannot be used: {unfused}, which no fused kernel applies. "
+                             "Use loss_impl='auto' or 'chunked' (the exact unfused path through the head's forward).")
+        return LossImpl.CHUNKED, f"loss_impl={want.value!r}: chunked and unfused ({unfused}: its forward, per chunk)"
     if want is LossImpl.CHUNKED:
         return want, "loss_impl='chunked'"
     if want is not LossImpl.AUTO:
@@ -73,8 +87,16 @@ def choose(requested: str | LossImpl, device: torch.device, *, bias: bool, softc
 def head_loss(impl: LossImpl, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
               bias: torch.Tensor | None, num_items_in_batch: torch.Tensor | int | None, chunk_tokens: int,
               softcap: float | None, compiled: bool = False, stats: TokenStats | None = None,
-              fused: dict[LossImpl, ModuleType] | None = None) -> torch.Tensor:
-    """Causal-LM loss of ``lm_head(hidden)`` against ``labels`` ([B, T]) by ``impl`` (a ``choose`` result)."""
+              fused: dict[LossImpl, ModuleType] | None = None,
+              head_fn: tuple[Callable[[torch.Tensor], torch.Tensor], list[torch.Tensor]] | None = None
+              ) -> torch.Tensor:
+    """Causal-LM loss of ``lm_head(hidden)`` against ``labels`` ([B, T]) by ``impl`` (a ``choose`` result).
+    ``head_fn``: ``(fn, params)`` for a head chosen ``unfused``: ``fn`` maps hidden rows to the final logits through
+    the head's own forward (``weight``, ``bias`` and ``softcap`` are then not used), ``params`` its trainable
+    parameters."""
+    if head_fn is not None:
+        return module_cross_entropy(hidden, head_fn[0], head_fn[1], labels, num_items_in_batch=num_items_in_batch,
+                                    chunk_tokens=chunk_tokens, stats=stats)
     if impl is LossImpl.CHUNKED:
         return linear_cross_entropy(hidden, weight, labels, bias=bias, num_items_in_batch=num_items_in_batch,
                                     chunk_tokens=chunk_tokens, softcap=softcap, compiled=compiled, stats=stats)

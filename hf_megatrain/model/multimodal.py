@@ -3,6 +3,10 @@
 A causal LM's forward is ``lm_head(decoder(input_ids))``: the engine runs the module that owns the layer stack (e.g.
 ``LlamaModel``) and computes the loss from its last hidden state (``StackOwnerRun``).
 
+A causal LM whose forward does more between the decoder and the loss than hf_megatrain reproduces itself -- a head
+transform before the projection (ModernBERT-decoder), an MoE aux loss through a function of its own (Doge) -- runs
+its own forward the same way (``head_config.own_forward_reason`` says why; the choice is logged).
+
 A multimodal ``...ForConditionalGeneration`` (Gemma 3, Qwen2/2.5/3-VL, Mistral 3, LLaVA, Idefics 3...) does more
 before its language model: the vision / audio towers and the projector turn ``pixel_values`` into embeddings that are
 scattered over the image placeholder tokens, and the model builds its own masks (Gemma 3's bidirectional attention
@@ -29,15 +33,17 @@ its text config sets one; Gemma 4's does).
 from __future__ import annotations
 
 import inspect
+import logging
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
-from .head_config import HEAD_ALIASES, is_composite
+from .head_config import HEAD_ALIASES, own_forward_reason
 from .layers import LayerStack
 
+logger = logging.getLogger(__name__)
 Run = Callable[..., tuple[torch.Tensor, "torch.Tensor | None"]]
 
 
@@ -157,4 +163,7 @@ class ModelForwardRun:
 
 def decoder_run(model: nn.Module, stack: LayerStack) -> StackOwnerRun | ModelForwardRun:
     """How the engine runs ``model`` up to lm_head's input (see the module docstring)."""
-    return ModelForwardRun(model) if is_composite(base_model_of(model)) else StackOwnerRun(stack)
+    why = own_forward_reason(base_model_of(model), stack.parent)  # (a multimodal model, a head transform...)
+    if why is not None:
+        logger.info("hf_megatrain: %s runs its own forward up to lm_head's input: %s", type(model).__name__, why)
+    return ModelForwardRun(model) if why is not None else StackOwnerRun(stack)

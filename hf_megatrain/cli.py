@@ -32,7 +32,7 @@ class ConfigError(ValueError):
     """A combined yaml that cannot be used; the message says what to change."""
 
 
-def _split_config_arg(argv: list[str]) -> tuple[str | None, list[str]]:
+def split_config_arg(argv: list[str]) -> tuple[str | None, list[str]]:
     """Take ``--config PATH`` (or ``--config_file``) from the launcher arguments, i.e. before the script."""
     path, rest, i = None, [], 0
     while i < len(argv):
@@ -94,7 +94,7 @@ def launch(argv: list[str]) -> int:
     if argv and argv[0] in ("-h", "--help"):
         print(__doc__.strip())
         print("\nEverything besides --config is passed to `accelerate launch` unchanged; its help follows.\n")
-    path, rest = _split_config_arg(argv)
+    path, rest = split_config_arg(argv)
     from accelerate.commands.launch import launch_command, launch_command_parser
 
     if path is None:  # nothing to split: behave exactly like `accelerate launch`

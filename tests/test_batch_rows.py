@@ -31,22 +31,27 @@ def test_bloom_alibi_rows_per_sequence():
 
 
 def test_batch_sized_constant_passed_whole():
-    # decided once per call signature: the probe runs for the first step, not again for the same shapes
+    # decided once per call signature: the probe (the stack's owner re-run on B + 1 sequences, seen here as the
+    # embedding's calls with 5 rows) runs for the first step, not again for the same shapes; the ALiBi bias, whose
+    # leading dim equals the batch (4 heads, 4 sequences), is passed whole: the loss is the plain model's
+    ids = torch.randint(0, 96, (4, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = tiny("mpt")(input_ids=ids, labels=ids).loss
     model = tiny("mpt")
     engine = MegaTrainEngine(model, SPLIT, device="cpu")
-    ids = torch.randint(0, 96, (4, 8), generator=torch.Generator().manual_seed(0))
     probes = []
-    orig = engine.executor.rows._probe
-    engine.executor.rows._probe = lambda batch: (probes.append(batch), orig(batch))[1]
+    model.transformer.wte.register_forward_hook(lambda m, args, out: probes.append(args[0].shape[0])
+                                                if args[0].shape[0] == 5 else None)
+    losses = []
     for _ in range(2):
-        engine(input_ids=ids, labels=ids).loss.backward()
+        out = engine(input_ids=ids, labels=ids)
+        out.loss.backward()
+        losses.append(out.loss.detach())
     n = model.config.n_layers
-    assert probes == [4] * n  # first forward: each layer's call (its output structure unknown before it ran)
+    assert probes == [5] * n  # first forward: each layer's call (its output structure unknown before it ran)
+    assert torch.allclose(losses[0], plain, rtol=1e-5) and torch.equal(losses[1], losses[0])  # (no optimizer step)
     engine(input_ids=ids[:, :6], labels=ids[:, :6]).loss.backward()
     assert len(probes) == n + 1  # a new shape: one probe passes through every layer
-    rows = engine.executor.rows._cache
-    alibi = [r for key, r in rows.items() if key[1] == 4]
-    assert alibi and all(None in r for r in alibi)
 
 
 class _Interleaved(ToyModel):

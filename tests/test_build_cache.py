@@ -38,9 +38,9 @@ def test_built_once_into_a_private_cache(cache, monkeypatch):
 
     monkeypatch.setattr(subprocess, "run", no_compiler)
     assert native_adamw.build().adamw_span is not None
-    src = native_adamw._SOURCE + "\n/* a variant */\n"
-    assert build_cache.build_key(src, "cc", native_adamw._FLAGS) != build_cache.build_key(
-        native_adamw._SOURCE, "cc", native_adamw._FLAGS)
+    src, flags = "void f(void) {}\n", ["-O3", "-shared", "-fPIC"]  # (any source: the key's contract, not the kernel's)
+    assert build_cache.build_key(src + "/* a variant */\n", "cc", flags) != build_cache.build_key(src, "cc", flags)
+    assert build_cache.build_key(src, "cc", flags + ["-g"]) != build_cache.build_key(src, "cc", flags)
 
 
 def test_a_cache_others_may_write_is_not_used(cache):

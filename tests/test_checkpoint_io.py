@@ -42,7 +42,7 @@ def test_crc32_combine_matches_zlib():
 
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16])
 def test_crc_recorded_while_writing_equals_zlib_over_file(tmp_path, monkeypatch, dtype):
-    monkeypatch.setattr(safetensors_io, "_CHUNK_BYTES", 4096)  # many chunks, ranges split across workers
+    monkeypatch.setattr(safetensors_io, "CHUNK_BYTES", 4096)  # many chunks, ranges split across workers
     path = tmp_path / "x.safetensors"
     got = ckpt.write_safetensors(str(path), _items(), dtype, workers=3)
     assert got == _crc(path) == fast_io.recorded_crc32(str(path))
@@ -60,7 +60,7 @@ def test_crc_recorded_while_writing_equals_zlib_over_file(tmp_path, monkeypatch,
 
 
 def test_parallel_write_identical_to_serial(tmp_path, monkeypatch):
-    monkeypatch.setattr(safetensors_io, "_CHUNK_BYTES", 1000)
+    monkeypatch.setattr(safetensors_io, "CHUNK_BYTES", 1000)
     items = _items(1)
     for w in (1, 2, 4, 7):
         ckpt.write_safetensors(str(tmp_path / f"w{w}.safetensors"), items, torch.bfloat16, workers=w)

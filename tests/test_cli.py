@@ -67,9 +67,9 @@ def test_missing_config_file(capsys):
 
 
 def test_split_config_arg_stops_at_the_script():
-    path, rest = cli._split_config_arg(["--config", "a.yaml", "--num_processes", "1", "train.py", "--config", "x"])
+    path, rest = cli.split_config_arg(["--config", "a.yaml", "--num_processes", "1", "train.py", "--config", "x"])
     assert path == "a.yaml" and rest == ["--num_processes", "1", "train.py", "--config", "x"]
-    path, rest = cli._split_config_arg(["--config=b.yaml", "train.py"])
+    path, rest = cli.split_config_arg(["--config=b.yaml", "train.py"])
     assert path == "b.yaml" and rest == ["train.py"]
 
 

@@ -3,6 +3,7 @@ lifecycle, the lean store's decisions, and the placement plans."""
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 
@@ -299,7 +300,7 @@ def test_compiled_host_kernel_failure_says_what_to_do(monkeypatch):
     def broken(*a, **k):
         raise OSError("g++ not found")
 
-    monkeypatch.setattr(kernels, "_compiled_adamw_", broken)
+    monkeypatch.setattr(kernels, "compiled_kernel", broken)
     with pytest.raises(RuntimeError, match="host_kernel='fused'"):
         kernels.warm_up(torch.bfloat16)
 
@@ -309,8 +310,9 @@ def test_native_host_kernel_failure_says_what_to_do(monkeypatch):
     from hf_megatrain import MegaTrainConfig
     from hf_megatrain.core import native_adamw
 
-    monkeypatch.setattr(native_adamw, "_lib", None)
-    monkeypatch.setattr(native_adamw, "_compiler", lambda: (_ for _ in ()).throw(RuntimeError("no C compiler found")))
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None)  # no cc, gcc or clang on the PATH
+    monkeypatch.setattr(native_adamw, "library", native_adamw.build)  # (not the kernel built earlier: a new build)
     with pytest.raises(RuntimeError, match="host_kernel='fused'"):
         kernels.warm_up_native()
     with pytest.raises(ValueError, match="'native'"):
@@ -335,7 +337,7 @@ def test_host_kernel_refused_while_another_thread_compiles_runs_the_fused_kernel
             raise CONCURRENT
         kernels.adamw_(p, g, m, v, [(groups[1][0], [(0, p.numel())])], 1, None, out)
 
-    monkeypatch.setattr(kernels, "_kernel", lambda: flaky)
+    monkeypatch.setattr(kernels, "compiled_kernel", lambda: flaky)
     got, want = _flat_state(n, seed=4), _flat_state(n, seed=4)
     copies = [torch.zeros(n, dtype=torch.bfloat16) for _ in range(2)]
     kernels.adamw_(*got, groups, 1, None, copies[0], kernels.HostKernel.COMPILED)
@@ -427,7 +429,7 @@ def test_host_kernel_fallback_leaves_the_gradient_untouched(monkeypatch, grad_sc
     def refusing(*a):
         raise CONCURRENT
 
-    monkeypatch.setattr(kernels, "_kernel", lambda: refusing)
+    monkeypatch.setattr(kernels, "compiled_kernel", lambda: refusing)
     n = 257
     groups = [(kernels.Hyper(1e-3, (0.9, 0.999), 1e-8, 0.1), [(0, 100), (130, n)])]
     got, want = _flat_state(n, seed=6), _flat_state(n, seed=6)

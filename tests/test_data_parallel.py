@@ -278,7 +278,7 @@ def test_planner_counts_the_shared_store_once():
     assert one.store_host_bytes == 0  # (one process keeps this tiny model on the GPU) ...
     assert two.store_host_bytes == alone.store_host_bytes > 0  # ... N processes step every layer on the host, once
     for key, v in alone.host.items():
-        assert two.host[key] == (v if key in planner.predict._STORE_ROWS else 2 * v), key
+        assert two.host[key] == (v if key in planner.predict.STORE_ROWS else 2 * v), key
     with pytest.raises(ValueError, match="lean_store"):
         planner.estimate(shape, MegaTrainConfig(lean_store=True), 64, 2, device_type="cuda", gpus=2)
 

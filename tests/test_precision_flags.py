@@ -46,7 +46,7 @@ def test_fp32_model_without_flags_trains_in_fp32_like_plain_trainer(tmp_path):
         **common_args(tmp_path / "ref")), train_dataset=dataset())
     ref.train()
     ours = MegaTrainTrainer(model=copy.deepcopy(model), args=args(tmp_path / "mt"), train_dataset=dataset())
-    assert ours.engine.compute_dtype == torch.float32 and ours._mt_config.compute_dtype == "float32"
+    assert ours.engine.compute_dtype == torch.float32 and ours.engine.config.compute_dtype == "float32"
     ours.train()
     for (s, rl, rg), (_, ol, og) in zip(losses(ref), losses(ours), strict=True):
         assert abs(ol - rl) <= 1e-5 * abs(rl), (s, ol, rl)

@@ -31,7 +31,7 @@ from .staged import check_free_space, disk_full, staged_export, write_json
 
 WEIGHTS_PREFIX = "model"  # HF: model.safetensors / model-0000x-of-0000y.safetensors
 DEFAULT_MAX_SHARD_SIZE = "50GB"  # transformers 5 save_pretrained default
-_CHUNK_BYTES = 64 << 20  # casts/copies happen in pieces of this size, never a whole large tensor at once
+CHUNK_BYTES = 64 << 20  # casts/copies happen in pieces of this size, never a whole large tensor at once
 # Each written chunk's pages are handed to writeback at once (POSIX_FADV_DONTNEED starts it without waiting), so
 # the disk streams during the save instead of idling until the dirty limit or the final fsync, and a checkpoint
 # larger than the free RAM does not push the model's pages out. Module constant for A/B measurements.
@@ -77,7 +77,7 @@ def _pieces(items: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None,
         dt = _out_dtype(t, dtype)
         flat = t.detach().reshape(-1)  # (a view of a contiguous tensor: no copy)
         osz = torch.empty((), dtype=dt).element_size()
-        step = max(1, _CHUNK_BYTES // max(flat.element_size(), osz, 1))
+        step = max(1, CHUNK_BYTES // max(flat.element_size(), osz, 1))
         for a in range(0, flat.numel(), step):
             b = min(a + step, flat.numel())
             out.append((off, flat, a, b, dt))
@@ -264,7 +264,7 @@ def copy_tensor_into(dst: torch.Tensor, f: Any, key: str, path: str) -> None:
         dst.copy_(f.get_tensor(key))
         return
     row = max(1, math.prod(shape[1:]) * 4)
-    step = max(1, _CHUNK_BYTES // row)
+    step = max(1, CHUNK_BYTES // row)
     for a in range(0, shape[0], step):
         dst[a:a + step].copy_(sl[a:a + step])
 

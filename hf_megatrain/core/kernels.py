@@ -142,7 +142,9 @@ _compiled: Any = None
 _compile_lock = threading.Lock()
 
 
-def _kernel() -> Any:
+def compiled_kernel() -> Any:
+    """The inductor-compiled span update (``_adamw_math``), compiled on first use: what ``HostKernel.COMPILED``
+    calls per span."""
     global _compiled
     with _compile_lock:  # (first use may come from an optimizer worker thread)
         if _compiled is None:
@@ -202,7 +204,7 @@ def _constants(h: Hyper, step: int, grad_scale: float | None) -> tuple[torch.Ten
 
 def _compiled_adamw_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                      groups: Groups, step: int, grad_scale: float | None, compute: torch.Tensor | None) -> None:
-    kernel = _kernel()
+    kernel = compiled_kernel()
     for lo, hi, h, c, small in _spans_with_constants(groups, step, grad_scale):
         out = None if compute is None else compute[lo:hi]
         try:

@@ -238,8 +238,9 @@ def unit_plans(shape: ModelShape, config: MegaTrainConfig, device_type: str, gpu
     return plans  # (none fits: the smallest share; check_fits / activation offload speak for the step itself)
 
 
-_STORE_ROWS = ("master fp32", "grad fp32", "exp_avg fp32", "exp_avg_sq fp32", "compute copy",
-               "frozen params (compute dtype)")
+# The host rows that are the unit store: once per host however many data-parallel processes share it.
+STORE_ROWS = ("master fp32", "grad fp32", "exp_avg fp32", "exp_avg_sq fp32", "compute copy",
+              "frozen params (compute dtype)")
 
 
 @dataclass
@@ -278,7 +279,7 @@ class MemoryPlan:
     @property
     def store_host_bytes(self) -> int:
         """Host bytes of the unit store (trainable state + frozen copies), without baseline and staging."""
-        return sum(v for k, v in self.host.items() if k in _STORE_ROWS)
+        return sum(v for k, v in self.host.items() if k in STORE_ROWS)
 
     @property
     def peak_phase(self) -> str:
@@ -314,7 +315,7 @@ def estimate(shape: ModelShape, config: MegaTrainConfig, seq_len: int, batch_siz
     h, d = plan.host, plan.device
     h["baseline (python, torch, transformers)"] = HOST_BASELINE_BYTES + (CUDA_CONTEXT_HOST_BYTES if cuda else 0)
     # The store, buffer by buffer: host rows, device rows by placement, disk (memory-mapped moments: page cache).
-    for name in _STORE_ROWS:
+    for name in STORE_ROWS:
         h[name] = 0
     on_disk, layer_dev = 0, {Stepper.DEVICE: 0, Stepper.DEVICE_STREAMED: 0}
     for up in plans.units:
@@ -431,7 +432,7 @@ def estimate(shape: ModelShape, config: MegaTrainConfig, seq_len: int, batch_siz
                           "default); each process adds its own baseline, staging and offloaded activations (the "
                           "device rows are per GPU)")
         for key in list(h):
-            if key not in _STORE_ROWS:
+            if key not in STORE_ROWS:
                 h[key] *= gpus
         plan.construction_extra *= gpus  # (every process holds its copy of the model while it converts)
     return plan

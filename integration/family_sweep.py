@@ -100,8 +100,14 @@ HAND: dict[str, dict] = {
     "kimi_linear": {"num_experts_per_token": 2},  # top-k 8 of the tiny 4 experts
     "falcon_h1": {"mamba_d_ssm": 64, "mamba_chunk_size": 4},  # SSM width = mamba heads (4) x head dim (16)
     "mamba2": {"num_heads": 8, "head_dim": 8, "chunk_size": 4},  # heads x head_dim = expand (2) x hidden (32)
-    "zamba2": {"n_mamba_heads": 4, "mamba_headdim": 16, "hybrid_layer_ids": [1], "chunk_size": 4,
-               "attention_head_dim": 16, "num_query_groups": 4},  # mamba heads x head dim = 2 x hidden
+    # mamba heads x head dim = 2 x hidden, attention over [hidden, embeddings] (2 x hidden; to_dict() carries the
+    # full-size derived value); the shared transformer block at two depths (layers 0 and 2), each use with its own
+    # q/k/v adapters (whose width assumes as many kv heads as heads, as published Zamba2 configs have): one master,
+    # gradients summed over the uses (model/shared_blocks.py)
+    "zamba2": {"n_mamba_heads": 4, "mamba_headdim": 16, "chunk_size": 4, "attention_head_dim": 16,
+               "attention_hidden_size": 64, "num_query_groups": 4, "num_key_value_heads": 4, "num_hidden_layers": 3,
+               "layers_block_type": ["hybrid", "linear_attention", "hybrid"], "hybrid_layer_ids": [0, 2],
+               "use_shared_attention_adapter": True, "adapter_rank": 4},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},  # default None
     "xlstm": {"embedding_dim": 32, "hidden_size": 32, "num_blocks": 2, "num_heads": 4, "chunk_size": 4},
     "reformer": {"is_decoder": True, "axial_pos_embds": False, "attn_layers": ["local", "local"],

@@ -5,20 +5,23 @@
 - ``record_crc32`` / ``recorded_crc32``: the CRC a writer computed over the bytes it wrote, keyed by the file's
   inode (renames and hard links keep it) and checked against its size and mtime, so that ``write_manifest`` reads
   back only the files nobody recorded (the small JSON / torch files other code writes).
-- ``crc32_files``: CRC-32 of whole files, one pass, large files split into ranges read in parallel with
-  ``preadv`` into reused buffers (``zlib.crc32`` and the reads release the GIL).
+- ``crc32_files``: CRC-32 of whole files, one pass, large files split into ranges read in parallel
+  (``read_into``'s pipeline: ``preadv`` into reused buffers, the CRC on another thread; both release the GIL).
 """
 
 from __future__ import annotations
 
 import os
 import threading
-import zlib
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 
-DEFAULT_WORKERS = 4  # writer / reader threads: enough to keep CRC-32 (~2 GB/s a core) ahead of one disk
+DEFAULT_WORKERS = 4  # writer threads: with the CRC-32 computed on the written bytes, at the disk's rate (measured)
 CHUNK_BYTES = 64 << 20
+# Reader threads of every load and verify (each with a lane thread computing CRC-32 / conversions: 2 threads a
+# reader). Enough requests in flight for an NVMe disk's parallelism, bounded by the cores. Module constants, so that
+# benchmarks can A/B them (integration/bench_checkpoint_io.py --readers / --read-chunk).
+READERS = max(4, min(8, (os.cpu_count() or 4) // 2))
+READ_CHUNK = 16 << 20  # bytes a preadv: large for the disk, small enough that the lanes keep pace chunk by chunk
 
 
 # -- CRC-32 of a concatenation ---------------------------------------------------------------------------------------
@@ -36,27 +39,33 @@ def _gf2_square(mat: list[int]) -> list[int]:
     return [_gf2_times(mat, mat[n]) for n in range(32)]
 
 
+_zero_ops: list[list[int]] = []  # [k]: the operator advancing a CRC over 2**k zero bytes
+_zero_ops_lock = threading.Lock()
+
+
+def _zero_op(k: int) -> list[int]:
+    with _zero_ops_lock:
+        if not _zero_ops:
+            op = [0xEDB88320] + [1 << n for n in range(31)]  # one zero bit
+            for _ in range(3):  # -> two, four, eight zero bits: one zero byte
+                op = _gf2_square(op)
+            _zero_ops.append(op)
+        while len(_zero_ops) <= k:
+            _zero_ops.append(_gf2_square(_zero_ops[-1]))
+        return _zero_ops[k]
+
+
 def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     """``zlib.crc32(a + b)`` from ``crc1 = zlib.crc32(a)``, ``crc2 = zlib.crc32(b)`` and ``len2 = len(b)``
-    (zlib's ``crc32_combine``: ``crc1`` advanced over ``len2`` zero bytes by GF(2) matrix squaring)."""
-    if len2 <= 0:
-        return crc1
-    odd = [0xEDB88320] + [1 << n for n in range(31)]  # the operator for one zero bit
-    even = _gf2_square(odd)  # two zero bits
-    odd = _gf2_square(even)  # four zero bits
-    while True:
-        even = _gf2_square(odd)
+    (zlib's ``crc32_combine``: ``crc1`` advanced over ``len2`` zero bytes, the operators for 2**k zero bytes
+    squared once per process and kept: a combine costs a few hundred integer operations, so that readers can
+    combine per-range CRCs without holding the GIL for milliseconds)."""
+    k = 0
+    while len2 > 0:
         if len2 & 1:
-            crc1 = _gf2_times(even, crc1)
+            crc1 = _gf2_times(_zero_op(k), crc1)
         len2 >>= 1
-        if not len2:
-            break
-        odd = _gf2_square(even)
-        if len2 & 1:
-            crc1 = _gf2_times(odd, crc1)
-        len2 >>= 1
-        if not len2:
-            break
+        k += 1
     return crc1 ^ crc2
 
 
@@ -88,33 +97,10 @@ def recorded_crc32(path: str) -> str | None:
 
 
 # -- reading ---------------------------------------------------------------------------------------------------------
-def _crc_range(path: str, start: int, end: int, chunk: int = CHUNK_BYTES) -> int:
-    crc = 0
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        buf = bytearray(max(1, min(chunk, end - start)))
-        view = memoryview(buf)
-        off = start
-        while off < end:
-            n = os.preadv(fd, [view[:min(len(buf), end - off)]], off)
-            if n <= 0:
-                raise OSError(f"{path}: unexpected end of file at byte {off} (expected {end})")
-            crc = zlib.crc32(view[:n], crc)
-            off += n
-    finally:
-        os.close(fd)
-    return crc
+def crc32_files(paths: list[str], workers: int | None = None, chunk: int | None = None) -> list[str]:
+    """CRC-32 (8 hex digits) of each file, reading every byte once: files and ranges of large files on
+    ``READERS`` readers, each CRC computed on the reader's lane while its next read waits on the disk
+    (``read_into``'s pipeline)."""
+    from .read_into import read_into  # (read_into builds on this module)
 
-
-def crc32_files(paths: list[str], workers: int = DEFAULT_WORKERS, chunk: int = CHUNK_BYTES) -> list[str]:
-    """CRC-32 (8 hex digits) of each file, reading every byte once: files and ranges of large files in parallel."""
-    sizes = [os.path.getsize(p) for p in paths]
-    total = sum(sizes)
-    piece = max(chunk, -(-total // max(1, 4 * workers)))  # ~4 ranges a worker: balanced, still large reads
-    ranges = [(i, a, min(a + piece, s)) for i, s in enumerate(sizes) for a in range(0, max(s, 1), piece)]
-    with ThreadPoolExecutor(max(1, min(workers, len(ranges)))) as pool:
-        crcs = list(pool.map(lambda r: _crc_range(paths[r[0]], r[1], r[2], chunk) if r[2] > r[1] else 0, ranges))
-    out = [0] * len(paths)
-    for (i, a, b), c in zip(ranges, crcs):
-        out[i] = crc32_combine(out[i], c, b - a)
-    return [f"{c:08x}" for c in out]
+    return [c or "" for c in read_into([(p, None, True) for p in paths], workers, chunk)]

@@ -22,7 +22,7 @@ import copy
 import json
 import logging
 import os
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Collection, Iterable
 
 import torch
 
@@ -30,7 +30,7 @@ from ..core.engine_view import EngineView
 from .atomic import (OutputDirBusy, atomic_directory, output_dir_lock, recover_interrupted_saves,
                      remove_stale_temp_dirs, rotate_checkpoints)
 from .fast_io import crc32_files, recorded_crc32
-from .read_into import HeaderError, Target, read_into
+from .read_into import HeaderError, ReadStats, Target, read_into, read_stats
 from .safetensors_io import (DEFAULT_MAX_SHARD_SIZE, WEIGHTS_PREFIX, CheckpointError,
                              open_safetensors, parse_size, read_json_key, save_weights, weight_files, write_json,
                              write_safetensors, write_weights)
@@ -45,7 +45,7 @@ MANIFEST = "megatrain_manifest.json"
 
 __all__ = ["CheckpointError", "DEFAULT_MAX_SHARD_SIZE", "parse_size", "save_weights", "write_safetensors",
            "weight_files", "save_pretrained_streamed", "save_training_state", "write_manifest", "atomic_directory",
-           "remove_stale_temp_dirs", "verify_checkpoint", "load_pretrained_into_engine", "check_training_state",
+           "remove_stale_temp_dirs", "verify_checkpoint", "files_checked_on_load", "read_stats", "ReadStats", "load_pretrained_into_engine", "check_training_state",
            "load_training_state", "output_dir_lock", "OutputDirBusy", "recover_interrupted_saves",
            "rotate_checkpoints", "staged_export", "write_weights"]
 
@@ -134,7 +134,8 @@ def _unverified(path: str, why: str, allow_unverified: bool) -> None:
     logger.warning("hf_megatrain: %s; loading it anyway (allow_unverified)", why)
 
 
-def verify_checkpoint(path: str, *, training_state: bool = True, allow_unverified: bool = False) -> None:
+def verify_checkpoint(path: str, *, training_state: bool = True, allow_unverified: bool = False,
+                      crc_on_load: Collection[str] = ()) -> None:
     """Raise ``CheckpointError`` naming the first missing, corrupt or unexpected file of checkpoint folder ``path``.
 
     Folders hf_megatrain wrote carry ``megatrain_manifest.json`` (written last): every listed file must exist with
@@ -143,7 +144,11 @@ def verify_checkpoint(path: str, *, training_state: bool = True, allow_unverifie
     hf_megatrain state (``megatrain_*``) without a manifest is refused: it is incomplete or was edited, and nothing
     in it can be checked. Exempt: plain HF folders (a ``save_pretrained`` export, a plain ``Trainer`` checkpoint
     with its ``optimizer.pt``), where only the safetensors headers are checked. ``allow_unverified`` turns these
-    refusals into warnings. ``training_state`` also requires ``trainer_state.json`` (resuming needs it)."""
+    refusals into warnings. ``training_state`` also requires ``trainer_state.json`` (resuming needs it).
+
+    ``crc_on_load``: files (``files_checked_on_load``) whose CRC-32 the caller's load checks while reading them
+    whole, so that resuming reads the checkpoint once: their presence, size and header are checked here, their
+    bytes by the load (which refuses them, naming the file, before training starts)."""
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint folder {path} does not exist")
     names = sorted(f for f in os.listdir(path) if os.path.isfile(os.path.join(path, f)))
@@ -168,7 +173,8 @@ def verify_checkpoint(path: str, *, training_state: bool = True, allow_unverifie
             logger.warning("hf_megatrain: %s records no checksums (an earlier release wrote it): only file sizes "
                            "are verified", manifest_path)
             sums = {}
-        crc_names = sorted(sums)
+        deferred = set(crc_on_load)
+        crc_names = sorted(f for f in sums if f not in deferred)
         for fname, got in zip(crc_names, _crc32_all([os.path.join(path, f) for f in crc_names])):
             if got != sums[fname]:
                 raise CheckpointError(f"checkpoint {path} is corrupt: {fname} does not hold the bytes that were "
@@ -208,6 +214,59 @@ def _manifest_crcs(path: str) -> dict[str, str]:
         return json.load(fh).get("crc32") or {}
 
 
+def _moment_targets(engine: EngineView, live: dict[str, torch.Tensor]) -> dict[str, Target]:
+    """Where ``load_training_state`` reads each AdamW moment: the optimizer's own buffer, or this data-parallel
+    rank's shard of it (``Target.first``)."""
+    own = getattr(engine.optimizer, "own", lambda u: (0, u.numel))
+    targets = {}
+    for u in engine.store.units:
+        lo, hi = own(u)
+        for key in (f"exp_avg.{u.index}", f"exp_avg_sq.{u.index}"):
+            dst = live[key]
+            targets[key] = Target(dst) if (lo, hi) == (0, dst.numel()) else Target(dst.view(-1)[lo:hi], lo)
+    return targets
+
+
+def _available_memory() -> int:
+    """Bytes the kernel reports it could give without swapping (``MemAvailable``), 0 where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def files_checked_on_load(engine: EngineView, path: str, *, page_cache_bytes: int | None = None) -> list[str]:
+    """The files of checkpoint ``path`` that a resume of ``engine`` should read once: ``verify_checkpoint(
+    crc_on_load=...)`` skips their CRC-32, and the loads (``load_pretrained_into_engine`` with its default prefix,
+    ``load_training_state``), which read them whole, check every byte against the manifest while reading.
+
+    The price of one read: a file found corrupt by the load has already been read into the engine's state, which
+    then holds part of the checkpoint (the error says so). So while the files fit in half of ``page_cache_bytes``
+    (default: the host's available memory) this returns none: verify reads them from the disk, the loads read them
+    again from the page cache (a memory copy), and a corrupt file is refused before any state is touched. Larger
+    (a 120B model's 1.4 TB of master and moments), the second read would come from the disk again: read once.
+    Also none where this process does not write every master or holds a shard of the optimizer state (data
+    parallel), where the loads read only part of a file."""
+    sums = _manifest_crcs(path)
+    if not sums or not all(engine.writes_master(n) for n in engine.store.names()):
+        return []
+    prefix = MASTER_PREFIX if weight_files(path, MASTER_PREFIX) is not None else WEIGHTS_PREFIX
+    out = [f for f in weight_files(path, prefix) or {} if f in sums]
+    opt = engine.optimizer
+    if opt is not None and OPTIMIZER_TENSORS in sums:
+        own = getattr(opt, "own", lambda u: (0, u.numel))
+        if all(own(u) == (0, u.numel) for u in engine.store.units):
+            out.append(OPTIMIZER_TENSORS)
+    cache = _available_memory() if page_cache_bytes is None else page_cache_bytes
+    if 2 * sum(os.path.getsize(os.path.join(path, f)) for f in out) <= cache:
+        return []
+    return out
+
+
 def _read_checked(jobs: list[tuple[str, dict[str, Target], bool]], sums: dict[str, str]) -> None:
     """``read_into`` the jobs; a file read whole whose CRC-32 (computed while reading) differs from the manifest's
     raises: it changed after the save (or after ``verify_checkpoint``), and the state it was read into is not the
@@ -218,9 +277,10 @@ def _read_checked(jobs: list[tuple[str, dict[str, Target], bool]], sums: dict[st
         raise CheckpointError(str(e)) from e
     for (fpath, _, crc), c in zip(jobs, got):
         if crc and c != sums[os.path.basename(fpath)]:
-            raise CheckpointError(f"{fpath} changed while it was loaded or since it was verified (CRC-32 {c}, "
-                                  f"recorded {sums[os.path.basename(fpath)]}): the engine's state is not the "
-                                  "checkpoint's; load it again or resume from another checkpoint")
+            raise CheckpointError(f"{fpath} is corrupt: it changed while it was loaded or since it was verified "
+                                  f"(CRC-32 {c}, recorded {sums[os.path.basename(fpath)]}); the engine's state now "
+                                  "holds part of it, not the checkpoint's: resume from another checkpoint, or build "
+                                  "the engine / trainer again before training without one")
 
 
 def load_pretrained_into_engine(engine: EngineView, path: str, *, prefix: str | None = None,
@@ -349,13 +409,7 @@ def load_training_state(engine: EngineView, path: str) -> bool:
     with open_safetensors(tensors) as f:
         check_training_state(engine, tensors, f)
         live = opt.state_tensors()  # (waits for a step in flight) the moments themselves: read straight into them
-        own = getattr(opt, "own", lambda u: (0, u.numel))  # (data parallel: this rank's shard of the shared state)
-        targets = {}
-        for u in engine.store.units:
-            lo, hi = own(u)
-            for key in (f"exp_avg.{u.index}", f"exp_avg_sq.{u.index}"):
-                dst = live[key]
-                targets[key] = Target(dst) if (lo, hi) == (0, dst.numel()) else Target(dst.view(-1)[lo:hi], lo)
+        targets = _moment_targets(engine, live)
         whole = all(t.first == 0 for t in targets.values())
         sums = _manifest_crcs(path)
         _read_checked([(tensors, targets, whole and OPTIMIZER_TENSORS in sums)], sums)

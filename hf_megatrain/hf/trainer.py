@@ -422,12 +422,16 @@ class MegaTrainTrainer(Trainer):
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         if not self._mt:
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        # everything checked before any state is touched; data parallel: by the main process alone (the ranks share
-        # one host's disk: N readers of every byte would make a resume N times longer), its verdict for all
+        # everything checked before any state is touched (but the CRCs the loads check as they read); data parallel:
+        # by the main process alone (the ranks share one host's disk: N readers of every byte would make a resume N
+        # times longer), its verdict for all
         error = None
         if self.args.should_save:  # (one process: always)
             try:
-                ckpt.verify_checkpoint(resume_from_checkpoint,
+                # (the files the loads below read whole are CRC-checked while they read them: one read, not two)
+                once = [] if self.engine.ranks.world > 1 or self._mt_peft else \
+                    ckpt.files_checked_on_load(self.engine, resume_from_checkpoint)
+                ckpt.verify_checkpoint(resume_from_checkpoint, crc_on_load=once,
                                        allow_unverified=self.args.megatrain_allow_unverified_checkpoint)
             except ckpt.CheckpointError as e:
                 error = e

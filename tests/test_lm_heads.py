@@ -123,3 +123,22 @@ def test_second_layer_stack_is_refused_as_multi_stack():
     with pytest.raises(ValueError, match=r"2 layer stacks \(model.local.layers, model.layers\).*multi-stack"):
         MegaTrainEngine(model, MegaTrainConfig(compute_dtype="float32", layers_path="model.local.layers"),
                         device="cpu")
+
+
+def test_unshifted_own_loss_parity():
+    """TrOCR's decoder computes its own loss: labels[i] is the target of logits[i] (no shift), the mean over the
+    forward's counted tokens (num_items_in_batch not read). hf_megatrain reproduces that form
+    (head_config.OWN_LOSS_FORMS) with the gradient accumulation the plain model gets."""
+    cfg = transformers.TrOCRConfig(vocab_size=96, d_model=32, decoder_layers=2, decoder_attention_heads=4,
+                                   decoder_ffn_dim=64, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
+                                   activation_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                   decoder_start_token_id=2, use_cache=False)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(1234)
+    run_parity(transformers.TrOCRForCausalLM(cfg).float())
+
+
+def test_permutation_lm_is_refused_as_not_causal():
+    cfg = transformers.XLNetConfig(vocab_size=96, d_model=32, n_layer=2, n_head=4, d_inner=64)
+    with pytest.raises(ValueError, match="permutation language model .*not a causal decoder LM"):
+        MegaTrainEngine(transformers.XLNetLMHeadModel(cfg), MegaTrainConfig(compute_dtype="float32"), device="cpu")

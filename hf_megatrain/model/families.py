@@ -35,8 +35,8 @@ import torch
 from torch import nn
 
 from .cross_layer import check_no_cross_layer_state
-from .head_config import (check_head_extras, head_module_params, head_transforms, head_value, is_composite,
-                          other_layer_lists, text_config_of)
+from .head_config import (NOT_CAUSAL_LM, check_head_extras, head_module_params, head_transforms, head_value,
+                          is_composite, other_layer_lists, own_loss_form, text_config_of)
 from .layers import LayerStack
 from .loss import TokenStats
 from .loss_impl import choose, head_loss
@@ -49,7 +49,8 @@ logger = logging.getLogger(__name__)
 def _check_standard_loss(model: nn.Module, hint: str) -> None:
     """hf_megatrain computes transformers' shifted causal-LM loss (``ForCausalLMLoss``). A transformers class whose
     forward computes its loss some other way (no ``self.loss_function``: unshifted targets, its own prediction
-    layer or adaptive softmax -- XLM, XLNet, TrOCR) would train on a different objective without any error: refuse.
+    layer or adaptive softmax -- XLM, XLNet) would train on a different objective without any error: refuse, except
+    the forms hf_megatrain reproduces (``head_config.OWN_LOSS_FORMS``: TrOCR's unshifted mean).
     Classes from outside transformers (remote code, user models) cannot be read this way and are taken as they are."""
     base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model  # (PEFT)
     cls = type(base)
@@ -59,10 +60,12 @@ def _check_standard_loss(model: nn.Module, hint: str) -> None:
         source = inspect.getsource(cls.forward)
     except (OSError, TypeError):
         return
-    if "self.loss_function(" not in source:
+    if "self.loss_function(" not in source and own_loss_form(base) is None:  # (TrOCR's: head_config.OWN_LOSS_FORMS)
+        why = NOT_CAUSAL_LM.get(cls.__name__)
         raise ValueError(f"{cls.__name__} computes its training loss in its own forward, not with transformers' "
                          "causal-LM loss that hf_megatrain reproduces (shifted labels, lm_head over the final hidden "
-                         f"state), so training it here would optimise a different objective. {hint}")
+                         "state), so training it here would optimise a different objective"
+                         f"{': ' + why if why else ''}. {hint}")
 
 
 def check_supported(model: nn.Module, stack: LayerStack) -> None:
@@ -281,6 +284,8 @@ class ModelHead:
                                      bias=getattr(head, "bias", None) is not None, softcap=self.softcap,
                                      dtype=compute_dtype, unfused=unfused)
         self.loss_impl_reason = why
+        # A forward's own loss form (TrOCR: unshifted labels, mean over this forward's tokens): head_config.
+        self.unshifted = own_loss_form(base_model_of(model)) == "unshifted_mean"
         logger.info("hf_megatrain: head loss %s (%s)", self.loss_impl.value, why)
 
     def hook_model_forward(self, before: Callable[[], None]) -> None:
@@ -317,9 +322,10 @@ class ModelHead:
         head_fn = ((lambda h: self.logits(h, head)), [p for p in head.parameters() if p.requires_grad]) \
             if self.head_params else None  # (the head's forward with the extras: from the unscaled hidden state)
         loss = head_loss(self.loss_impl, hidden if head_fn else self._scaled(hidden, head), head.weight, labels,
-                         bias=getattr(head, "bias", None), num_items_in_batch=num_items_in_batch,
+                         bias=getattr(head, "bias", None),
+                         num_items_in_batch=None if self.unshifted else num_items_in_batch,
                          chunk_tokens=chunk_tokens, softcap=self.softcap, compiled=compiled, stats=stats,
-                         head_fn=head_fn)
+                         head_fn=head_fn, shift=not self.unshifted)
         if router_logits is not None and self.router is not None and self.router.coef is not None:
             aux = self.router.loss(router_logits, attention_mask)
             if aux is not None:

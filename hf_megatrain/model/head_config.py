@@ -195,3 +195,39 @@ def other_layer_lists(model: Any, layers: Any, outside: set[int]) -> list[str]:
         if ids and all(i in outside for i in ids) and not any(name.startswith(f"{f}.") for f in found):
             found.append(name)
     return found
+
+
+# -- losses a forward computes itself -------------------------------------------------------------------------------
+# transformers causal-LM classes whose forward computes its cross-entropy itself (not ``self.loss_function``) in a
+# form hf_megatrain reproduces: class -> (form, the statement of its forward that computes it). The statement is
+# looked up in the installed source; a forward that no longer has it is refused like any other own loss.
+# ``unshifted_mean``: labels[..., i] is the target of logits[..., i] (no shift), ``-100`` ignored, the mean over the
+# counted tokens of this forward (``num_items_in_batch`` not read, as that forward does not read it).
+OWN_LOSS_FORMS: dict[str, tuple[str, str]] = {
+    "TrOCRForCausalLM": ("unshifted_mean", "loss_fct = CrossEntropyLoss()\n"
+                                           "            loss = loss_fct(logits.view(-1, self.config.vocab_size), "
+                                           "labels.view(-1))"),
+}
+
+# Why the other transformers classes with an own loss are not causal decoder LMs (the refusal says so).
+NOT_CAUSAL_LM: dict[str, str] = {
+    "XLNetLMHeadModel": "XLNet is a permutation language model (two-stream attention over perm_mask / "
+                        "target_mapping, unshifted labels), not a causal decoder LM",
+    "XLMWithLMHeadModel": "XLM is a cross-lingual masked / translation LM (bidirectional attention unless "
+                          "config.causal, its own prediction layer over unshifted labels, optionally an adaptive "
+                          "softmax), not a causal decoder LM",
+}
+
+
+def own_loss_form(model: Any) -> str | None:
+    """The ``OWN_LOSS_FORMS`` form of ``model``'s class where its installed forward still computes it that way."""
+    import inspect
+
+    entry = OWN_LOSS_FORMS.get(type(model).__name__)
+    if entry is None or not type(model).__module__.startswith("transformers."):
+        return None
+    try:
+        source = inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        return None
+    return entry[0] if entry[1] in source else None

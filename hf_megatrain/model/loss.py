@@ -229,12 +229,12 @@ class _HeadCrossEntropy(torch.autograd.Function):
 def module_cross_entropy(hidden: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor],
                          params: list[torch.Tensor], labels: torch.Tensor, *,
                          num_items_in_batch: torch.Tensor | int | None = None, chunk_tokens: int = 4096,
-                         stats: TokenStats | None = None) -> torch.Tensor:
+                         stats: TokenStats | None = None, shift: bool = True) -> torch.Tensor:
     """Loss of ``fn(hidden)`` against ``labels`` ([B, T], hidden [B, T, H]) where ``fn`` maps hidden rows to final
     logits through the model's own head (Dory's ``logit_scale`` after the projection) and reads ``params`` (its
     trainable parameters): the exact unfused path, one ``[chunk, vocab]`` block at a time (``_HeadCrossEntropy``).
     Same shift and normalisation as ``linear_cross_entropy``."""
-    flat, targets, normalizer = prepare_targets(hidden, labels, num_items_in_batch)
+    flat, targets, normalizer = prepare_targets(hidden, labels, num_items_in_batch, shift)
     return _HeadCrossEntropy.apply(flat, targets, normalizer, chunk_tokens, fn, stats, *params)
 
 

@@ -88,20 +88,22 @@ def head_loss(impl: LossImpl, hidden: torch.Tensor, weight: torch.Tensor, labels
               bias: torch.Tensor | None, num_items_in_batch: torch.Tensor | int | None, chunk_tokens: int,
               softcap: float | None, compiled: bool = False, stats: TokenStats | None = None,
               fused: dict[LossImpl, ModuleType] | None = None,
-              head_fn: tuple[Callable[[torch.Tensor], torch.Tensor], list[torch.Tensor]] | None = None
-              ) -> torch.Tensor:
+              head_fn: tuple[Callable[[torch.Tensor], torch.Tensor], list[torch.Tensor]] | None = None,
+              shift: bool = True) -> torch.Tensor:
     """Causal-LM loss of ``lm_head(hidden)`` against ``labels`` ([B, T]) by ``impl`` (a ``choose`` result).
     ``head_fn``: ``(fn, params)`` for a head chosen ``unfused``: ``fn`` maps hidden rows to the final logits through
     the head's own forward (``weight``, ``bias`` and ``softcap`` are then not used), ``params`` its trainable
-    parameters."""
+    parameters. ``shift=False``: labels[..., i] is the target of position i (a forward's own unshifted loss,
+    head_config.OWN_LOSS_FORMS)."""
     if head_fn is not None:
         return module_cross_entropy(hidden, head_fn[0], head_fn[1], labels, num_items_in_batch=num_items_in_batch,
-                                    chunk_tokens=chunk_tokens, stats=stats)
+                                    chunk_tokens=chunk_tokens, stats=stats, shift=shift)
     if impl is LossImpl.CHUNKED:
         return linear_cross_entropy(hidden, weight, labels, bias=bias, num_items_in_batch=num_items_in_batch,
-                                    chunk_tokens=chunk_tokens, softcap=softcap, compiled=compiled, stats=stats)
+                                    chunk_tokens=chunk_tokens, softcap=softcap, compiled=compiled, stats=stats,
+                                    shift=shift)
     mod = (FUSED if fused is None else fused)[impl]
-    flat, targets, normalizer = prepare_targets(hidden, labels, num_items_in_batch)
+    flat, targets, normalizer = prepare_targets(hidden, labels, num_items_in_batch, shift)
     if stats is not None:
         token_stats(flat.detach(), weight.detach(), targets, stats,
                     bias=bias.detach() if bias is not None else None, chunk_tokens=chunk_tokens, softcap=softcap)

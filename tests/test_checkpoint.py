@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 from hf_megatrain import MegaTrainConfig, MegaTrainEngine, MegaTrainTrainer
 from hf_megatrain import checkpoint as ckpt
+from hf_megatrain.hf import default_job
 from hf_megatrain.hf.trainer import from_pretrained_streamed
 
 from .models import tiny
@@ -54,8 +55,7 @@ CLEAN_LOAD = textwrap.dedent("""
 def test_save_model_loads_with_plain_transformers(tmp_path, save_dtype, tie):
     args = mt_args(tmp_path / "run", {"compute_dtype": "float32", "save_dtype": save_dtype}, max_steps=2,
                    megatrain_max_shard_size="30KB")
-    tok = transformers.PreTrainedTokenizerFast(
-        tokenizer_file=os.path.join(REPO, "hf_megatrain", "assets", "tokenizer", "tokenizer.json"))
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(default_job.TOKENIZER_FILE))
     tr = MegaTrainTrainer(model=tiny("llama", tie=tie), args=args, train_dataset=dataset(), processing_class=tok,
                           data_collator=transformers.default_data_collator)
     tr.train()

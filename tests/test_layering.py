@@ -90,7 +90,7 @@ def package_imports() -> list[tuple[str, str, int]]:
     """(importing module, imported module, line) for every import inside hf_megatrain/."""
     out = []
     for path in sorted(PACKAGE.rglob("*.py")):
-        if "assets" in path.relative_to(PACKAGE).parts:  # data files shipped with the package, not modules of it
+        if "examples_data" in path.relative_to(PACKAGE).parts:  # the examples' data shipped with the package
             continue
         mod = module_name(path)
         out += [(mod, target, line) for target, line in imports(path.read_text(), mod, path.name == "__init__.py")]
@@ -125,7 +125,7 @@ def test_parser_sees_every_kind_of_import():
 
 
 def test_every_component_has_a_layer():
-    found = {component(module_name(p)) for p in PACKAGE.rglob("*.py") if "assets" not in p.parts}
+    found = {component(module_name(p)) for p in PACKAGE.rglob("*.py") if "examples_data" not in p.parts}
     assert found - set(LAYER_OF) == set(), "a new package or top-level module: give it a layer in LAYERS"
 
 
@@ -172,7 +172,7 @@ def test_only_hf_imports_the_trainer_stack():
     bad = []
     for path in sorted(PACKAGE.rglob("*.py")):
         mod = module_name(path)
-        if "assets" in path.parts or LAYER_OF[component(mod)] >= HF_LAYER:
+        if "examples_data" in path.parts or LAYER_OF[component(mod)] >= HF_LAYER:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):

@@ -1,10 +1,13 @@
 """The embedded default job: a tiny Llama, its tokenizer and a small text corpus, all shipped, no network.
 
-``python examples/train.py`` with no arguments trains on this, so a fresh checkout proves the whole stack
-(tokenize -> pack -> streamed training -> evaluate -> standard checkpoint) in minutes on a laptop CPU. The
-corpus is simple generated English (short children's stories from templates: public domain by construction),
-and the tokenizer is a 512-token byte-level BPE trained on it. Both live in ``hf_megatrain/assets/`` and are
-reproducible bit for bit with ``python -m hf_megatrain.hf.default_job --regenerate``.
+``python examples/train.py`` (and ``examples/accelerate_loop.py``) with no arguments trains on this, so a fresh
+checkout proves the whole stack (tokenize -> pack -> streamed training -> evaluate -> standard checkpoint) in minutes
+on a laptop CPU. The corpus is simple generated English (short children's stories from templates: public domain by
+construction), and the tokenizer is a 512-token byte-level BPE trained on it. Both, and the offline accuracy metric
+the example evaluates with, are the examples' data, in ``hf_megatrain/examples_data/``: package data rather than
+files under ``examples/``, so that the default job also runs from an installed wheel (a ``pip install`` without the
+checkout; ``examples/`` is not in the wheel). Reproducible bit for bit with
+``python -m hf_megatrain.hf.default_job --regenerate``.
 """
 
 from __future__ import annotations
@@ -14,10 +17,10 @@ import random
 from pathlib import Path
 from typing import Any
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
-DATA_DIR = ASSETS / "data"
-TOKENIZER_FILE = ASSETS / "tokenizer" / "tokenizer.json"
-ACCURACY_METRIC = ASSETS / "metrics" / "accuracy"
+EXAMPLES_DATA = Path(__file__).resolve().parent.parent / "examples_data"  # (package data: pyproject.toml)
+DATA_DIR = EXAMPLES_DATA / "data"
+TOKENIZER_FILE = EXAMPLES_DATA / "tokenizer" / "tokenizer.json"
+ACCURACY_METRIC = EXAMPLES_DATA / "metrics" / "accuracy"
 EOS = "<|endoftext|>"
 VOCAB_SIZE = 512
 
@@ -39,7 +42,7 @@ def load_tokenizer():
     from transformers import PreTrainedTokenizerFast
 
     if not TOKENIZER_FILE.is_file():
-        raise FileNotFoundError(f"{TOKENIZER_FILE} is missing; rebuild the assets with "
+        raise FileNotFoundError(f"{TOKENIZER_FILE} is missing; rebuild the examples' data with "
                                 "`python -m hf_megatrain.hf.default_job --regenerate`")
     return PreTrainedTokenizerFast(tokenizer_file=str(TOKENIZER_FILE), bos_token=EOS, eos_token=EOS, pad_token=EOS,
                                    model_max_length=TINY_LLAMA["max_position_embeddings"])
@@ -64,7 +67,7 @@ def build_model(tokenizer=None, seed: int = 42, **overrides: Any):
     return LlamaForCausalLM(tiny_llama_config(tokenizer, **overrides)).float()
 
 
-# -- regenerating the assets ------------------------------------------------------------------------------------------
+# -- regenerating the data --------------------------------------------------------------------------------------------
 _NAMES = ["Tom", "Anna", "Ben", "Lily", "Max", "Mia", "Sam", "Zoe", "Leo", "Emma", "Jack", "Nora", "Finn", "Ruby",
           "Owen", "Ella"]
 _ANIMALS = ["dog", "cat", "bird", "fox", "rabbit", "duck", "horse", "frog", "bear", "mouse", "owl", "pig"]
@@ -133,7 +136,7 @@ def regenerate(train_stories: int = 900, validation_stories: int = 60) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--regenerate", action="store_true", help="rewrite hf_megatrain/assets/{data,tokenizer}")
+    p.add_argument("--regenerate", action="store_true", help="rewrite hf_megatrain/examples_data/{data,tokenizer}")
     args = p.parse_args(argv)
     if args.regenerate:
         regenerate()

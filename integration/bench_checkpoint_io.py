@@ -19,7 +19,16 @@ allocated), then times, each against the same folder's filesystem (``--dir`` is 
   (``save_training_state``) + manifest (``write_manifest``), each timed and in total;
 - verify (``verify_checkpoint``: every byte against its recorded CRC-32), load (master + moments into the engine,
   CRC-32 checked while reading) and the bf16 export's load into the FP32 masters (what ``from_pretrained_streamed``
-  does), each after the checkpoint's pages were dropped, so they read from the disk where it can.
+  does), each after the checkpoint's pages were dropped, so they read from the disk where it can; and the resume
+  of a checkpoint too large for the page cache (``resume_once_cold``: verify skipping the files the loads check
+  while reading, then the loads: every byte read once, ``bytes_read`` says so).
+
+Each read phase records where its time went (``phases``, from ``checkpoint.read_stats()``): ``wall_s`` in the
+parallel reader, ``other_s`` outside it (headers, planning), and thread-seconds summed over the ``readers`` threads
+in ``read_s`` (``preadv``: page-cache copy or disk wait), ``crc_s``, ``convert_s`` (bf16 -> FP32), ``copy_s`` and
+``stall_s`` (readers waiting for the CRC / conversion side). Disk-bound: ``read_s`` ~ ``readers * wall_s``, the
+others small. ``--readers`` / ``--read-chunk`` set the readers' count and read size (``fast_io.READERS`` /
+``READ_CHUNK``); ``--warm`` also times each read phase from the page cache (the CPU's cost per byte).
 
 GB/s are 1e9 bytes per second. ``vs_raw``: the rate over the one-stream raw write (saves) or read (verify, loads);
 ``vs_ceiling``: over the device's best measured rate, the faster of one stream and parallel (and O_DIRECT), the
@@ -175,6 +184,13 @@ def timed(fn) -> float:
     return time.perf_counter() - t
 
 
+def timed_phases(fn) -> dict:
+    """``fn``'s seconds, and where its reads spent them (``checkpoint.read_stats``): see the module doc."""
+    with ckpt.read_stats() as st:
+        total = timed(fn)
+    return {"total_s": total, **st.as_dict(), "other_s": total - st.wall_s}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", type=float, default=0.5, help="billions of parameters (default 0.5)")
@@ -184,15 +200,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=1, help="checkpoint writes to time (the best is reported)")
     p.add_argument("--threads", type=int, default=None,
                    help="parallel raw writers / readers (default: the checkpoint writer's thread count)")
+    p.add_argument("--readers", type=int, default=None,
+                   help="reader threads of verify and the loads (default: fast_io.READERS, from the core count)")
+    p.add_argument("--read-chunk", type=int, default=None, help="MiB a read (default: fast_io.READ_CHUNK)")
+    p.add_argument("--warm", action="store_true", help="also time verify and the loads from the page cache")
     p.add_argument("--no-advise", action="store_true",
                    help="A/B: leave written pages to the kernel (no early writeback: safetensors_io._ADVISE)")
     a = p.parse_args(argv)
     if a.no_advise:
         from hf_megatrain.checkpoint import safetensors_io
         safetensors_io._ADVISE = False
-    from hf_megatrain.checkpoint.fast_io import DEFAULT_WORKERS
+    from hf_megatrain.checkpoint import fast_io
 
-    threads = a.threads or DEFAULT_WORKERS
+    threads = a.threads or fast_io.DEFAULT_WORKERS
+    if a.readers:
+        fast_io.READERS = a.readers
+    if a.read_chunk:
+        fast_io.READ_CHUNK = a.read_chunk << 20
     if a.dir:
         os.makedirs(a.dir, exist_ok=True)
     root = tempfile.mkdtemp(prefix="bench_ckpt_io-", dir=a.dir)
@@ -213,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         res: dict = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]) if argv is None else
                      " ".join(["python", "integration/bench_checkpoint_io.py", *argv]),
                      "dir": os.path.abspath(root), "threads": threads, "cache_drop": "posix_fadvise(DONTNEED)",
+                     "readers": fast_io.READERS, "read_chunk_MiB": fast_io.READ_CHUNK >> 20,
                      "params": params, "save_dtype": a.save_dtype, "advise": not a.no_advise,
                      "cpu_count": os.cpu_count(),
                      "engine_build_s": engine_s, "engine_build_Bparams_per_s": params / 1e9 / engine_s}
@@ -246,18 +271,30 @@ def main(argv: list[str] | None = None) -> int:
         raw_pr = raw_read_parallel(raw_path, threads)
         raw_dr = raw_read_parallel(raw_path, threads, direct=True)
         os.remove(raw_path)
-        drop_pages(path)
-        verify_s = timed(lambda: ckpt.verify_checkpoint(path))
-        drop_pages(path)
         load_bytes = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)
                          if f.startswith(("megatrain_master", "megatrain_optimizer"))
                          or (save_dtype == torch.float32 and f.startswith("model")))
-        load_s = timed(lambda: (ckpt.load_pretrained_into_engine(engine, path),
-                                ckpt.load_training_state(engine, path)))
         export_bytes = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)
                            if f.startswith("model") and f.endswith(".safetensors"))
-        drop_pages(path)
-        export_load_s = timed(lambda: ckpt.load_pretrained_into_engine(engine, path, prefix=ckpt.WEIGHTS_PREFIX))
+        once = ckpt.files_checked_on_load(engine, path, page_cache_bytes=0)  # (as if larger than the page cache)
+        reads = {
+            "verify": lambda: ckpt.verify_checkpoint(path),
+            "load": lambda: (ckpt.load_pretrained_into_engine(engine, path), ckpt.load_training_state(engine, path)),
+            "load_export": lambda: ckpt.load_pretrained_into_engine(engine, path, prefix=ckpt.WEIGHTS_PREFIX),
+            "resume_once": lambda: (ckpt.verify_checkpoint(path, crc_on_load=once),
+                                    ckpt.load_pretrained_into_engine(engine, path),
+                                    ckpt.load_training_state(engine, path)),
+        }
+        phases: dict[str, dict] = {}
+        for name, fn in reads.items():
+            for cache in ("cold", "warm") if a.warm else ("cold",):
+                if cache == "cold":
+                    drop_pages(path)
+                else:
+                    fn()  # (the pages it reads are now cached)
+                phases[f"{name}_{cache}"] = timed_phases(fn)
+        verify_s, load_s = phases["verify_cold"]["total_s"], phases["load_cold"]["total_s"]
+        export_load_s = phases["load_export_cold"]["total_s"]
         gb = nbytes / 1e9
         rw, rr, pw, pr = gb / raw_w, gb / raw_r, gb / raw_pw, gb / raw_pr
         dr = gb / raw_dr if raw_dr else None
@@ -281,14 +318,29 @@ def main(argv: list[str] | None = None) -> int:
             "verify_cold": rate(nbytes, verify_s, False),
             "load_cold": rate(load_bytes, load_s, False),
             "load_export_cold": {**rate(export_bytes, export_load_s, False), "dtype": a.save_dtype},
+            "resume_once_cold": {**rate(load_bytes, phases["resume_once_cold"]["total_s"], False),
+                                 "bytes_read": phases["resume_once_cold"]["bytes"], "checkpoint_bytes": nbytes},
+            "phases": phases,
         })
+        for cache in ("warm",) if a.warm else ():
+            res[f"rates_{cache}"] = {n: (load_bytes if n in ("load", "resume_once") else export_bytes
+                                         if n == "load_export" else nbytes) / 1e9 / phases[f"{n}_{cache}"]["total_s"]
+                                     for n in reads}
         print(f"checkpoint {gb:.2f} GB ({len(res['files'])} files)")
         print(f"  raw write+fsync  {rw:6.2f} GB/s one stream, {pw:6.2f} GB/s {threads} threads")
         print(f"  raw read (cold)  {rr:6.2f} GB/s one stream, {pr:6.2f} GB/s {threads} threads, O_DIRECT "
               + (f"{dr:.2f} GB/s" if dr else "unsupported"))
-        for k in ("checkpoint_write", "verify_cold", "load_cold", "load_export_cold"):
+        for k in ("checkpoint_write", "verify_cold", "load_cold", "load_export_cold", "resume_once_cold"):
             print(f"  {k:<16} {res[k]['GBps']:6.2f} GB/s   {100 * res[k]['vs_raw']:5.1f} % of one stream, "
                   f"{100 * res[k]['vs_ceiling']:5.1f} % of the ceiling")
+        print(f"  phases ({fast_io.READERS} readers, {fast_io.READ_CHUNK >> 20} MiB reads; thread-seconds but "
+              "total / wall / other):")
+        for k, ph in phases.items():
+            print(f"    {k:<18} total {ph['total_s']:6.2f} s  wall {ph['wall_s']:6.2f}  other {ph['other_s']:5.2f}  "
+                  + "  ".join(f"{n[:-2]} {ph[n]:6.2f}" for n in ("read_s", "crc_s", "convert_s", "copy_s", "stall_s"))
+                  + f"  {ph['bytes'] / 1e9 / ph['total_s']:6.2f} GB/s")
+        if a.warm:
+            print("  warm (page cache): " + ", ".join(f"{n} {g:.2f} GB/s" for n, g in res["rates_warm"].items()))
         if a.out:
             os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
             with open(a.out, "w") as f:

@@ -1,0 +1,147 @@
+"""Checkpoint loads as a read pipeline (issue 29): readers hand each chunk to a lane thread for the CRC-32 and the
+conversion, any reader count and read size give the same bytes, corruption is still refused, and a resume too large
+for the page cache reads every byte of the checkpoint once (counted with ``read_stats``), not twice."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import zlib
+
+import pytest
+import torch
+
+from hf_megatrain import MegaTrainConfig, MegaTrainEngine
+from hf_megatrain import checkpoint as ckpt
+from hf_megatrain.checkpoint import fast_io
+from hf_megatrain.checkpoint.read_into import HeaderError, Target, read_into
+
+from .models import tiny
+
+
+def _crc(path) -> str:
+    with open(path, "rb") as f:
+        return f"{zlib.crc32(f.read()):08x}"
+
+
+def _trained_checkpoint(tmp_path) -> tuple[MegaTrainEngine, str, dict, dict]:
+    """An engine with non-trivial masters and moments, its checkpoint (bf16 export + FP32 master + moments +
+    manifest), and copies of what was saved."""
+    engine = MegaTrainEngine(tiny("llama"), MegaTrainConfig(compute_dtype="float32"), device="cpu")
+    opt = engine.create_optimizer(lr=1e-2)
+    with torch.no_grad():
+        for u in engine.store.units:
+            u.exp_avg.normal_()
+            u.exp_avg_sq.uniform_()
+    path = str(tmp_path / "checkpoint-1")
+    with ckpt.atomic_directory(path) as tmp:
+        ckpt.save_pretrained_streamed(engine, tmp, dtype=torch.bfloat16)
+        ckpt.save_training_state(engine, tmp, master=True)
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            json.dump({"global_step": 1}, f)
+        ckpt.write_manifest(tmp)
+    masters = {n: t.clone() for n, t in engine.named_master_tensors()}
+    moments = {k: v.clone() for k, v in opt.state_tensors().items()}
+    return engine, path, masters, moments
+
+
+def _scramble(engine: MegaTrainEngine) -> None:
+    with torch.no_grad():
+        for _, t in engine.named_master_tensors():
+            t.add_(1.0)
+        for u in engine.store.units:
+            u.exp_avg.zero_()
+            u.exp_avg_sq.zero_()
+
+
+def _exact(engine: MegaTrainEngine, masters: dict, moments: dict) -> bool:
+    return (all(torch.equal(t, masters[n]) for n, t in engine.named_master_tensors())
+            and all(torch.equal(v, moments[k]) for k, v in engine.optimizer.state_tensors().items()))
+
+
+@pytest.mark.parametrize("readers,chunk", [(1, 1 << 20), (3, 1000), (8, 4096)])
+def test_loads_bitwise_exact_for_any_readers_and_read_size(tmp_path, monkeypatch, readers, chunk):
+    engine, path, masters, moments = _trained_checkpoint(tmp_path)
+    monkeypatch.setattr(fast_io, "READERS", readers)
+    monkeypatch.setattr(fast_io, "READ_CHUNK", chunk)
+    _scramble(engine)
+    ckpt.verify_checkpoint(path)
+    ckpt.load_pretrained_into_engine(engine, path)
+    assert ckpt.load_training_state(engine, path)
+    assert _exact(engine, masters, moments)
+    with ckpt.read_stats() as st:  # the bf16 export: converted once into the FP32 masters, on the lanes
+        ckpt.load_pretrained_into_engine(engine, path, prefix=ckpt.WEIGHTS_PREFIX)
+    assert all(torch.equal(t, masters[n].bfloat16().float()) for n, t in engine.named_master_tensors())
+    assert st.convert_s > 0 and st.crc_s > 0 and st.read_s > 0 and 1 <= st.readers <= readers
+    files = sorted(f for f in os.listdir(path))
+    assert fast_io.crc32_files([os.path.join(path, f) for f in files]) == [_crc(os.path.join(path, f))
+                                                                           for f in files]
+
+
+def test_resume_larger_than_the_page_cache_reads_each_byte_once(tmp_path):
+    engine, path, masters, moments = _trained_checkpoint(tmp_path)
+    total = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f != ckpt.MANIFEST)
+    loaded = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.startswith("megatrain_")
+                 and f.endswith(".safetensors"))
+
+    def resume(once: list[str]) -> int:
+        _scramble(engine)
+        with ckpt.read_stats() as st:
+            ckpt.verify_checkpoint(path, crc_on_load=once)
+            ckpt.load_pretrained_into_engine(engine, path)
+            assert ckpt.load_training_state(engine, path)
+        assert _exact(engine, masters, moments)
+        return st.bytes
+
+    # Fits in the page cache: verify reads everything first (a corrupt file refused before any state is touched),
+    # the loads read master and moments again (from the cache).
+    assert ckpt.files_checked_on_load(engine, path, page_cache_bytes=1 << 40) == []
+    assert resume([]) == total + loaded
+    once = ckpt.files_checked_on_load(engine, path, page_cache_bytes=0)  # larger than the page cache
+    assert sorted(once) == ["megatrain_master.safetensors", ckpt.OPTIMIZER_TENSORS]
+    assert resume(once) == total  # every byte read once, by the verify or by a load (that checks its CRC)
+
+    for fname in once:  # a corrupt file the verify no longer reads is refused by the load, naming it
+        p = os.path.join(path, fname)
+        data = bytearray(open(p, "rb").read())
+        data[-7] ^= 0x10
+        open(p, "wb").write(bytes(data))
+        ckpt.verify_checkpoint(path, crc_on_load=once)  # (sizes and headers: fine)
+        with pytest.raises(ckpt.CheckpointError, match=f"{fname} is corrupt.*CRC-32"):
+            ckpt.load_pretrained_into_engine(engine, path)
+            ckpt.load_training_state(engine, path)
+        with pytest.raises(ckpt.CheckpointError, match=f"{fname} does not hold the bytes"):
+            ckpt.verify_checkpoint(path)  # (without crc_on_load: refused before anything is read)
+        data[-7] ^= 0x10
+        open(p, "wb").write(bytes(data))
+
+
+def test_a_failing_reader_stops_the_others_and_raises(tmp_path, monkeypatch):
+    """A read error in one reader thread surfaces as the load's error (no hang, no partial success)."""
+    path = str(tmp_path / "x.safetensors")
+    g = torch.Generator().manual_seed(0)
+    ckpt.write_safetensors(path, [(f"t{i}", torch.randn(1000, generator=g)) for i in range(20)])
+    real, calls = os.preadv, []
+
+    def flaky(fd, bufs, off):
+        calls.append(off)
+        return 0 if len(calls) == 7 else real(fd, bufs, off)
+
+    monkeypatch.setattr(os, "preadv", flaky)
+    targets = {f"t{i}": Target(torch.empty(1000)) for i in range(20)}
+    with pytest.raises(HeaderError, match="unexpected end of file"):
+        read_into([(path, targets, True)], workers=4, chunk=1024)
+    monkeypatch.setattr(os, "preadv", real)
+    assert read_into([(path, targets, True)], workers=4, chunk=1024) == [_crc(path)]
+
+
+def test_crc32_files_any_size_any_readers(tmp_path):
+    rng = random.Random(3)
+    paths = []
+    for i, n in enumerate((0, 1, 4095, 4096, 4097, 50001)):
+        p = tmp_path / f"f{i}"
+        p.write_bytes(rng.randbytes(n))
+        paths.append(str(p))
+    for readers in (1, 2, 5):
+        assert fast_io.crc32_files(paths, workers=readers, chunk=4096) == [_crc(p) for p in paths]

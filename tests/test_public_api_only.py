@@ -6,7 +6,8 @@ dunder) is a name the package's own source defines -- a ``def`` or ``class``, or
 (``self._cache = ...``, ``_FLAGS = [...]``, ``fn._marker = True``):
 
 - an attribute ``x._name``, read, written or called (``engine.executor.rows._probe``, ``trainer._mt_config``);
-- ``getattr`` / ``setattr`` / ``hasattr`` / ``delattr`` (and ``monkeypatch.setattr``) with the string ``"_name"``;
+- ``getattr`` / ``setattr`` / ``hasattr`` / ``delattr`` (and ``monkeypatch.setattr``) with the string ``"_name"``,
+  or ``monkeypatch.setattr("hf_megatrain.module._name", ...)``;
 - ``from hf_megatrain... import _name``.
 
 Keyed on the package's names rather than on where ``x`` comes from, so it needs no type inference and stays robust:
@@ -86,12 +87,16 @@ def private_uses(source: str, private: frozenset[str] | set[str]) -> list[tuple[
             owner = node.value.id if isinstance(node.value, ast.Name) else None
             if owner not in ("self", "cls"):
                 found.append((node.lineno, f".{node.attr}"))
-        elif isinstance(node, ast.Call) and len(node.args) >= 2:
+        elif isinstance(node, ast.Call) and node.args:
             fn = node.func
             called = fn.id if isinstance(fn, ast.Name) else fn.attr if isinstance(fn, ast.Attribute) else None
-            name = node.args[1]
+            name = node.args[1] if len(node.args) >= 2 else None
+            dotted = node.args[0].value if isinstance(node.args[0], ast.Constant) else None
             if called in NAME_CALLS and isinstance(name, ast.Constant) and name.value in private:
                 found.append((node.lineno, f"{called}(..., {name.value!r})"))
+            elif called in NAME_CALLS and isinstance(dotted, str) and dotted.startswith("hf_megatrain.") \
+                    and dotted.rsplit(".", 1)[-1] in private:
+                found.append((node.lineno, f"{called}({dotted!r}, ...)"))
         elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "hf_megatrain":
             for alias in node.names:
                 if is_private(alias.name):
@@ -119,9 +124,10 @@ def test_the_scan_sees_reads_writes_name_calls_and_imports():
            "engine._mt_config = 1\n"
            "monkeypatch.setattr(mod, '_FLAGS', [])\n"
            "getattr(f, '_marker', False)\n"
+           "monkeypatch.setattr('hf_megatrain.core.kernels._FLAGS', [])\n"
            "self._cache = {}\n"  # (a test's own class)
            "torch._dynamo.reset()\n")  # (not the package's)
     private = {"_cache", "_mt_config", "_FLAGS", "_marker"}
-    assert [line for line, _ in private_uses(src, private)] == [1, 2, 3, 4, 5]
+    assert [line for line, _ in private_uses(src, private)] == [1, 2, 3, 4, 5, 6]
     defined = defined_private_names(ast.parse("_A = 1\nclass _B: pass\ndef f():\n    self._c, fn._d = 1, 2\n"))
     assert defined == {"_A", "_B", "_c", "_d"}

@@ -40,9 +40,9 @@ def build(shape: str, layers: int) -> transformers.PreTrainedModel:
             model = transformers.LlamaForCausalLM(cfg)
     finally:
         torch.set_default_dtype(torch.float32)
-    with torch.no_grad():
+    with torch.no_grad():  # drawn on the GPU: a CPU bf16 normal_ of a 70B shape's ~5 B parameters takes minutes
         for p in model.parameters():
-            p.normal_(0.0, 0.02)
+            p.copy_(torch.empty(p.shape, dtype=p.dtype, device="cuda").normal_(0.0, 0.02))
     model.requires_grad_(False)
     return model.eval()
 
@@ -69,7 +69,9 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--plain", action="store_true", help="also time plain HF generate, the model whole on the GPU")
     a = ap.parse_args()
+    t0 = time.perf_counter()
     model = build(a.shape, a.layers)
+    print(f"built {a.shape} x {a.layers} layers in {time.perf_counter() - t0:.1f} s", flush=True)
     layer_bytes = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
     out: dict = {"shape": a.shape, "layers": a.layers, "real_layers": SHAPES[a.shape][5], "prompt": a.prompt,
                  "new_tokens": a.new, "layer_bytes_bf16": layer_bytes, "device": torch.cuda.get_device_name(),
@@ -83,7 +85,9 @@ def main() -> None:
             print(json.dumps(out["plain"][-1]), flush=True)
         model = plain.to("cpu")
         torch.cuda.empty_cache()
+    t0 = time.perf_counter()
     engine = MegaTrainEngine(model, MegaTrainConfig(compute_dtype="bfloat16", device_layers=0), device="cuda")
+    print(f"engine built in {time.perf_counter() - t0:.1f} s", flush=True)
     time_generate(engine.model, a.batches[0], a.prompt, 4)  # (warm-up)
     real = SHAPES[a.shape][5]
     for b in a.batches:

@@ -159,6 +159,15 @@ class MegaTrainConfig:
             of 12 bytes per parameter), written by the same AdamW pass: weights stream in the compute dtype, half
             the PCIe bytes of FP32 (a layer's forward at 123B width is bound by that transfer otherwise). Needs
             bfloat16 compute.
+        lean_grad_plane: with ``lean_store``, keep each layer's gradient of the step on the host (a *gradient
+            plane*), so a step that clips updates every layer from it with the clip factor after the backward instead
+            of re-running its forward+backward (optim/grad_plane.py). bf16 where the gradients cross narrow (the
+            ``narrow_grads`` condition: one backward per step, no ``micro_batch_size`` split, a bf16-reading
+            ``host_kernel``; such a gradient is exactly a bf16 tensor): +2 bytes per parameter, 14 with
+            ``lean_store`` alone, 16 with ``lean_compute_copy``; else FP32, +4. "auto": on where the host plan with
+            it fits ``host_memory_fraction`` of the RAM, and not with a bf16 plane and ``micro_batch_size`` (a split
+            visit's gradient is an FP32 sum); ``megatrain estimate`` says which layout and why. "on": always (a step
+            whose gradients cannot land on it still re-runs, with a log line saying why). "off": never.
         torch_compile: run each layer template and the loss's per-chunk softmax/gradient through ``torch.compile``
             (fuses the elementwise work: ~17% faster steps at 14B width; one compilation per layer kind, tens of
             seconds at start). Same math, different fp32 rounding (parity ~1e-5..1e-4 instead of bit-exact
@@ -229,6 +238,7 @@ class MegaTrainConfig:
     device_step_state: str = "device"
     lean_store: bool = False
     lean_compute_copy: bool = False
+    lean_grad_plane: str = "auto"
     torch_compile: bool = False
     speculative_step: bool = True
     exact_take_back: bool = False
@@ -292,6 +302,11 @@ class MegaTrainConfig:
         if self.lean_compute_copy and self.torch_compute_dtype == torch.float32:
             raise ValueError("lean_compute_copy=True needs compute_dtype='bfloat16': with float32 compute the "
                              "master is what streams")
+        if self.lean_grad_plane not in ("auto", "on", "off"):
+            raise ValueError(f"lean_grad_plane={self.lean_grad_plane!r}; use 'auto', 'on' or 'off'")
+        if self.lean_grad_plane == "on" and not self.lean_store:
+            raise ValueError("lean_grad_plane='on' is an option of the lean store: set lean_store=True too (the "
+                             "other host layers keep an FP32 gradient anyway)")
         if self.lean_store and self.device_step_layers > 0:
             raise ValueError(f"lean_store=True cannot run AdamW on the GPU (device_step_layers="
                              f"{self.device_step_layers}): that path keeps each layer's gradient until the step. "

@@ -19,7 +19,8 @@ from .parity import random_batches, reference_optimizer, rel, run_parity
 
 
 def lean(**kw) -> MegaTrainConfig:
-    return MegaTrainConfig(**{"compute_dtype": "float32", "lean_store": True, **kw})
+    # (the re-run path: without the gradient plane, tests/test_lean_grad_plane.py tests the path with it)
+    return MegaTrainConfig(**{"compute_dtype": "float32", "lean_store": True, "lean_grad_plane": "off", **kw})
 
 
 def n_items(lab: torch.Tensor) -> int:
@@ -146,7 +147,8 @@ def test_bf16_compute_matches_full_store():
     model = tiny("llama")
     engines = []
     for is_lean in (False, True):
-        cfg = MegaTrainConfig(compute_dtype="bfloat16", lean_store=is_lean, resident_placement="host")
+        cfg = MegaTrainConfig(compute_dtype="bfloat16", lean_store=is_lean, resident_placement="host",
+                              lean_grad_plane="off")  # (the re-run path)
         e = MegaTrainEngine(copy.deepcopy(model), cfg, device="cpu")
         e.create_optimizer(lr=1e-3, weight_decay=0.1, max_grad_norm=0.3)
         engines.append(e)
@@ -177,7 +179,8 @@ def test_lean_compute_copy_trains_bit_identically(kernel):
     out = {}
     for with_copy in (False, True):
         cfg = MegaTrainConfig(compute_dtype="bfloat16", lean_store=True, lean_compute_copy=with_copy,
-                              host_kernel=kernel, overlap_optimizer=False, resident_placement="host")
+                              host_kernel=kernel, overlap_optimizer=False, resident_placement="host",
+                              lean_grad_plane="off")  # (the re-run path; the plane's: test_lean_grad_plane.py)
         e = MegaTrainEngine(copy.deepcopy(model), cfg, device="cpu")
         assert all((u.compute is not None) == with_copy for u in e.layer_units)
         opt = e.create_optimizer(lr=1e-3, weight_decay=0.1, max_grad_norm=clips[0])
@@ -378,7 +381,7 @@ def _log(trainer):
 
 
 def test_trainer_parity_save_reload_and_exact_resume(tmp_path):
-    cfg = {"compute_dtype": "float32", "lean_store": True, "micro_batch_size": 2}
+    cfg = {"compute_dtype": "float32", "lean_store": True, "micro_batch_size": 2, "lean_grad_plane": "off"}
     model = tiny("llama")
     ref = transformers.Trainer(model=copy.deepcopy(model), args=_args(tmp_path / "ref", None),
                                train_dataset=_dataset())

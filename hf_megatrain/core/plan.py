@@ -15,6 +15,8 @@ byte counts are sums of ``UnitPlan.nbytes`` over the same plans.
     kept layer        device  device  device       none          DEVICE: everything on the GPU, cast per visit
     lean layer        host    none    host / disk  none          LEAN: update as each gradient lands
       (lean_compute_copy) host none   host / disk  host (bf16)   LEAN: the update writes the copy too
+      (lean_grad_plane)   + the step's gradient on the host as it crossed (bf16 when narrow, else FP32:
+                          optim/grad_plane.py): a clipping step updates from it, no re-run of its forward+backward
     resident (device) device  device  device       device (bf16) DEVICE
     resident (host)   host    host    host / disk  host (bf16)   HOST, then published to the device parameters
 
@@ -28,6 +30,7 @@ optimizer at construction; they carry it out without reading the options again.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 
@@ -64,6 +67,9 @@ KEPT_LAYER_DEVICE_BYTES = 16  # FP32 master, gradient, m, v
 STEPPED_LAYER_DEVICE_BYTES = 12  # FP32 gradient, m, v
 
 
+GRAD_PLANE_ROW = "lean grad plane"  # a lean unit's gradient plane (optim/grad_plane.py, allocated by LeanAdamW)
+
+
 def _elt(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
@@ -79,6 +85,7 @@ class UnitPlan:
     moments: Where
     compute: Where  # separate compute-dtype copy; NONE: the master is what is read (fp32, or cast on the device)
     stepper: Stepper
+    grad_plane: int = 0  # a lean unit's gradient plane: bytes per parameter (2: bf16, 4: FP32; 0: none)
 
     def buffers(self, compute_dtype: torch.dtype) -> dict[str, tuple[Where, int]]:
         """Every buffer this unit allocates: name -> (where, bytes)."""
@@ -88,6 +95,7 @@ class UnitPlan:
                "compute copy": (self.compute, c * self.numel)}
         # Frozen parameters of layers stream from the host; frozen resident ones stay on the device.
         out["frozen params (compute dtype)"] = (Where.HOST if self.streamed else Where.DEVICE, c * self.frozen_numel)
+        out[GRAD_PLANE_ROW] = (Where.HOST if self.grad_plane else Where.NONE, self.grad_plane * self.numel)
         return {k: v for k, v in out.items() if v[0] is not Where.NONE}
 
     def nbytes(self, where: Where, compute_dtype: torch.dtype) -> int:
@@ -103,11 +111,13 @@ class PlanInputs:
     frozen_numels: list[int]
     device_type: str
     gpu_budget: int | None = None
+    plane_fits: bool = False  # lean_grad_plane="auto": the host has room for the gradient plane (the planner's)
 
 
 @dataclass(frozen=True)
 class Plans:
     units: list[UnitPlan] = field(default_factory=list)
+    grad_plane_why: str = ""  # lean store: whether its layers keep a gradient plane, and why
 
     @property
     def layers(self) -> list[UnitPlan]:
@@ -143,7 +153,8 @@ class Plans:
         lean = len(self.indices(Stepper.LEAN))
         return (f"of {n} streamed layers, {kept} stay on the GPU, {stepped} run AdamW on the GPU, "
                 f"{n - kept - stepped - lean} on the CPU{f', {lean} lean' if lean else ''}; resident parts "
-                f"{'on the device' if self.resident_on_device else 'on the host'}")
+                f"{'on the device' if self.resident_on_device else 'on the host'}"
+                + (f"; {self.grad_plane_why}" if self.grad_plane_why else ""))
 
 
 def resident_device_bytes(numel: int, compute_dtype: torch.dtype) -> int:
@@ -245,7 +256,31 @@ def build_plans(inputs: PlanInputs, config: MegaTrainConfig) -> Plans:
     else:
         where = (Where.HOST, Where.HOST, host_moments, host_copy, Stepper.HOST)
     units.append(UnitPlan(len(layer_numels), False, resident_numel, resident_frozen, *where))
-    return Plans(units)
+    plane, why = _grad_plane(config, inputs)
+    if plane:
+        units = [dataclasses.replace(p, grad_plane=plane) if p.stepper is Stepper.LEAN else p for p in units]
+    return Plans(units, why)
+
+
+def _grad_plane(config: MegaTrainConfig, inputs: PlanInputs) -> tuple[int, str]:
+    """``lean_grad_plane``: the bytes per parameter of the lean layers' gradient plane (optim/grad_plane.py; 0:
+    none), and why. It holds each gradient as it crosses: bf16 where ``decide_modes`` makes them narrow (exact for
+    a visit computed whole), else FP32."""
+    if not config.lean_store:
+        return 0, ""
+    choice = config.lean_grad_plane
+    if choice == "off":
+        return 0, "no gradient plane (lean_grad_plane='off'): a step that clips re-runs its forward+backward"
+    narrow = decide_modes(config, Plans(), inputs.device_type, data_parallel=False, probe=False).narrow
+    size = 4 if narrow is None else narrow.itemsize
+    if choice == "auto" and narrow is not None and config.micro_batch_size > 0:
+        return 0, ("no gradient plane: micro_batch_size splits each layer visit, whose gradient is then an FP32 "
+                   "sum (not exact in bf16); a step that clips re-runs its forward+backward")
+    if choice == "auto" and not inputs.plane_fits:
+        return 0, (f"no gradient plane: its {size} B/param do not fit the host's RAM (host_memory_fraction); a "
+                   "step that clips re-runs its forward+backward")
+    return size, (f"{'bf16' if narrow is not None else 'FP32'} gradient plane (lean_grad_plane={choice!r}, +{size} "
+                  "B/param): a step that clips updates every layer from it, no second forward+backward")
 
 
 def host_layer_plan(lean: bool, lean_copy: bool, compute_dtype: torch.dtype) -> UnitPlan:
@@ -264,12 +299,15 @@ class StepModes:
     gradient that is its step's only, whole visit crosses PCIe and lands (engine/offload.py), or None.
     ``speculate``: host units are updated as their gradients land in the step's last backward
     (optim/speculative_step.py). ``consume``: some units have no gradient buffer and consume each gradient as it
-    lands (optim/lean.py ``LeanAdamW``); the engine then records each training forward for a re-run."""
+    lands (optim/lean.py ``LeanAdamW``); the engine then records each training forward for a re-run.
+    ``grad_plane``: the dtype in which those units keep the step's gradient on the host (optim/grad_plane.py), or
+    None."""
 
     host_kernel: kernels.HostKernel = kernels.HostKernel.FUSED
     narrow: torch.dtype | None = None
     speculate: bool = False
     consume: bool = False
+    grad_plane: torch.dtype | None = None
 
     def describe(self) -> dict[str, object]:
         """What the run summary reports of these modes (engine/summary.py), under the config's names."""
@@ -308,5 +346,12 @@ def decide_modes(config: MegaTrainConfig, plans: Plans, device_type: str, data_p
     narrow = (config.narrow_grads and not data_parallel
               and kernel in (kernels.HostKernel.COMPILED, kernels.HostKernel.NATIVE)
               and config.torch_grad_offload_dtype == torch.float32 and compute.itemsize == 2)
+    planned = max((p.grad_plane for p in plans.units), default=0)
+    crosses = compute if narrow else torch.float32  # (a lean gradient computed whole, as it lands on the host)
+    if planned and planned != crosses.itemsize:  # (planned for a native kernel that did not build here)
+        logger.warning("hf_megatrain: lean_grad_plane: the layer gradients cross in %s (host kernel %s), not what "
+                       "the plan sized the plane for: no gradient plane; a step that clips re-runs its "
+                       "forward+backward", crosses, kernel.value)
     return StepModes(host_kernel=kernel, narrow=compute if narrow else None,
-                     speculate=config.speculative_step and not consume, consume=consume)
+                     speculate=config.speculative_step and not consume, consume=consume,
+                     grad_plane=crosses if planned == crosses.itemsize else None)

@@ -7,7 +7,8 @@ two offload buffers (``buffer()``); ``send`` hands it to the sink the unit's pla
     gradient on the host                         D2H on the D2H stream: the step's first visit straight into the
                                                  host buffer, later ones (accumulation) through a staging buffer,
                                                  added when they land
-    no gradient (lean)                           D2H into one of two FP32 staging slabs, with its squared norm, and
+    no gradient (lean)                           D2H into one of two FP32 staging slabs (or the sink's bf16
+                                                 gradient plane: ``plane_slab``), with its squared norm, and
                                                  handed to the sink's ``consume`` (the lean optimizer), which
                                                  releases the slab before it is reused
 
@@ -184,7 +185,12 @@ class GradientOffload:
         ready = self.streams.record(self.streams.compute)
         self._drain(k)  # slab k released by the consumer (it may still be reading the gradient of two layers up)
         narrow = self._narrow_k[k]
-        slab = self.staging[k][:unit.numel] if narrow is None else self.staging[k].view(narrow)[:unit.numel]
+        if self.sink is None:
+            raise RuntimeError("hf_megatrain: lean_store needs the optimizer before the first backward "
+                               "(engine.create_optimizer)")
+        slab = self.sink.plane_slab(unit.index, narrow)  # (lean_grad_plane: the gradient stays on the host there)
+        if slab is None:
+            slab = self.staging[k][:unit.numel] if narrow is None else self.staging[k].view(narrow)[:unit.numel]
         sq_host = self.sq_host[k][0]
         st = self.streams
         with st.on(st.d2h):
@@ -195,9 +201,6 @@ class GradientOffload:
         self.d2h_bytes += unit.numel * slab.element_size()
         self.pending[k] = (unit, "", 0, unit.numel)
         self.state.accumulate(unit.index, sq)  # (keeps the device scalar alive until its copy is done)
-        if self.sink is None:
-            raise RuntimeError("hf_megatrain: lean_store needs the optimizer before the first backward "
-                               "(engine.create_optimizer)")
         self.lean_wait[k] = self.sink.consume(unit.index, slab, sq_host, self.done[k])
 
     def _drain(self, k: int) -> None:

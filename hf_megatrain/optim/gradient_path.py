@@ -42,6 +42,11 @@ class GradientSink(Protocol):
         norm, read on the host, when a single visit produced it)."""
         ...
 
+    def plane_slab(self, unit: int, dtype: torch.dtype | None) -> torch.Tensor | None:
+        """Where a lean unit's gradient arriving in ``dtype`` should land instead of a staging slab (its slice of
+        the lean store's gradient plane, optim/grad_plane.py), or None."""
+        ...
+
     def consume(self, unit: int, slab: torch.Tensor, sq: torch.Tensor, ready: Any) -> Callable[[], None]:
         """A lean unit's gradient is on its way into host ``slab`` (``sq``: its squared-norm cell, ``ready``: the
         copy's event); returns a wait() that returns once the slab may be reused."""

@@ -21,6 +21,11 @@ re-run). Each step runs in one of two modes, chosen from the previous step:
   layer's squared gradient norm; ``step()`` then knows the clip factor and re-runs the forward+backward, each
   gradient getting its exact update as it lands. Twice the GPU work, one host pass.
 
+With a gradient plane (``lean_grad_plane``: optim/grad_plane.py; bf16 where the gradients cross narrow) each
+gradient also stays on the host, so nothing re-runs: a norm-first step updates every layer from the plane with the clip factor (in the next forward's
+order, overlapping it: ``_replay``), and a speculated step that turns out to clip (or is skipped) is taken back and
+redone from it. A step whose gradients missed the plane (split into micro-batches) re-runs as above.
+
 A layer whose gradient is non-finite is never updated (the step will be skipped), so a NaN loss leaves every
 weight and moment bit-identical without a re-run. The resident unit keeps its gradient buffer and steps as in
 ``UnitAdamW``.
@@ -39,6 +44,7 @@ from ..core.plan import StepModes, Stepper
 from ..core.step_state import StepState
 from ..core.store import UnitStore
 from .adamw import UnitAdamW
+from .grad_plane import GradPlane
 from .gradient_path import GradientPath
 from .jobs import Jobs
 from .speculation import Act, Key, SpeculationPolicy, StepDecision
@@ -71,15 +77,36 @@ class LeanAdamW(UnitAdamW):
         # Observers of each consumed layer gradient (tests, diagnostics), called on the worker before the update:
         # fn(unit index, first pass?, gradient slab, squared-norm cell); they may read (or, in tests, poison) both.
         self.gradient_hooks: list[Callable[[int, bool, torch.Tensor, torch.Tensor], None]] = []
+        # The gradient plane where the plans keep one (core/plan.py; decided there, allocated here), and only
+        # when clipping is on: without a clip factor no step needs the gradients after their update.
+        modes: StepModes = kwargs.get("modes", StepModes())
+        units = [u for u in store.units if u.index in self.lean]
+        clipping = bool(self.max_grad_norm and self.max_grad_norm > 0)
+        self.plane = GradPlane(units, modes.grad_plane, pin=any(u.master.is_pinned() for u in units)) \
+            if modes.grad_plane is not None and units and clipping else None
+        if modes.grad_plane is not None and not clipping:
+            logger.info("hf_megatrain: lean_grad_plane: no clipping (max_grad_norm=%s): the gradient plane is not "
+                        "allocated", self.max_grad_norm)
+        self.plane_steps = 0  # steps settled from the plane (clipped, skipped or taken back, without a re-run)
+        self._warned_plane = False
 
     @property
     def max_regenerated_sq_error(self) -> float:
         return self.policy.max_sq_error
 
     # -- gradients in -------------------------------------------------------------------------------------------------
+    def plane_slab(self, i: int, dtype: torch.dtype | None) -> torch.Tensor | None:
+        """Where the offload should copy unit ``i``'s gradient of the step's own backward, arriving in ``dtype``
+        (None: FP32): its slice of the gradient plane when it can hold it exactly, else None (a staging slab)."""
+        if self.plane is None or self.policy.rerun is not None:
+            return None
+        return self.plane.slab(i, dtype)
+
     def consume(self, i: int, slab: torch.Tensor, sq: torch.Tensor, ready: Any) -> Callable[[], None]:
         """The gradient sink (called by engine/offload.py): the executor's D2H of unit ``i``'s gradient into host
         ``slab`` is queued (``ready``: its event); returns a wait() that returns once the slab may be reused."""
+        if self.plane is not None and self.policy.rerun is None:
+            self.plane.note(i, slab)
         self.step_state.begin_update(i)
         return self._jobs.submit(partial(self._apply, self.policy.rerun is None, i, slab, sq, ready))
 
@@ -195,6 +222,14 @@ class LeanAdamW(UnitAdamW):
                 self.step_state.landed(u.index)
 
     def _rerun(self, grad_scale: float | None, skip: bool, hyper: list[kernels.Hyper], d: StepDecision) -> None:
+        if self.plane is not None:
+            if self.plane.holds(d.expected | set(d.take_back)):
+                self._replay(grad_scale, skip, hyper, d)
+                return
+            if not self._warned_plane:
+                self._warned_plane = True
+                logger.warning("hf_megatrain: lean_grad_plane: this step's gradients are not all on the gradient "
+                               "plane (%s): re-running its forward+backward instead", self.plane.why_not())
         if skip and all(self.take_back_copies.has(i) for i in d.take_back):
             # A skipped (or dropped) step whose updates all have copies: restored whole, nothing to regenerate.
             for i in d.take_back:
@@ -224,7 +259,41 @@ class LeanAdamW(UnitAdamW):
             raise RuntimeError(f"lean_store: the re-run produced no gradient for layer units {sorted(missing)}; "
                                "their AdamW state could not be corrected")
 
+    def _replay(self, grad_scale: float | None, skip: bool, hyper: list[kernels.Hyper], d: StepDecision) -> None:
+        """``_rerun`` without the second forward+backward: every gradient of the step is on the plane. The policy's
+        decisions and the take-backs run here; the updates go to the worker in the next forward's order, which waits
+        for each layer's own (``step()`` returns at once, as after the full store's launch)."""
+        self.plane_steps += 1
+        applied = dict(self.policy.applied)
+        for i in d.take_back:
+            self._undo_master(i, applied[i])
+        self.policy.corrected = set()
+        self.policy.rerun = (grad_scale, skip, self._key(hyper, grad_scale))
+        todo = []
+        try:
+            for i in (j for j in self.unit_order if j in d.expected):
+                act = self.policy.regenerated(i, self.policy.sq[i])
+                if act in (Act.UNDO, Act.REDO):  # (its master was taken back above)
+                    self._undo_moments(i, self.plane.of(i), applied[i])
+                if act in (Act.REDO, Act.UPDATE):
+                    todo.append(i)
+        finally:
+            self.policy.rerun = None
+        for i in todo:
+            self.step_state.begin_update(i)
+            self._jobs.submit(partial(self._update_from_plane, i, hyper, grad_scale))
+
+    def _update_from_plane(self, i: int, hyper: list[kernels.Hyper], grad_scale: float | None) -> None:
+        try:
+            u = self.store.units[i]
+            with torch.no_grad(), torch.profiler.record_function("megatrain.optimizer.lean_unit"):
+                self.update_(u, [u.master, self.plane.of(i), u.exp_avg, u.exp_avg_sq], hyper, grad_scale)
+        finally:
+            self.step_state.finish_update(i, True)
+
     def _end(self, clipped: bool | None) -> None:
+        if self.plane is not None:
+            self.plane.end_step()
         self.take_back_copies.clear()
         self.policy.end(clipped)
         self.grads.discard()

@@ -16,6 +16,7 @@ import torch
 
 from ..config import MegaTrainConfig, resolve_config
 from ..core.memory import available_host_bytes, format_bytes, gpu_budget
+from .host_layout import Layout, choose, host_layouts, is_planned, layout_lines
 from .predict import GiB, MemoryPlan, ModelShape, estimate, sum_values, unit_plans
 from .step_time import MachineProfile, StepPrediction, predict_step
 
@@ -109,6 +110,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="plan for lean_store=True (12 host bytes per streamed parameter)")
     p.add_argument("--lean-compute-copy", action="store_true",
                    help="with --lean-store: plan for lean_compute_copy=True (14 B/param; weights stream in bf16)")
+    p.add_argument("--lean-grad-plane", default=None, choices=["auto", "on", "off"],
+                   help="with --lean-store: keep each layer's step gradient on the host (+2 B/param bf16), so a "
+                        "clipping step needs no second forward+backward (default auto: when it fits the RAM)")
+    p.add_argument("--no-clip", action="store_true",
+                   help="compare the host layouts without clipping (default: clipping on every step, as Trainer's "
+                        "max_grad_norm=1.0 usually does early in a fine-tune)")
     p.add_argument("--device-layers", type=int, default=None,
                    help="decoder layers kept whole on the GPU (default -1: as many as fit; 0: stream every layer)")
     p.add_argument("--seq-chunk-tokens", type=int, default=None,
@@ -138,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                                   ("micro_batch_size", a.micro_batch_size), ("device_layers", a.device_layers),
                                   ("lean_store", a.lean_store or None),
                                   ("lean_compute_copy", a.lean_compute_copy or None), ("seq_chunk_tokens", a.seq_chunk_tokens),
+                                  ("lean_grad_plane", a.lean_grad_plane),
                                   ("activation_offload", a.activation_offload)) if v is not None}
         config = MegaTrainConfig.from_dict({**resolve_config(a.config).to_dict(), **over})
         rates = (a.disk_gbps, a.tflops, a.pcie_gbps, a.host_adamw_gbps)
@@ -151,20 +159,24 @@ def main(argv: list[str] | None = None) -> int:
     gpu_here = torch.cuda.is_available()
     gpu_avail = gpu_budget(torch.device("cuda", torch.cuda.current_device())) if gpu_here else None
     gpu_plan = a.gpu_memory * GiB if a.gpu_memory else (gpu_avail or 80 * GiB)
+    host_avail = int(a.host_memory * GiB) if a.host_memory else available_host_bytes()
+    # (one GPU: the plans for this host's RAM, where lean_grad_plane="auto" asks whether the plane fits)
+    plans = unit_plans(shape, config, "cuda", gpu_plan, host_free=host_avail) if a.gpus == 1 else None
     plan = estimate(shape, config, a.seq_len, a.batch_size, device_type="cuda", gpu_free=gpu_plan,
-                    grad_accum=a.grad_accum, gpus=a.gpus)
+                    grad_accum=a.grad_accum, gpus=a.gpus, plans=plans)
     machine = MachineProfile().with_overrides(tflops=a.tflops, pcie_h2d_gbps=a.pcie_gbps, pcie_d2h_gbps=a.pcie_gbps,
                                               host_adamw_gbps=a.host_adamw_gbps, disk_gbps=a.disk_gbps)
     preds: dict[str, StepPrediction] = {}
     step_note = None
-    if config.torch_compute_dtype != torch.float32 and a.gpus == 1:
-        plans = unit_plans(shape, config, "cuda", gpu_plan)
+    layouts: list[Layout] = []
+    if plans is not None and is_planned(config, a.gpus):
         for label, clip in (("no clipping", False), ("clipping on every step", True)):
             preds[label] = predict_step(shape, config, plans, a.seq_len, a.batch_size, machine, clipping=clip,
                                         grad_accum=a.grad_accum)
+        layouts = host_layouts(shape, config, a.seq_len, a.batch_size, gpu_plan, host_avail, machine,
+                               clipping=not a.no_clip)
     else:
         step_note = "step time: not predicted for float32 compute or several GPUs (the model covers one GPU, bf16)"
-    host_avail = int(a.host_memory * GiB) if a.host_memory else available_host_bytes()
     host_need = plan.host_total
     host_ok = host_need <= config.host_memory_fraction * host_avail
     # Against this GPU, or the one --gpu-memory describes (also when this machine has none).
@@ -181,7 +193,9 @@ def main(argv: list[str] | None = None) -> int:
                           "gpu_fits": gpu_ok, "notes": plan.notes, "offloaded_layers": plan.offloaded_layers,
                           "seq_chunk_tokens": plan.seq_chunk_tokens, "flops_per_token": plan.flops_per_token,
                           "checkpoint": checkpoint_sizes(plan, a.disk_gbps),
-                          "step_time": {k: asdict(v) for k, v in preds.items()}, "machine": asdict(machine)},
+                          "step_time": {k: asdict(v) for k, v in preds.items()}, "machine": asdict(machine),
+                          "host_layouts": [asdict(x) for x in layouts],
+                          "host_layout_choice": getattr(choose(layouts)[0], "name", None) if layouts else None},
                          indent=1))
         return 0
     print(f"{a.model}: {shape.trainable / 1e9:.3f}B trainable parameters ({shape.num_layers} streamed layers, "
@@ -207,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
           f"recompute and a causal kernel ~{f['hardware_with_recompute_causal']:.3g}")
     if preds:
         print("\n".join(step_time_lines(preds, machine)))
+    if layouts:
+        print("\n".join(layout_lines(layouts, clipping=not a.no_clip)))
     no_gpu = [] if gpu_here else [f"no GPU here: placement planned for a {format_bytes(gpu_plan)} GPU (--gpu-memory)"]
     for note in plan.notes + ([step_note] if step_note else []) + no_gpu:
         print("note:", note)

@@ -23,7 +23,8 @@ import torch
 from ..config import MegaTrainConfig
 from ..core.engine_view import EngineView
 from ..core.memory import CUDA_CONTEXT_GPU_BYTES, available_host_bytes, format_bytes, gpu_budget
-from ..core.plan import CAST_STAGING_BYTES, PlanInputs, Plans, Stepper, Where, build_plans, stepper_buffer_bytes
+from ..core.plan import (CAST_STAGING_BYTES, GRAD_PLANE_ROW, PlanInputs, Plans, Stepper, Where, build_plans,
+                         stepper_buffer_bytes)
 from ..model.layers import UnitLayouts, find_layer_stack, unit_layouts
 from .active import routed_inactive_numel
 from .long_context import (activation_bytes, attention_workspace_bytes, flops_per_token, offload_layers,
@@ -217,14 +218,33 @@ def placement_budget(shape: ModelShape, config: MegaTrainConfig, gpu_free: int |
     return None if gpu_free is None else max(gpu_free - step_reserve_bytes(shape, config), 0)
 
 
-def unit_plans(shape: ModelShape, config: MegaTrainConfig, device_type: str, gpu_free: int | None) -> Plans:
+def unit_plans(shape: ModelShape, config: MegaTrainConfig, device_type: str, gpu_free: int | None,
+               host_free: int | None = None) -> Plans:
     """The engine's plans for ``shape`` (core/plan.py ``build_plans``, same inputs as the engine's conversion).
 
     With ``placement_tokens`` the auto rules' share of the GPU is the largest ``device_step_fraction`` whose plan
     this planner predicts to fit a step of that many tokens (every layer input kept on the device): the fraction
-    stands in for the activations the rule cannot see, so here they are counted instead of guessed."""
+    stands in for the activations the rule cannot see, so here they are counted instead of guessed.
+
+    ``lean_grad_plane="auto"``: the lean layers keep a gradient plane when the whole host plan with it fits
+    ``host_memory_fraction`` of ``host_free`` (default: this machine's available RAM, for a running process)."""
+    plans = _unit_plans(shape, config, device_type, gpu_free, True)
+    if config.lean_grad_plane != "auto" or not any(p.grad_plane for p in plans.units):
+        return plans  # (no plane, or one asked for: no RAM question)
+    baseline = 0 if host_free is not None else HOST_BASELINE_BYTES  # (a running process has paid its own)
+    host = available_host_bytes() if host_free is None else host_free
+    need = estimate(shape, config, 1, 1, device_type=device_type, gpu_free=gpu_free, plans=plans,
+                    offloaded_layers=0).host_total - baseline
+    if need <= config.host_memory_fraction * host:
+        return dataclasses.replace(plans, grad_plane_why=f"{plans.grad_plane_why}; the host plan with it fits "
+                                   f"({format_bytes(need)} of {config.host_memory_fraction:g} x {format_bytes(host)})")
+    return _unit_plans(shape, config, device_type, gpu_free, False)
+
+
+def _unit_plans(shape: ModelShape, config: MegaTrainConfig, device_type: str, gpu_free: int | None,
+                plane_fits: bool) -> Plans:
     inputs = PlanInputs(shape.layer_numels + [shape.resident_numel], shape.layer_frozen + [shape.resident_frozen],
-                        device_type, placement_budget(shape, config, gpu_free))
+                        device_type, placement_budget(shape, config, gpu_free), plane_fits)
     auto = config.device_layers == -1 or config.device_step_layers == -1
     if not (config.placement_tokens and auto and device_type == "cuda" and gpu_free is not None):
         return build_plans(inputs, config)
@@ -315,7 +335,7 @@ def estimate(shape: ModelShape, config: MegaTrainConfig, seq_len: int, batch_siz
     h, d = plan.host, plan.device
     h["baseline (python, torch, transformers)"] = HOST_BASELINE_BYTES + (CUDA_CONTEXT_HOST_BYTES if cuda else 0)
     # The store, buffer by buffer: host rows, device rows by placement, disk (memory-mapped moments: page cache).
-    for name in STORE_ROWS:
+    for name in STORE_ROWS + (GRAD_PLANE_ROW,):
         h[name] = 0
     on_disk, layer_dev = 0, {Stepper.DEVICE: 0, Stepper.DEVICE_STREAMED: 0}
     for up in plans.units:
@@ -423,6 +443,8 @@ def estimate(shape: ModelShape, config: MegaTrainConfig, seq_len: int, batch_siz
         plan.notes.append(f"lean_compute_copy=True would add {format_bytes(c * n_lean)} of host RAM (a {c}-byte copy "
                           "per streamed parameter) and stream the layers in the compute dtype instead of FP32: half "
                           "the PCIe bytes (measured at 123B width on an H100: 0.40 -> 0.32 s per layer)")
+    if plans.grad_plane_why:
+        plan.notes.append(f"lean store: {plans.grad_plane_why}")
     if lean and grad_accum > 1:
         plan.notes.append(f"lean_store refuses gradient accumulation ({grad_accum} steps): put the sequences in one "
                           "batch and set micro_batch_size (in-layer split, same math)")

@@ -21,8 +21,10 @@ repeats: layer i+1's weights load while i computes (and wait for the slot i-1 fr
 update, gradients land as their D2H ends; host updates run on one worker -- during the backward as gradients land
 when the update needs no global norm (``speculative_step`` on a step that does not clip, or lean without
 clipping), else from ``step()`` in the next forward's order, so the next forward waits on them; a lean step that
-clips runs its forward+backward twice (norm first). Not modelled: float32 compute, data-parallel ranks, gradient
-accumulation beyond repeating the micro-step's GPU+PCIe work, activation offload traffic, recompiles.
+clips runs its forward+backward twice (norm first), unless its layers keep a bf16 gradient plane
+(``lean_grad_plane``: then it updates from the plane in ``step()``, as a host layer does). Not modelled: float32
+compute, data-parallel ranks, gradient accumulation beyond repeating the micro-step's GPU+PCIe work, activation
+offload traffic, recompiles.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch
 
 from ..config import MegaTrainConfig
 from ..core import kernels
-from ..core.plan import Plans, Stepper, Where, decide_modes
+from ..core.plan import Plans, StepModes, Stepper, UnitPlan, Where, decide_modes
 
 if TYPE_CHECKING:
     from .predict import ModelShape
@@ -149,12 +151,19 @@ def layer_costs(shape: ModelShape, config: MegaTrainConfig, plans: Plans, seq_le
         elif up.numel:
             gpu_s = up.numel * _GPU_ADAMW_BYTES / hbm
         state = 12 * up.numel if up.stepper is Stepper.DEVICE_STREAMED else 0  # master + moments in and out
-        speculative = up.stepper is Stepper.LEAN or (
+        # (a lean layer with a gradient plane and a clip: updated from the plane in step(), like a host one)
+        speculative = (up.stepper is Stepper.LEAN and not (clipping and _plane_used(modes, narrow, up))) or (
             up.stepper is Stepper.HOST and modes.speculate and config.overlap_optimizer and not clipping)
         out.append(LayerCost(fwd, bwd, (weights + state) / h2d,
                              (0 if up.grad is Where.DEVICE or kept else g * up.numel + state) / d2h,
                              host_s, gpu_s, speculative))
     return out
+
+
+def _plane_used(modes: StepModes, narrow: bool, up: UnitPlan) -> bool:
+    """A lean layer's step gradient waits on its plane (no re-run when the step clips: optim/grad_plane.py): an
+    FP32 plane holds any gradient, a bf16 one a narrow gradient."""
+    return bool(up.grad_plane) and modes.grad_plane is not None and (narrow or modes.grad_plane == torch.float32)
 
 
 def simulate(layers: list[LayerCost], head_s: float, gpu_step_s: float, *, num_slots: int = 2, passes: int = 1,
@@ -251,8 +260,9 @@ def predict_step(shape: ModelShape, config: MegaTrainConfig, plans: Plans, seq_l
     m = machine or MachineProfile()
     tokens = batch_size * seq_len
     layers = layer_costs(shape, config, plans, seq_len, tokens, m, clipping, grad_accum)
-    lean = any(up.stepper is Stepper.LEAN for up in plans.layers)
-    passes = 2 if lean and clipping else 1
+    # A lean layer updated as its gradient lands on a clipping step had no gradient plane: the step re-runs.
+    rerun = any(up.stepper is Stepper.LEAN and c.speculative for up, c in zip(plans.layers, layers))
+    passes = 2 if rerun and clipping else 1
     head = head_seconds(shape, config, tokens, m)
     res = plans.resident
     res_gpu = res.numel * _GPU_ADAMW_BYTES / (m.hbm_gbps * 1e9) if res.master is Where.DEVICE else 0.0

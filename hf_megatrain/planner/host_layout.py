@@ -1,0 +1,104 @@
+"""Host layouts: which exact host layout (18 / 16 / 14 / 12 bytes per parameter) is the fastest that fits the RAM.
+
+Every layout trains the same weights (each is exact against torch AdamW); they trade host RAM for speed:
+
+    18  the full store: FP32 master, gradient, m, v + the bf16 copy that streams
+    16  lean + bf16 copy + gradient plane: streams bf16, a clipping step updates from the plane
+    14  lean + bf16 copy: streams bf16, a clipping step re-runs its forward+backward
+    14  lean + gradient plane: streams the FP32 master (cast on the GPU), no re-run when clipping
+    12  lean: streams FP32, a clipping step re-runs
+
+(plus 2 B/param of bf16 plane where the gradients cross narrow, 4 where they cross FP32.) ``host_layouts`` plans
+each one with the engine's own rules (``unit_plans``, ``estimate``) for this host's RAM and predicts its step
+(``predict_step``), and ``choose`` takes the fastest that fits -- with clipping on every step unless told otherwise
+(Trainer's default ``max_grad_norm=1.0``). ``megatrain estimate`` prints the table and the choice with the config
+keys that select it; the config the user gives overrides it (the engine only decides ``lean_grad_plane="auto"``
+for the lean layout asked for, by the same fit).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from ..config import MegaTrainConfig
+from ..core.plan import Where
+from .predict import ModelShape, estimate, unit_plans
+from .step_time import MachineProfile, predict_step
+
+_KEYS = ("lean_store", "lean_compute_copy", "lean_grad_plane")  # (the config keys each layout sets)
+LAYOUTS: tuple[tuple[str, dict[str, object]], ...] = tuple((name, dict(zip(_KEYS, values))) for name, values in (
+    ("full store", (False, False, "auto")),
+    ("lean + bf16 copy + grad plane", (True, True, "on")),
+    ("lean + bf16 copy", (True, True, "off")),
+    ("lean + grad plane", (True, False, "on")),
+    ("lean", (True, False, "off")),
+))
+
+
+@dataclass
+class Layout:
+    name: str
+    keys: dict[str, object]  # the config keys that select it
+    bytes_per_param: float  # host bytes per streamed-layer parameter
+    host_total: int
+    fits: bool
+    step_s: float  # predicted step, clipping as asked
+    passes: int  # forward+backward passes per step
+
+
+def host_layouts(shape: ModelShape, config: MegaTrainConfig, seq_len: int, batch_size: int, gpu_free: int | None,
+                 host_free: int, machine: MachineProfile, clipping: bool = True) -> list[Layout]:
+    """Every layout of ``LAYOUTS`` planned for this model, GPU and ``host_free`` bytes of RAM (bf16 compute)."""
+    out = []
+    for name, keys in LAYOUTS:
+        cfg = dataclasses.replace(config, **keys)
+        plans = unit_plans(shape, cfg, "cuda", gpu_free, host_free=host_free)
+        mem = estimate(shape, cfg, seq_len, batch_size, device_type="cuda", gpu_free=gpu_free, plans=plans)
+        numel = sum(p.numel for p in plans.layers) or 1
+        per = sum(p.nbytes(Where.HOST, cfg.torch_compute_dtype) for p in plans.layers) / numel
+        pred = predict_step(shape, cfg, plans, seq_len, batch_size, machine, clipping=clipping)
+        out.append(Layout(name, keys, per, mem.host_total, mem.host_total <= cfg.host_memory_fraction * host_free,
+                          pred.step_s, pred.passes))
+    return out
+
+
+def choose(layouts: list[Layout]) -> tuple[Layout | None, str]:
+    """The fastest layout that fits, and why (None: none fits)."""
+    fitting = [x for x in layouts if x.fits]
+    if not fitting:
+        return None, "no exact host layout fits this host's RAM"
+    best = min(fitting, key=lambda x: x.step_s)
+    faster = [x for x in layouts if x.step_s < best.step_s and not x.fits]
+    why = f"the fastest predicted step ({best.step_s:.3f} s) of the layouts that fit"
+    if faster:
+        why += "; faster but too large for the RAM: " + ", ".join(f"{x.name} ({x.step_s:.3f} s)" for x in faster)
+    if best.passes > 1:
+        why += "; its clipping steps re-run forward+backward (no room for a gradient plane)"
+    return best, why
+
+
+def layout_lines(layouts: list[Layout], clipping: bool) -> list[str]:
+    """The ``Host layouts`` section of ``megatrain estimate``."""
+    from ..core.memory import format_bytes
+
+    best, why = choose(layouts)
+    out = [f"Host layouts (exact; predicted step {'with clipping on every step' if clipping else 'without clipping'})"]
+    for x in layouts:
+        mark = "->" if x is best else "  "
+        out.append(f"{mark} {x.bytes_per_param:4.1f} B/param  {x.name:<30} host {format_bytes(x.host_total):>11} "
+                   f"{'fits' if x.fits else 'DOES NOT FIT':<12} {x.step_s:8.3f} s/step"
+                   + (" (re-runs forward+backward)" if x.passes > 1 else ""))
+    if best is not None:
+        keys = ", ".join(f"{k}={v!r}" for k, v in best.keys.items())
+        out.append(f"  choice: {best.name} ({keys}): {why}")
+    else:
+        out.append(f"  choice: none ({why})")
+    return out
+
+
+def is_planned(config: MegaTrainConfig, gpus: int) -> bool:
+    """The step model covers one GPU in bf16: only then are layouts compared."""
+    return config.torch_compute_dtype == torch.bfloat16 and gpus == 1

@@ -122,6 +122,15 @@ HAND: dict[str, dict] = {
     # times); layer types given without the "mlp" blocks its to_dict() interleaves (the constructor would halve them)
     "dory": {"num_hidden_layers": 3, "n_input_layers": 1, "n_recurrent_layers": 1, "n_output_layers": 1,
              "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
+    "doge": {"is_moe": True},  # the default is the dense MLP: the product-key MoE and its router aux loss
+    # the audio encoder's defaults (24 conformer blocks, 1024 channels) outweigh the tiny text decoder, so the
+    # stack finder would stream the audio tower; a tiny audio tower and a wider text MLP keep the language model
+    # the largest stack, as in the published model
+    "phi4_multimodal": {"intermediate_size": 256,
+                        "audio_config": {"hidden_size": 32, "intermediate_size": 64, "num_blocks": 2,
+                                         "num_attention_heads": 4, "ext_pw_out_channel": 32,
+                                         "depthwise_separable_out_channel": 32, "nemo_conv_channels": 32,
+                                         "dropout_rate": 0.0}},
     # KV sharing (the last num_kv_shared_layers layers read the K/V of earlier ones) needs layers of both kinds
     # before the shared ones: 4 layers, the last 2 shared
     "gemma3n_text": {"num_hidden_layers": 4, "num_kv_shared_layers": 2, "activation_sparsity_pattern": [0.0] * 4,

@@ -29,6 +29,7 @@ from ..core.plan import Where
 from ..core.step_state import StepState
 from ..core.store import Unit
 from ..core.streams import StreamSet
+from ..model.cross_layer import collect_writes
 from ..model.template import LayerTemplate
 from .activations import ActivationStore
 from .batch_rows import BatchRows
@@ -161,7 +162,8 @@ class StreamingExecutor:
                     rng.append(self._rng_state())
                 args, kwargs = slice_call(flat, spec, a, b, rows)
                 h = hidden if len(chunks) == 1 else hidden[a:b]
-                outs.append(tmpl(params, self.buffers[index], self.training, (h, *args), kwargs))
+                outs.append(collect_writes(  # (keys/values it writes for later layers: outputs too)
+                    lambda: tmpl(params, self.buffers[index], self.training, (h, *args), kwargs), args, kwargs))
         self.last_rng = rng
         self.weights.release(s)
         tensors, layout = merge_chunks(outs, [b - a for a, b in chunks], self._name(index))
@@ -213,7 +215,8 @@ class StreamingExecutor:
                 tap = self.tap if any(g is not None for g in side_grads) else None
                 if tap is not None:
                     tap.start()
-                out = tmpl(params, self.buffers[index], self.training, (h, *args), kwargs)
+                out = collect_writes(lambda: tmpl(params, self.buffers[index], self.training, (h, *args), kwargs),
+                                     args, kwargs)
                 side = tap.stop() if tap is not None else []
             outs, gouts = [], []
             for t, g, shared in zip(layout.tensors_of(out), out_grads, layout.shared):

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ..model.cross_layer import MappingWatch
+from ..model.cross_layer import MappingWatch, carry_mappings, deliver
 from ..model.layers import copy_plain_attributes
 from ..model.shared_blocks import SharedParams, with_shared
 from .layer_io import Call, grad_positions
@@ -84,14 +84,16 @@ class StreamedLayer(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         ex = self._executor[0]
+        # keys/values shared across layers travel as the Function's tensors (model/cross_layer.py)
+        args, kwargs, shared = carry_mappings(args, kwargs)
         call = (args, with_shared(kwargs, self.shared_params))  # (inputs of the Function: their gradients flow back)
         if ex.rows.probing:  # the decoder re-run that finds which inputs hold batch rows (engine/batch_rows.py)
-            return ex.rows.visit(self.index, hidden_states, call)
-        watch = MappingWatch(pytree.tree_leaves(call))  # state a layer writes for later layers: refused
+            return deliver(ex.rows.visit(self.index, hidden_states, call), shared)
+        watch = MappingWatch(pytree.tree_leaves(call))  # other state a layer writes for later layers: refused
         out = self._run(ex, hidden_states, call)
         if watch.maps:
             watch.check(f"layer {self.index} ({type(ex.templates[ex.kinds[self.index]].module).__name__})")
-        return out
+        return deliver(out, shared)
 
     def _run(self, ex: StreamingExecutor, hidden_states: torch.Tensor, call: Call) -> Any:
         tap = ex.tap if ex.tap is not None and ex.tap.active else None

@@ -34,7 +34,6 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from .cross_layer import check_no_cross_layer_state
 from .head_config import (NOT_CAUSAL_LM, check_head_extras, head_module_params, head_transforms, head_value,
                           is_composite, other_layer_lists, own_loss_form, text_config_of)
 from .layers import LayerStack
@@ -103,7 +102,6 @@ def check_supported(model: nn.Module, stack: LayerStack) -> None:
             f"{len(outside)} trainable parameter(s) sit outside that path ({shown}); this is not a plain "
             f"decoder-only causal LM (encoder-only / masked-LM head?). {hint}")
     check_head_extras(model)
-    check_no_cross_layer_state(model)
     _check_standard_loss(model, hint)  # last: the structural refusals above say more when they apply
 
 

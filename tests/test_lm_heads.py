@@ -86,9 +86,10 @@ def test_head_parameters_refuse_a_fused_loss_by_name():
         MegaTrainEngine(_dory(), MegaTrainConfig(compute_dtype="float32", loss_impl="liger"), device="cpu")
 
 
-def test_head_parameters_logits_and_eval_loss_match_plain():
-    """Without gradients (evaluation) the same head forward gives plain transformers' loss and logits."""
-    model = _dory()
+@pytest.mark.parametrize("build", [_dory, _modernbert_decoder, _doge_moe], ids=["dory", "modernbert", "doge"])
+def test_eval_loss_and_logits_match_plain(build):
+    """Without gradients (evaluation) the same heads give plain transformers' loss and logits."""
+    model = build()
     ref = copy.deepcopy(model).eval()
     engine = MegaTrainEngine(model, MegaTrainConfig(compute_dtype="float32", loss_chunk_tokens=8), device="cpu")
     engine.model.eval()

@@ -7,6 +7,12 @@ must be applied by ``families.ModelHead``. Families name the same extra differen
 JetMoe ``aux_loss_coef``...). Each extra is resolved here through its aliases; a config attribute that looks like a
 head extra but is in no table (Bamba's ``z_loss_coefficient``, a new family's name) and is set to an active value
 is refused at conversion, naming it: silently training without it would give another loss than plain HF.
+
+Heads that do more than ``weight @ h (+ bias)`` (issue 32): parameters of the output embeddings besides the
+projection (``head_module_params``: the loss runs the head's forward per chunk), head transforms before it and MoE
+aux-loss functions hf_megatrain cannot call (``own_forward_reason``: the model's own forward runs up to the
+projection's input, model/multimodal.py), further layer stacks (``other_layer_lists``: refused as multi-stack), and
+the own-loss forms a forward computes that hf_megatrain reproduces (``OWN_LOSS_FORMS``) or refuses (``NOT_CAUSAL_LM``).
 """
 
 from __future__ import annotations

@@ -15,6 +15,11 @@ log-softmax, NLL and casts (~8x the memory traffic; ~100 ms per step at 32k toke
 Same math, fp32 throughout; eager mode keeps the autograd chain (bit-for-bit HF). The chunk's token count is a
 dynamic dimension (core/compiling.py): the last, shorter chunk of every batch length runs the same graph.
 
+``module_cross_entropy``: the same chunking for a head whose forward applies parameters of its own besides the
+projection (Dory's learned per-token logit scale): per chunk, autograd over the head's own forward (exact, unfused),
+the gradients of the hidden chunk and of those parameters kept. ``shift=False`` everywhere: labels already aligned
+with the positions (a forward's own unshifted loss, head_config.OWN_LOSS_FORMS).
+
 ``stats``: a ``TokenStats`` to fill, per counted token, with what TRL's SFT trainer logs from its logits (entropy
 of the next-token distribution, whether the label is its first argmax): read off each chunk's logits while they
 exist, so no second lm_head pass. ``token_stats`` is that pass on its own, for the fused implementations

@@ -91,13 +91,6 @@ def check_supported(model: nn.Module, stack: LayerStack) -> None:
         if stacks:
             raise ValueError(
                 f"{name} is not supported: its forward runs {len(stacks) + 1} layer stacks ({stack.path}, "
-                f"{', '.join(stacks[:3])}): a hierarchical / multi-stack model, not the one decoder-layer stack "
-                "(embeddings -> layers -> norm -> lm_head) that hf_megatrain streams. (If the model has one decoder "
-                "stack and hf_megatrain picked the wrong list, name it: MegaTrainConfig(layers_path=...).)")
-        stacks = other_layer_lists(model, stack.layers, {id(p) for p in model.parameters() if id(p) not in inside})
-        if stacks:
-            raise ValueError(
-                f"{name} is not supported: its forward runs {len(stacks) + 1} layer stacks ({stack.path}, "
                 f"{', '.join(stacks[:4])}{', ...' if len(stacks) > 4 else ''}): a hierarchical / multi-stack model, "
                 "not the one decoder-layer stack "
                 "(embeddings -> layers -> norm -> lm_head) that hf_megatrain streams. (If the model has one decoder "

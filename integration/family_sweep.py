@@ -131,6 +131,15 @@ HAND: dict[str, dict] = {
                                          "num_attention_heads": 4, "ext_pw_out_channel": 32,
                                          "depthwise_separable_out_channel": 32, "nemo_conv_channels": 32,
                                          "dropout_rate": 0.0}},
+    # Gemma 4 assistants (speculative-decoding drafts): a tiny Gemma 4 text model whose every layer reads the target
+    # model's keys/values (num_kv_shared_layers = num_hidden_layers) and has no per-layer inputs, as the assistant
+    # config's validator requires (the default text config has them: it does not build); a target width of 32
+    "gemma4_assistant": {"backbone_hidden_size": 32, "text_config": {
+        "model_type": "gemma4_text", "vocab_size": 96, "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+        "global_head_dim": 8, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4,
+        "max_position_embeddings": 64, "hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0,
+        "num_kv_shared_layers": 2}},
     # KV sharing (the last num_kv_shared_layers layers read the K/V of earlier ones) needs layers of both kinds
     # before the shared ones: 4 layers, the last 2 shared
     "gemma3n_text": {"num_hidden_layers": 4, "num_kv_shared_layers": 2, "activation_sparsity_pattern": [0.0] * 4,
@@ -141,6 +150,43 @@ HAND: dict[str, dict] = {
     "gemma4_text": {"num_hidden_layers": 4, "num_kv_shared_layers": 2, "global_head_dim": 8,
                     "layer_types": ["sliding_attention", "full_attention"] * 2},
 }
+
+
+HAND["gemma4_unified_assistant"] = HAND["gemma4_assistant"]
+
+# Types plain transformers cannot train on the sweep's batches because of a bug of its own (so neither side can be
+# checked): model type -> (what its error says, the bug). Recorded as refused, naming the bug.
+UPSTREAM: dict[str, tuple[str, str]] = {
+    "git": ("Expected input batch_size", "transformers 5.24 GitForCausalLM.forward drops the first image_patch_tokens "
+            "((image_size / patch_size)^2 + 1) logit positions before its loss whether or not pixel_values were given "
+            "(modeling_git.py: 'shifted_logits = logits[:, num_image_tokens:-1, :]'), so a text-only batch with labels "
+            "fails; GIT is an image-captioning model"),
+    "llama4+image": ("has no attribute 'image_outputs'", "transformers 5.24 Llama4ForConditionalGeneration.forward "
+                     "returns 'image_outputs=outputs.image_outputs' where outputs is its language model's "
+                     "MoeCausalLMOutputWithPast, which has no such field: every forward raises, with or without "
+                     "images, return_dict=False too (the output object is built before the tuple)"),
+}
+
+
+def _not_built(rec: dict, model, e: Exception) -> dict:
+    """The record of a type whose plain tiny model failed (``model``: None where it was not built): refused where
+    hf_megatrain refuses to convert it (not a decoder LM) or ``UPSTREAM`` names the bug, else cannot-build."""
+    from hf_megatrain import MegaTrainConfig, MegaTrainEngine
+
+    plain = f"{type(e).__name__}: {str(e)[:400]}"
+    bug = UPSTREAM.get(rec["family"])
+    bug = bug[1] if bug is not None and bug[0] in plain else None
+    refusal = None
+    if model is not None:
+        try:
+            MegaTrainEngine(copy.deepcopy(model), MegaTrainConfig(compute_dtype="float32"), device="cpu")
+        except Exception as c:  # noqa: BLE001
+            if _from_hf_megatrain(c) and isinstance(c, (ValueError, TypeError, NotImplementedError)):
+                refusal = f"{type(c).__name__}: {str(c)[:600]}"
+    if refusal is None and bug is None:
+        return {**rec, "status": "cannot-build", "reason": plain}
+    why = "; ".join(x for x in (refusal, f"upstream bug: {bug}" if bug else None) if x)
+    return {**rec, "status": "refused", "reason": f"{why} (plain transformers on the sweep's batch: {plain})"}
 
 
 def _tiny_overrides(d: dict) -> dict:
@@ -507,6 +553,7 @@ def worker(model_type: str) -> dict:
     rec = {"family": model_type, "model_class": cls_name, "status": None, "transformers": transformers.__version__}
     lr, wd, mgn, steps, ga, batch, seq = 1e-3, 0.1, 1.0, 3, 2, 2, 12
     # 1. build tiny + plain forward/backward
+    model = None
     try:
         cfg = tiny_config(model_type)
         if getattr(cfg, "is_encoder_decoder", False):
@@ -531,7 +578,7 @@ def worker(model_type: str) -> dict:
         # tower: timm + PIL; its config cannot leave the tower out): refused, with the libraries it needs
         return {**rec, "status": "refused", "reason": f"needs a library outside the tested set: {str(e).strip()[:400]}"}
     except Exception as e:  # noqa: BLE001
-        return {**rec, "status": "cannot-build", "reason": f"{type(e).__name__}: {str(e)[:400]}"}
+        return _not_built(rec, model, e)
     return _check(rec, model, cls, batches, lr, wd, mgn)
 
 
@@ -546,6 +593,7 @@ def _worker_multimodal(family: str) -> dict:
     model_type = family[: -len(IMAGE)]
     rec = {"family": family, "model_class": None, "status": None, "transformers": transformers.__version__,
            "batches": "image+text, text only, image+text (GA 2)"}
+    model = None
     try:
         model = tiny_multimodal(model_type)
         rec["model_class"] = type(model).__name__
@@ -559,7 +607,7 @@ def _worker_multimodal(family: str) -> dict:
         out.loss.backward()
         del probe
     except Exception as e:  # noqa: BLE001
-        return {**rec, "status": "cannot-build", "reason": f"{type(e).__name__}: {str(e)[:400]}"}
+        return _not_built(rec, model, e)
     return _check(rec, model, type(model), batches, 1e-3, 0.1, 1.0)
 
 

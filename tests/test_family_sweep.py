@@ -37,9 +37,10 @@ def test_sweep_two_families_pass_with_schema(tmp_path):
 
 # The types the generic tiny config did not build (issue 32), by hand (HAND) or through the text config their
 # causal-LM class takes (composite types): each builds tiny, here on the meta device (sizes only: fast).
-HAND_BUILT = ["cohere_compass_text", "dbrx", "deepseek_v2", "deepseek_v4", "dory", "dots1", "ernie4_5_moe", "falcon_h1",
-              "flint", "gemma3n_text", "gemma4_text", "kimi_linear", "lfm2_moe", "mamba2", "qwen4_exp_text", "reformer",
-              "xlstm", "xmod", "zamba2"]
+HAND_BUILT = ["cohere_compass_text", "dbrx", "deepseek_v2", "deepseek_v4", "doge", "dory", "dots1", "ernie4_5_moe",
+              "falcon_h1", "flint", "gemma3n_text", "gemma4_assistant", "gemma4_text", "gemma4_unified_assistant",
+              "kimi_linear", "lfm2_moe", "mamba2", "phi4_multimodal", "qwen4_exp_text", "reformer", "xlstm", "xmod",
+              "zamba2"]
 TEXT_OF_COMPOSITE = ["dots3_note", "emu3", "llama4", "qwen3_5", "qwen3_5_moe", "qwen4_exp"]
 
 

@@ -222,6 +222,16 @@ NOT_CAUSAL_LM: dict[str, str] = {
     "XLMWithLMHeadModel": "XLM is a cross-lingual masked / translation LM (bidirectional attention unless "
                           "config.causal, its own prediction layer over unshifted labels, optionally an adaptive "
                           "softmax), not a causal decoder LM",
+    # (transformers >= 5.24: the assistants google/gemma-4-*-assistant)
+    "Gemma4AssistantForCausalLM": "a Gemma 4 assistant is a draft model for the target model's speculative "
+                                  "decoding, not a language model of its own: its forward takes the target model's "
+                                  "input embeddings and the keys/values of its last layers (inputs_embeds, "
+                                  "shared_kv_states, which every layer attends to) and takes no labels",
+    "Gemma4UnifiedAssistantForCausalLM": "a Gemma 4 assistant is a draft model for the target model's speculative "
+                                         "decoding, not a language model of its own: its forward takes the target "
+                                         "model's input embeddings and the keys/values of its last layers "
+                                         "(inputs_embeds, shared_kv_states, which every layer attends to) and takes "
+                                         "no labels",
 }
 
 

@@ -212,3 +212,17 @@ def test_planner_counts_the_plane_and_chooses_by_ram(tmp_path, capsys):
     shape = planner.ModelShape.from_model(tiny("llama"))
     plans = planner.unit_plans(shape, MegaTrainConfig(lean_store=True), "cuda", 80 << 30, host_free=64 << 30)
     assert all(p.grad_plane == 2 for p in plans.layers) and not plans.resident.grad_plane
+
+
+def test_exact_take_back_from_the_plane_is_bit_identical():
+    """With ``exact_take_back`` the speculated updates of a step that clips, or is skipped, are restored from their
+    copies and redone from the plane: the run equals the full store stepping without speculation, bit for bit, and
+    no step re-runs (tests/test_exact_take_back.py's schedule: speculated steps, a clip, a skip)."""
+    from .test_exact_take_back import assert_identical, train
+
+    model = tiny("llama")
+    want, _ = train(model, MegaTrainConfig(compute_dtype="float32", speculative_step=False,
+                                           resident_placement="host"))
+    got, engine = train(model, lean(resident_placement="host", exact_take_back=True))
+    assert engine.optimizer.regenerated_steps == 0 and engine.optimizer.plane_steps == 4
+    assert_identical(got, want)

@@ -22,9 +22,12 @@ re-run). Each step runs in one of two modes, chosen from the previous step:
   gradient getting its exact update as it lands. Twice the GPU work, one host pass.
 
 With a gradient plane (``lean_grad_plane``: optim/grad_plane.py; bf16 where the gradients cross narrow) each
-gradient also stays on the host, so nothing re-runs: a norm-first step updates every layer from the plane with the clip factor (in the next forward's
-order, overlapping it: ``_replay``), and a speculated step that turns out to clip (or is skipped) is taken back and
-redone from it. A step whose gradients missed the plane (split into micro-batches) re-runs as above.
+gradient also stays on the host, so nothing re-runs: a norm-first step updates every layer from the plane with the
+clip factor (in the next forward's order, overlapping it: ``_replay``), and a speculated step that turns out to clip
+(or is skipped, or is dropped) is taken back and redone from it. The mode choice is unchanged: after an unclipped
+step the next speculates (its updates overlap the backward, the fastest when it does not clip); after a clipped one
+the next takes its norm first (one update per layer, no take-back). A step whose gradients missed the plane (a bf16
+plane, a visit split into micro-batches) re-runs as above.
 
 A layer whose gradient is non-finite is never updated (the step will be skipped), so a NaN loss leaves every
 weight and moment bit-identical without a re-run. The resident unit keeps its gradient buffer and steps as in

@@ -143,3 +143,19 @@ def test_permutation_lm_is_refused_as_not_causal():
     cfg = transformers.XLNetConfig(vocab_size=96, d_model=32, n_layer=2, n_head=4, d_inner=64)
     with pytest.raises(ValueError, match="permutation language model .*not a causal decoder LM"):
         MegaTrainEngine(transformers.XLNetLMHeadModel(cfg), MegaTrainConfig(compute_dtype="float32"), device="cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("build", [_dory, _modernbert_decoder], ids=["dory", "modernbert"])
+def test_heads_on_the_gpu_with_the_auto_loss(build):
+    """CUDA, loss_impl='auto': Dory's head runs chunked and unfused (no fused kernel applies its logit_scale),
+    ModernBERT-decoder's projection through the fused loss where one is installed; fp32 compute, TF32 off, the
+    GPU parity tolerance of tests/test_gpu.py."""
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        _, engine, _ = run_parity(build(), config=MegaTrainConfig(compute_dtype="float32", loss_impl="auto"),
+                                  device="cuda", tol=1e-4)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+    assert ("unfused" in engine.head_extras.loss_impl_reason) == (build is _dory)

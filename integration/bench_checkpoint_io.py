@@ -28,7 +28,9 @@ parallel reader, ``other_s`` outside it (headers, planning), and thread-seconds 
 in ``read_s`` (``preadv``: page-cache copy or disk wait), ``crc_s``, ``convert_s`` (bf16 -> FP32), ``copy_s`` and
 ``stall_s`` (readers waiting for the CRC / conversion side). Disk-bound: ``read_s`` ~ ``readers * wall_s``, the
 others small. ``--readers`` / ``--read-chunk`` set the readers' count and read size (``fast_io.READERS`` /
-``READ_CHUNK``); ``--warm`` also times each read phase from the page cache (the CPU's cost per byte).
+``READ_CHUNK``); ``--readers 8,4,16`` times every read phase with each count (``phases_by_readers``; the first
+gives the main figures, and the raw parallel read is measured with as many threads too); ``--warm`` also times each
+read phase from the page cache (the CPU's cost per byte).
 
 GB/s are 1e9 bytes per second. ``vs_raw``: the rate over the one-stream raw write (saves) or read (verify, loads);
 ``vs_ceiling``: over the device's best measured rate, the faster of one stream and parallel (and O_DIRECT), the
@@ -200,8 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=1, help="checkpoint writes to time (the best is reported)")
     p.add_argument("--threads", type=int, default=None,
                    help="parallel raw writers / readers (default: the checkpoint writer's thread count)")
-    p.add_argument("--readers", type=int, default=None,
-                   help="reader threads of verify and the loads (default: fast_io.READERS, from the core count)")
+    p.add_argument("--readers", default=None,
+                   help="reader threads of verify and the loads (default: fast_io.READERS, from the core count); "
+                        "a comma list (4,8,16) times every read phase with each, the first giving the main figures")
     p.add_argument("--read-chunk", type=int, default=None, help="MiB a read (default: fast_io.READ_CHUNK)")
     p.add_argument("--warm", action="store_true", help="also time verify and the loads from the page cache")
     p.add_argument("--no-advise", action="store_true",
@@ -213,8 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     from hf_megatrain.checkpoint import fast_io
 
     threads = a.threads or fast_io.DEFAULT_WORKERS
-    if a.readers:
-        fast_io.READERS = a.readers
+    readers = [int(n) for n in a.readers.split(",")] if a.readers else [fast_io.READERS]
+    saved = fast_io.READERS, fast_io.READ_CHUNK  # (restored at the end: tests run main() in their process)
+    fast_io.READERS = readers[0]
     if a.read_chunk:
         fast_io.READ_CHUNK = a.read_chunk << 20
     if a.dir:
@@ -237,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         res: dict = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]) if argv is None else
                      " ".join(["python", "integration/bench_checkpoint_io.py", *argv]),
                      "dir": os.path.abspath(root), "threads": threads, "cache_drop": "posix_fadvise(DONTNEED)",
-                     "readers": fast_io.READERS, "read_chunk_MiB": fast_io.READ_CHUNK >> 20,
+                     "readers": readers[0], "read_chunk_MiB": fast_io.READ_CHUNK >> 20,
                      "params": params, "save_dtype": a.save_dtype, "advise": not a.no_advise,
                      "cpu_count": os.cpu_count(),
                      "engine_build_s": engine_s, "engine_build_Bparams_per_s": params / 1e9 / engine_s}
@@ -269,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         raw_pw = raw_write_parallel(raw_path, nbytes, threads)
         raw_r = raw_read(raw_path)
         raw_pr = raw_read_parallel(raw_path, threads)
+        raw_rr = raw_read_parallel(raw_path, readers[0]) if readers[0] != threads else raw_pr  # (as many as loads)
         raw_dr = raw_read_parallel(raw_path, threads, direct=True)
         os.remove(raw_path)
         load_bytes = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)
@@ -285,20 +290,25 @@ def main(argv: list[str] | None = None) -> int:
                                     ckpt.load_pretrained_into_engine(engine, path),
                                     ckpt.load_training_state(engine, path)),
         }
-        phases: dict[str, dict] = {}
-        for name, fn in reads.items():
-            for cache in ("cold", "warm") if a.warm else ("cold",):
-                if cache == "cold":
-                    drop_pages(path)
-                else:
-                    fn()  # (the pages it reads are now cached)
-                phases[f"{name}_{cache}"] = timed_phases(fn)
+        by_readers: dict[int, dict[str, dict]] = {}
+        for n in readers[1:] + readers[:1]:  # (the main figures' count last: fast_io.READERS stays at it)
+            fast_io.READERS = n
+            by_readers[n] = {}
+            for name, fn in reads.items():
+                for cache in ("cold", "warm") if a.warm else ("cold",):
+                    if cache == "cold":
+                        drop_pages(path)
+                    else:
+                        fn()  # (the pages it reads are now cached)
+                    by_readers[n][f"{name}_{cache}"] = timed_phases(fn)
+        phases = by_readers[readers[0]]
         verify_s, load_s = phases["verify_cold"]["total_s"], phases["load_cold"]["total_s"]
         export_load_s = phases["load_export_cold"]["total_s"]
         gb = nbytes / 1e9
         rw, rr, pw, pr = gb / raw_w, gb / raw_r, gb / raw_pw, gb / raw_pr
         dr = gb / raw_dr if raw_dr else None
-        cw, cr = max(rw, pw), max(rr, pr, dr or 0.0)  # the device's best measured rates
+        rr_ = gb / raw_rr
+        cw, cr = max(rw, pw), max(rr, pr, rr_, dr or 0.0)  # the device's best measured rates
 
         def rate(nb: int, s: float, write: bool) -> dict:
             g = nb / 1e9 / s
@@ -311,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
             "raw_write_parallel_fsync": {"s": raw_pw, "GBps": pw, "threads": threads},
             "raw_read_cold": {"s": raw_r, "GBps": rr},
             "raw_read_parallel_cold": {"s": raw_pr, "GBps": pr, "threads": threads},
+            "raw_read_parallel_readers_cold": {"s": raw_rr, "GBps": rr_, "threads": readers[0]},
             "raw_read_parallel_direct": ({"s": raw_dr, "GBps": dr, "threads": threads} if raw_dr else
                                          {"unsupported": "the filesystem refused O_DIRECT"}),
             "ceiling": {"write_GBps": cw, "read_GBps": cr},
@@ -318,27 +329,33 @@ def main(argv: list[str] | None = None) -> int:
             "verify_cold": rate(nbytes, verify_s, False),
             "load_cold": rate(load_bytes, load_s, False),
             "load_export_cold": {**rate(export_bytes, export_load_s, False), "dtype": a.save_dtype},
-            "resume_once_cold": {**rate(load_bytes, phases["resume_once_cold"]["total_s"], False),
+            "resume_once_cold": {**rate(phases["resume_once_cold"]["bytes"], phases["resume_once_cold"]["total_s"],
+                                        False),
                                  "bytes_read": phases["resume_once_cold"]["bytes"], "checkpoint_bytes": nbytes},
             "phases": phases,
         })
+        if len(readers) > 1:
+            res["phases_by_readers"] = {str(n): v for n, v in by_readers.items()}
         for cache in ("warm",) if a.warm else ():
             res[f"rates_{cache}"] = {n: (load_bytes if n in ("load", "resume_once") else export_bytes
                                          if n == "load_export" else nbytes) / 1e9 / phases[f"{n}_{cache}"]["total_s"]
                                      for n in reads}
         print(f"checkpoint {gb:.2f} GB ({len(res['files'])} files)")
         print(f"  raw write+fsync  {rw:6.2f} GB/s one stream, {pw:6.2f} GB/s {threads} threads")
-        print(f"  raw read (cold)  {rr:6.2f} GB/s one stream, {pr:6.2f} GB/s {threads} threads, O_DIRECT "
+        print(f"  raw read (cold)  {rr:6.2f} GB/s one stream, {pr:6.2f} GB/s {threads} threads, {rr_:6.2f} GB/s "
+              f"{readers[0]} threads, O_DIRECT "
               + (f"{dr:.2f} GB/s" if dr else "unsupported"))
         for k in ("checkpoint_write", "verify_cold", "load_cold", "load_export_cold", "resume_once_cold"):
             print(f"  {k:<16} {res[k]['GBps']:6.2f} GB/s   {100 * res[k]['vs_raw']:5.1f} % of one stream, "
                   f"{100 * res[k]['vs_ceiling']:5.1f} % of the ceiling")
-        print(f"  phases ({fast_io.READERS} readers, {fast_io.READ_CHUNK >> 20} MiB reads; thread-seconds but "
-              "total / wall / other):")
-        for k, ph in phases.items():
-            print(f"    {k:<18} total {ph['total_s']:6.2f} s  wall {ph['wall_s']:6.2f}  other {ph['other_s']:5.2f}  "
-                  + "  ".join(f"{n[:-2]} {ph[n]:6.2f}" for n in ("read_s", "crc_s", "convert_s", "copy_s", "stall_s"))
-                  + f"  {ph['bytes'] / 1e9 / ph['total_s']:6.2f} GB/s")
+        for n, runs in by_readers.items():
+            print(f"  phases, {n} readers, {fast_io.READ_CHUNK >> 20} MiB reads (seconds; read .. stall: "
+                  "thread-seconds summed over the readers and their lanes):")
+            for k, ph in runs.items():
+                print(f"    {k:<18} total {ph['total_s']:6.2f}  wall {ph['wall_s']:6.2f}  other {ph['other_s']:5.2f}  "
+                      + "  ".join(f"{m[:-2]} {ph[m]:6.2f}" for m in ("read_s", "crc_s", "convert_s", "copy_s",
+                                                                       "stall_s"))
+                      + f"  {ph['bytes'] / 1e9 / ph['total_s']:6.2f} GB/s")
         if a.warm:
             print("  warm (page cache): " + ", ".join(f"{n} {g:.2f} GB/s" for n, g in res["rates_warm"].items()))
         if a.out:
@@ -348,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
             print("wrote", a.out)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+        fast_io.READERS, fast_io.READ_CHUNK = saved
     return 0
 
 

@@ -19,7 +19,8 @@ allocated), then times, each against the same folder's filesystem (``--dir`` is 
   (``save_training_state``) + manifest (``write_manifest``), each timed and in total;
 - verify (``verify_checkpoint``: every byte against its recorded CRC-32), load (master + moments into the engine,
   CRC-32 checked while reading) and the bf16 export's load into the FP32 masters (what ``from_pretrained_streamed``
-  does), each after the checkpoint's pages were dropped, so they read from the disk where it can; and the resume
+  does; ``from_pretrained_cold``: all of ``from_pretrained_streamed`` on the folder, skeleton and store allocation
+  included), each after the checkpoint's pages were dropped, so they read from the disk where it can; and the resume
   of a checkpoint too large for the page cache (``resume_once_cold``: verify skipping the files the loads check
   while reading, then the loads: every byte read once, ``bytes_read`` says so).
 
@@ -52,7 +53,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from hf_megatrain import MegaTrainConfig, MegaTrainEngine  # noqa: E402
+from hf_megatrain import MegaTrainConfig, MegaTrainEngine, from_pretrained_streamed  # noqa: E402
 from hf_megatrain import checkpoint as ckpt  # noqa: E402
 
 _CHUNK = 64 << 20
@@ -286,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
             "verify": lambda: ckpt.verify_checkpoint(path),
             "load": lambda: (ckpt.load_pretrained_into_engine(engine, path), ckpt.load_training_state(engine, path)),
             "load_export": lambda: ckpt.load_pretrained_into_engine(engine, path, prefix=ckpt.WEIGHTS_PREFIX),
+            # the whole from_pretrained_streamed (skeleton, engine store allocated, the bf16 export read into it)
+            "from_pretrained": lambda: from_pretrained_streamed(path, MegaTrainConfig(
+                compute_dtype="float32", overlap_optimizer=False), device="cpu", dp=None),
             "resume_once": lambda: (ckpt.verify_checkpoint(path, crc_on_load=once),
                                     ckpt.load_pretrained_into_engine(engine, path),
                                     ckpt.load_training_state(engine, path)),
@@ -329,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
             "verify_cold": rate(nbytes, verify_s, False),
             "load_cold": rate(load_bytes, load_s, False),
             "load_export_cold": {**rate(export_bytes, export_load_s, False), "dtype": a.save_dtype},
+            "from_pretrained_cold": {**rate(export_bytes, phases["from_pretrained_cold"]["total_s"], False),
+                                     "dtype": a.save_dtype},
             "resume_once_cold": {**rate(phases["resume_once_cold"]["bytes"], phases["resume_once_cold"]["total_s"],
                                         False),
                                  "bytes_read": phases["resume_once_cold"]["bytes"], "checkpoint_bytes": nbytes},
@@ -337,22 +343,23 @@ def main(argv: list[str] | None = None) -> int:
         if len(readers) > 1:
             res["phases_by_readers"] = {str(n): v for n, v in by_readers.items()}
         for cache in ("warm",) if a.warm else ():
-            res[f"rates_{cache}"] = {n: (load_bytes if n in ("load", "resume_once") else export_bytes
-                                         if n == "load_export" else nbytes) / 1e9 / phases[f"{n}_{cache}"]["total_s"]
-                                     for n in reads}
+            res[f"rates_{cache}"] = {n: (load_bytes if n == "load" else export_bytes if n in ("load_export",
+                                         "from_pretrained") else phases[f"{n}_{cache}"]["bytes"])
+                                     / 1e9 / phases[f"{n}_{cache}"]["total_s"] for n in reads}
         print(f"checkpoint {gb:.2f} GB ({len(res['files'])} files)")
         print(f"  raw write+fsync  {rw:6.2f} GB/s one stream, {pw:6.2f} GB/s {threads} threads")
         print(f"  raw read (cold)  {rr:6.2f} GB/s one stream, {pr:6.2f} GB/s {threads} threads, {rr_:6.2f} GB/s "
               f"{readers[0]} threads, O_DIRECT "
               + (f"{dr:.2f} GB/s" if dr else "unsupported"))
-        for k in ("checkpoint_write", "verify_cold", "load_cold", "load_export_cold", "resume_once_cold"):
-            print(f"  {k:<16} {res[k]['GBps']:6.2f} GB/s   {100 * res[k]['vs_raw']:5.1f} % of one stream, "
+        for k in ("checkpoint_write", "verify_cold", "load_cold", "load_export_cold", "from_pretrained_cold",
+                  "resume_once_cold"):
+            print(f"  {k:<20} {res[k]['GBps']:6.2f} GB/s   {100 * res[k]['vs_raw']:5.1f} % of one stream, "
                   f"{100 * res[k]['vs_ceiling']:5.1f} % of the ceiling")
         for n, runs in by_readers.items():
             print(f"  phases, {n} readers, {fast_io.READ_CHUNK >> 20} MiB reads (seconds; read .. stall: "
                   "thread-seconds summed over the readers and their lanes):")
             for k, ph in runs.items():
-                print(f"    {k:<18} total {ph['total_s']:6.2f}  wall {ph['wall_s']:6.2f}  other {ph['other_s']:5.2f}  "
+                print(f"    {k:<20} total {ph['total_s']:6.2f}  wall {ph['wall_s']:6.2f}  other {ph['other_s']:5.2f}  "
                       + "  ".join(f"{m[:-2]} {ph[m]:6.2f}" for m in ("read_s", "crc_s", "convert_s", "copy_s",
                                                                        "stall_s"))
                       + f"  {ph['bytes'] / 1e9 / ph['total_s']:6.2f} GB/s")

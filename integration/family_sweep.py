@@ -108,6 +108,10 @@ HAND: dict[str, dict] = {
                "attention_hidden_size": 64, "num_query_groups": 4, "num_key_value_heads": 4, "num_hidden_layers": 3,
                "layers_block_type": ["hybrid", "linear_attention", "hybrid"], "hybrid_layer_ids": [0, 2],
                "use_shared_attention_adapter": True, "adapter_rank": 4},
+    # Zamba's one shared attention block at two depths (the generic cut keeps two mamba layers: no hybrid layer);
+    # attention over [hidden, embeddings] (2 x hidden; to_dict() carries the full-size derived widths)
+    "zamba": {"num_hidden_layers": 3, "layers_block_type": ["hybrid", "linear_attention", "hybrid"],
+              "attention_hidden_size": 64, "attention_head_dim": 16},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},  # default None
     "xlstm": {"embedding_dim": 32, "hidden_size": 32, "num_blocks": 2, "num_heads": 4, "chunk_size": 4},
     "reformer": {"is_decoder": True, "axial_pos_embds": False, "attn_layers": ["local", "local"],

@@ -7,7 +7,7 @@ torch.optim.AdamW (tests/parity.py: 3 clipped AdamW steps, gradient accumulation
 - a frozen shared block (fine-tuning the rest) stays put and the rest matches;
 - ``save_pretrained`` of the converted model writes the checkpoint HF's own ``save_pretrained`` writes (the block
   once), plain ``from_pretrained`` loads the trained weights, and ``named_parameters`` / ``state_dict`` present the
-  plain model's names.
+  plain model's names; ``from_pretrained_streamed`` loads one (Zamba v1: the shared block first in its layers).
 """
 
 from __future__ import annotations
@@ -129,3 +129,29 @@ def test_trained_shared_block_saves_the_standard_checkpoint(tmp_path):
     assert [n for n, _ in engine.model.named_parameters(remove_duplicate=False)] == \
         [n for n, _ in ref.named_parameters(remove_duplicate=False)]
     assert set(engine.model.state_dict()) == set(ref.state_dict())  # each use's name, as torch lists tied ones
+
+
+def test_streamed_load_of_a_shared_block_listed_first(tmp_path):
+    """Zamba (v1) registers the shared block first in each hybrid layer: ``from_pretrained_streamed`` (meta skeleton,
+    the shared parameters materialised as resident ones) fills every master from the checkpoint and the loss is plain
+    transformers' loss."""
+    from hf_megatrain import from_pretrained_streamed
+
+    cfg = transformers.ZambaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, attention_hidden_size=64,
+                                   attention_head_dim=16, n_mamba_heads=2, mamba_d_state=4, use_cache=False,
+                                   max_position_embeddings=64, layers_block_type=[HYBRID, MAMBA, HYBRID])
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.ZambaForCausalLM(cfg).float()
+    assert _uses(model) == 2 and next(model.model.layers[0].parameters()) is \
+        next(model.model.layers[2].parameters())  # (the shared block first)
+    model.save_pretrained(str(tmp_path))
+    engine = from_pretrained_streamed(str(tmp_path), MegaTrainConfig(compute_dtype="float32"), device="cpu",
+                                      attn_implementation="eager")
+    for n, p in model.named_parameters():
+        assert torch.equal(engine.store.master_tensor(n), p.detach()), n
+    ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(0))
+    model.eval()
+    engine.model.eval()
+    assert rel(engine(input_ids=ids, labels=ids).loss.detach(), model(input_ids=ids, labels=ids).loss.detach()) <= 1e-6

@@ -143,7 +143,8 @@ def convert(model: nn.Module, config: MegaTrainConfig, device: torch.device, dec
         if kinds[i] not in templates:
             templates[kinds[i]] = LayerTemplate(layer, unit.params, unit.frozen_params, compile=config.torch_compile,
                                                 seq_chunk_tokens=chunk)
-        if not next(layer.parameters(), torch.empty(0, device="meta")).is_meta:
+        own = (p for p in layer.parameters() if id(p) not in shared_ids)  # (shared: resident, maybe real already)
+        if not next(own, torch.empty(0, device="meta")).is_meta:
             for n, p in layer.named_parameters():
                 if id(p) not in shared_ids:
                     store.load_(f"{stack.path}.{i}.{n}", p.detach())

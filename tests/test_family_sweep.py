@@ -40,7 +40,7 @@ def test_sweep_two_families_pass_with_schema(tmp_path):
 HAND_BUILT = ["cohere_compass_text", "dbrx", "deepseek_v2", "deepseek_v4", "doge", "dory", "dots1", "ernie4_5_moe",
               "falcon_h1", "flint", "gemma3n_text", "gemma4_assistant", "gemma4_text", "gemma4_unified_assistant",
               "kimi_linear", "lfm2_moe", "mamba2", "phi4_multimodal", "qwen4_exp_text", "reformer", "xlstm", "xmod",
-              "zamba2"]
+              "zamba", "zamba2"]
 TEXT_OF_COMPOSITE = ["dots3_note", "emu3", "llama4", "qwen3_5", "qwen3_5_moe", "qwen4_exp"]
 
 

@@ -48,3 +48,17 @@ def test_null_gradient_moves_within_its_noise_only():
     # a real gradient where the reference has none is a gradient error, not noise
     wrong = _run([{"w": real, "z": torch.full((4,), 1e-2)}], [{"w": real, "z": torch.zeros(4)}])
     assert family_sweep._compare(wrong, ref, lr)["grad"] > 1.0
+
+
+def test_null_gradient_elements_move_within_their_noise_only():
+    # a parameter with a real gradient in some entries and only rounding noise (1e-10) in others (DeepSeek-V4's
+    # hyper-connection 'pre' entries): the noisy entries are held to what their noise allows, the rest relative
+    lr, t = 1e-3, torch.tensor
+    ref = _run([{"w": t([1.0, 1.0, 1e-10, 1e-10])}], [{"w": t([1.0, 1.0, 0.0, 0.0])}])
+    ok = _run([{"w": t([1.0, 1.0, 2e-10, -1e-10])}], [{"w": t([1.0, 1.0, 0.01 * lr, -0.01 * lr])}])
+    bad = _run([{"w": t([1.0, 1.0, 2e-10, -1e-10])}], [{"w": t([1.0, 1.0, 0.2 * lr, 0.0])}])
+    off = _run([{"w": t([1.0, 1.0, 2e-10, -1e-10])}], [{"w": t([1.0, 1.1, 0.0, 0.0])}])
+    assert family_sweep._compare(ok, ref, lr)["weight"] == 0.0
+    assert family_sweep._compare(ok, ref, lr)["null_grad_excess"] <= 1.0
+    assert family_sweep._compare(bad, ref, lr)["null_grad_excess"] > 1.0
+    assert family_sweep._compare(off, ref, lr)["weight"] > 0.05

@@ -159,3 +159,10 @@ def test_heads_on_the_gpu_with_the_auto_loss(build):
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old
     assert ("unfused" in engine.head_extras.loss_impl_reason) == (build is _dory)
+
+
+def test_layers_that_mix_rows_refuse_a_micro_batch_split():
+    """Doge's router reshapes the logits of every token of the batch together: a visit on part of the batch would
+    compute other values, so ``micro_batch_size`` is refused by name instead of training another model."""
+    with pytest.raises(ValueError, match="micro_batch_size=1 is not supported.*DogeCDMoE"):
+        MegaTrainEngine(_doge_moe(), MegaTrainConfig(compute_dtype="float32", micro_batch_size=1), device="cpu")

@@ -35,7 +35,7 @@ from ..core.threads import apply_host_threads
 from ..parallel.group import DataParallel
 from ..parallel.peer_cells import PeerCells
 from ..parallel.setup import data_parallel_config
-from ..model.families import ModelHead
+from ..model.families import ModelHead, check_row_split
 from ..model.loss import TokenStats
 from ..optim.adamw import UnitAdamW
 from ..optim.lean import optimizer_for
@@ -105,6 +105,7 @@ class MegaTrainEngine:
         # (data parallel: loads wait for every rank's shard of an update, not for a barrier per step)
         self.state = StepState(len(self.store.units),
                                peers=PeerCells(conv.peer_cells, self.dp.rank) if self.dp is not None else None)
+        check_row_split(self.stack.layers, config.micro_batch_size)
         self.executor = StreamingExecutor(
             self.layer_units, self.state, conv.kinds, conv.templates, conv.buffers, device=self.device,
             compute_dtype=self.compute_dtype, grad_offload_dtype=config.torch_grad_offload_dtype,

@@ -105,6 +105,27 @@ def check_supported(model: nn.Module, stack: LayerStack) -> None:
     _check_standard_loss(model, hint)  # last: the structural refusals above say more when they apply
 
 
+# Layer modules whose forward mixes the batch's tokens across rows, so a visit run on some rows of the batch
+# (``micro_batch_size``) computes other values than the whole batch does: Doge's product-key MoE views its router
+# logits ``[batch, seq, 2 * keys]`` as ``[2, batch * seq, keys]`` (transformers' DogeCDMoE), pairing one token's
+# halves with other tokens'. Plain transformers always runs the whole batch, so the split would train another model.
+ROW_MIXING_MODULES = {"DogeCDMoE": "its router reshapes the logits of all the batch's tokens together "
+                                   "(router_gate(h).view(2, batch * seq_len, -1))"}
+
+
+def check_row_split(layers: nn.Module, micro_batch_size: int) -> None:
+    """Refuse ``micro_batch_size`` > 0 when a decoder layer mixes rows of the batch (``ROW_MIXING_MODULES``)."""
+    if micro_batch_size <= 0:
+        return
+    for module in layers.modules():
+        why = ROW_MIXING_MODULES.get(type(module).__name__)
+        if why is not None:
+            raise ValueError(f"micro_batch_size={micro_batch_size} is not supported for this model: "
+                             f"{type(module).__name__} {why}, so a layer run on part of the batch computes other "
+                             "values than plain transformers on the whole batch. Set micro_batch_size=0 (lower "
+                             "per_device_train_batch_size and raise gradient_accumulation_steps instead).")
+
+
 # -- router logits ----------------------------------------------------------------------------------------------------
 def _recorder_specs(base: nn.Module) -> list[tuple[type | None, str | None, str | None, int]]:
     """(class, class-name suffix, layer name, output index) of every module HF records ``router_logits`` from."""

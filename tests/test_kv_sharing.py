@@ -135,3 +135,9 @@ def test_kv_sharing_compiled_layers_match_plain():
     cfg = MegaTrainConfig(compute_dtype="float32", torch_compile=True)
     _, engine, _ = run_parity(gemma4(), steps=1, ga=1, config=cfg, tol=1e-4)
     assert all(t.compiled is not None for t in engine.executor.templates)  # traced, no fallback to eager
+
+
+def test_gemma3n_refuses_a_micro_batch_split_by_name():
+    """Gemma 3n's layers carry [altup, batch, seq, hidden]: the split would cut the AltUp dim, so it is refused."""
+    with pytest.raises(ValueError, match="micro_batch_size=1 is not supported.*Gemma3nTextAltUp"):
+        MegaTrainEngine(gemma3n(), MegaTrainConfig(compute_dtype="float32", micro_batch_size=1), device="cpu")

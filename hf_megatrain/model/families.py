@@ -109,8 +109,12 @@ def check_supported(model: nn.Module, stack: LayerStack) -> None:
 # (``micro_batch_size``) computes other values than the whole batch does: Doge's product-key MoE views its router
 # logits ``[batch, seq, 2 * keys]`` as ``[2, batch * seq, keys]`` (transformers' DogeCDMoE), pairing one token's
 # halves with other tokens'. Plain transformers always runs the whole batch, so the split would train another model.
+# Gemma 3n's decoder layers carry the hidden state as ``[altup_inputs, batch, seq, hidden]`` (AltUp): its leading
+# dim is not the batch, so the split cannot cut rows there either.
 ROW_MIXING_MODULES = {"DogeCDMoE": "its router reshapes the logits of all the batch's tokens together "
-                                   "(router_gate(h).view(2, batch * seq_len, -1))"}
+                                   "(router_gate(h).view(2, batch * seq_len, -1))",
+                      "Gemma3nTextAltUp": "carries the hidden state as [altup_inputs, batch, seq, hidden] (AltUp), "
+                                          "whose leading dim is not the batch the split cuts"}
 
 
 def check_row_split(layers: nn.Module, micro_batch_size: int) -> None:

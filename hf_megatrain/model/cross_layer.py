@@ -24,8 +24,9 @@ stay on the device from the store layer's forward to the last reader's backward;
 hidden states. ``MappingWatch`` is the guard for everything else: a layer call that changes a mapping passed to it
 that is not carried (values other than tensors, or nested deeper than the call's own arguments) raises at once.
 
-**One block at several depths** (Zamba2's shared transformer block) is refused by ``layers.check_no_shared_weights``
-(each streamed layer would train its own copy).
+**One block at several depths** (Zamba2's shared transformer block) is the other cross-layer case, carried by
+model/shared_blocks.py: its parameters are resident (one FP32 master) and enter each using layer's Function as
+inputs, so autograd sums their gradients over the uses.
 """
 
 from __future__ import annotations

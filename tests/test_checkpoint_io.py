@@ -17,6 +17,7 @@ from hf_megatrain import checkpoint as ckpt
 from hf_megatrain.checkpoint import fast_io, folders, safetensors_io
 
 from .models import tiny
+from .test_load_speed import engine_with_moments
 from .test_planner import _config_dir
 
 
@@ -159,12 +160,8 @@ def test_engine_load_reads_into_the_store_and_refuses_changed_bytes(tmp_path):
     """Masters and AdamW moments read straight into the engine come back bit for bit; a byte changed after the
     manifest was written is refused by the load itself (CRC-32 computed while reading), a truncated file too; a bf16
     export loads as the masters rounded to bf16 (one conversion)."""
-    engine = MegaTrainEngine(tiny("llama"), MegaTrainConfig(compute_dtype="float32"), device="cpu")
-    opt = engine.create_optimizer(lr=1e-2)
-    with torch.no_grad():
-        for u in engine.store.units:
-            u.exp_avg.normal_()
-            u.exp_avg_sq.uniform_()
+    engine = engine_with_moments()
+    opt = engine.optimizer
     folder = str(tmp_path / "ck")
     os.makedirs(folder)
     folders.save_training_state(engine, folder, master=True)

@@ -25,15 +25,22 @@ def _crc(path) -> str:
         return f"{zlib.crc32(f.read()):08x}"
 
 
-def _trained_checkpoint(tmp_path) -> tuple[MegaTrainEngine, str, dict, dict]:
-    """An engine with non-trivial masters and moments, its checkpoint (bf16 export + FP32 master + moments +
-    manifest), and copies of what was saved."""
+def engine_with_moments() -> MegaTrainEngine:
+    """A tiny Llama engine whose AdamW moments hold random values (a load that skipped them would show)."""
     engine = MegaTrainEngine(tiny("llama"), MegaTrainConfig(compute_dtype="float32"), device="cpu")
-    opt = engine.create_optimizer(lr=1e-2)
+    engine.create_optimizer(lr=1e-2)
     with torch.no_grad():
         for u in engine.store.units:
             u.exp_avg.normal_()
             u.exp_avg_sq.uniform_()
+    return engine
+
+
+def _trained_checkpoint(tmp_path) -> tuple[MegaTrainEngine, str, dict, dict]:
+    """An engine with non-trivial masters and moments, its checkpoint (bf16 export + FP32 master + moments +
+    manifest), and copies of what was saved."""
+    engine = engine_with_moments()
+    opt = engine.optimizer
     path = str(tmp_path / "checkpoint-1")
     with ckpt.atomic_directory(path) as tmp:
         ckpt.save_pretrained_streamed(engine, tmp, dtype=torch.bfloat16)

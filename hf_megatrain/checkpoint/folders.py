@@ -27,6 +27,7 @@ from typing import Any, Callable, Collection, Iterable
 import torch
 
 from ..core.engine_view import EngineView
+from ..core.memory import available_host_bytes
 from .atomic import (OutputDirBusy, atomic_directory, output_dir_lock, recover_interrupted_saves,
                      remove_stale_temp_dirs, rotate_checkpoints)
 from .fast_io import crc32_files, recorded_crc32
@@ -227,18 +228,6 @@ def _moment_targets(engine: EngineView, live: dict[str, torch.Tensor]) -> dict[s
     return targets
 
 
-def _available_memory() -> int:
-    """Bytes the kernel reports it could give without swapping (``MemAvailable``), 0 where unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
-
-
 def files_checked_on_load(engine: EngineView, path: str, *, page_cache_bytes: int | None = None) -> list[str]:
     """The files of checkpoint ``path`` that a resume of ``engine`` should read once: ``verify_checkpoint(
     crc_on_load=...)`` skips their CRC-32, and the loads (``load_pretrained_into_engine`` with its default prefix,
@@ -261,7 +250,7 @@ def files_checked_on_load(engine: EngineView, path: str, *, page_cache_bytes: in
         own = getattr(opt, "own", lambda u: (0, u.numel))
         if all(own(u) == (0, u.numel) for u in engine.store.units):
             out.append(OPTIMIZER_TENSORS)
-    cache = _available_memory() if page_cache_bytes is None else page_cache_bytes
+    cache = available_host_bytes() if page_cache_bytes is None else page_cache_bytes
     if 2 * sum(os.path.getsize(os.path.join(path, f)) for f in out) <= cache:
         return []
     return out

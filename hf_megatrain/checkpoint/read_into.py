@@ -55,8 +55,8 @@ class ReadStats:
     """Where reads spent their time, summed over the ``read_into`` calls inside ``read_stats()``: ``wall_s`` (the
     calls' elapsed time) and thread-seconds per phase: ``read_s`` in ``preadv`` (the kernel's copy out of the page
     cache, or the wait for the disk), ``crc_s`` CRC-32, ``convert_s`` dtype conversion into the destination,
-    ``copy_s`` same-dtype copies (a GPU or strided destination), ``stall_s`` readers waiting for a bounce buffer
-    (the CRC / conversion side behind the disk). With the disk the bottleneck, ``read_s`` is about
+    ``copy_s`` same-dtype copies (a GPU or strided destination), ``stall_s`` readers waiting for their lane (a
+    free bounce buffer, or the CRC of a range read straight into its destination: the CPU side behind the disk). With the disk the bottleneck, ``read_s`` is about
     ``readers * wall_s`` and ``stall_s`` small."""
 
     bytes: int = 0
@@ -263,8 +263,10 @@ def _read_range(path: str, pieces: list[_Piece], chunk: int, crc_on: bool, lane:
                 pending.append(lane.submit(_digest, p, buf, slot, acc, crc_on, free, phases))
     finally:
         os.close(fd)
+        t = time.perf_counter()
         for f in pending:  # (a buffer in flight must come back before the lane is reused; errors raised below)
             f.exception()
+        phases.add("stall_s", t)
     for f in pending:
         f.result()
     return acc[0], total

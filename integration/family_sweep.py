@@ -29,13 +29,20 @@ Multimodal models (``<type>+image``, issue 32): the tiny ``...ForConditionalGene
 same protocol with image+text and text-only steps (step 1: two image+text micro-batches, step 2: two text-only ones,
 step 3: image+text), ``pixel_values`` and the family's other inputs passed to both models' forward; the reference is
 the class's own ``from_pretrained``. ``--families gemma3+image,...``; all of them run by default after the causal
-LMs.
+LMs. ``gemma3n+image`` is the sweep's own (``_sweep_multimodal``): its vision tower needs timm.
+
+Libraries outside the tested set: transformers builds Gemma 3n's vision tower (``gemma3n``, ``gemma3n+image``) as
+``TimmWrapperModel``, which needs timm and pillow. ``integration/install_timm_site.sh DIR`` installs them beside the
+venv (``pip install --no-deps --target DIR``), ``--extra-site DIR`` puts DIR on the workers' ``PYTHONPATH``, and
+each record names the packages its worker imported from outside the interpreter's installation
+(``extra_libraries``, with ``extra_note``). Without them those entries are ``refused`` naming the libraries.
 
 Status: ``pass`` (every error <= max(1e-5, 10 x noise floor)), ``fail`` (numbers or the error), ``refused``,
 ``cannot-build``, ``timeout``, ``skipped`` (encoder-decoder). One JSON line per family to
 ``integration/results/family_sweep/family_sweep_cpu.jsonl`` and a Markdown table to ``family_sweep_cpu.md``.
 
     PYTHONPATH=. python integration/family_sweep.py [--families llama,gpt_neo] [--jobs 2] [--timeout 120]
+        [--extra-site /tmp/timm_site]
 """
 
 from __future__ import annotations
@@ -81,6 +88,11 @@ TINY = {
     "expert_layer_period": 2, "expert_layer_offset": 1, "attn_layer_period": 2, "attn_layer_offset": 1,
     "output_router_logits": True, "use_cache": False,
 }
+# What a record whose entry imported libraries outside the tested set (``extra_libraries``) says about them.
+EXTRA_NOTE = ("libraries outside the tested set, installed beside it (not into the venv) by "
+              "integration/install_timm_site.sh and put on PYTHONPATH with --extra-site; torchvision's PyPI wheel is a "
+              "CUDA build whose C++ ops cannot load with the CPU torch: only its Python parts are used (timm imports "
+              "FrozenBatchNorm2d from it)")
 IMAGE = "+image"  # suffix of the multimodal entries (tests/multimodal_models.py), trained on image+text batches
 LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 N_LAYERS = 2
@@ -157,6 +169,22 @@ HAND: dict[str, dict] = {
 
 
 HAND["gemma4_unified_assistant"] = HAND["gemma4_assistant"]
+# Gemma 3n's multimodal model: the text model above (KV sharing, per-layer inputs, AltUp); its MobileNetV5 vision
+# tower (timm's, whose MSFA output width is fixed at 2048 = vision hidden_size) with 1/16 of the channels and a 2x2
+# soft-token grid (4 image tokens, not 256), its layer scales initialised to 0.1 (timm's 1e-5 init leaves ~1e-5
+# weights whose Adam steps fp32 rounding alone moves by 3e-3 relative after 3 steps: a noise floor that proves
+# nothing; a trained tower's are larger); a 1-block conformer audio tower (12 blocks of 1536 by default)
+HAND["gemma3n"] = {
+    "text_config": {"model_type": "gemma3n_text", "vocab_size": 96, "vocab_size_per_layer_input": 96,
+                    "hidden_size": 32, "hidden_size_per_layer_input": 8, "num_attention_heads": 4,
+                    "num_key_value_heads": 2, "head_dim": 8, "sliding_window": 4, "max_position_embeddings": 64,
+                    "laurel_rank": 8, "use_cache": False, **HAND["gemma3n_text"]},
+    "vision_config": {"model_args": {"channel_multiplier": 0.0625, "msfa_output_resolution": 2,
+                                     "layer_scale_init_value": 0.1}},
+    "audio_config": {"hidden_size": 32, "input_feat_size": 16, "conf_num_hidden_layers": 1,
+                     "conf_num_attention_heads": 4, "sscp_conv_channel_size": [8, 8]},
+    "vision_soft_tokens_per_image": 4, "use_cache": False,
+}
 
 # Types plain transformers cannot train on the sweep's batches because of a bug of its own (so neither side can be
 # checked): model type -> (what its error says, the bug). Recorded as refused, naming the bug.
@@ -586,14 +614,62 @@ def worker(model_type: str) -> dict:
     return _check(rec, model, cls, batches, lr, wd, mgn)
 
 
+def _gemma3n_multimodal():
+    """Gemma 3n with images: the sweep's tiny ``gemma3n`` config (``HAND``) with the vocabulary of
+    tests/multimodal_models.py (its image placeholder id inside it) and one 2x2 grid of soft tokens per image."""
+    import transformers
+
+    from tests.multimodal_models import IMAGE as IMAGE_ID, VOCAB
+
+    hand = HAND["gemma3n"]
+    text = {**hand["text_config"], "vocab_size": VOCAB, "vocab_size_per_layer_input": VOCAB}
+    return transformers.Gemma3nForConditionalGeneration(
+        transformers.Gemma3nConfig(**{**hand, "text_config": text, "image_token_id": IMAGE_ID}))
+
+
+def _sweep_multimodal() -> dict:
+    """The ``+image`` entries the sweep adds to tests/multimodal_models.py's: those whose towers need a library
+    outside the tested set (Gemma 3n's MobileNetV5 vision tower is timm's), kept out of the CPU tests, which import
+    that module; same shape as its ``FAMILIES`` (builder, image tokens, extra inputs)."""
+    import torch
+
+    from tests.multimodal_models import FAMILIES
+
+    def pixels(g, ids):  # 32x32 images: MobileNetV5 downsamples 32x (the MSFA then resizes to the 2x2 grid)
+        return {"pixel_values": torch.randn(ids.shape[0], 3, 32, 32, generator=g)}
+
+    return {"gemma3n": (_gemma3n_multimodal, HAND["gemma3n"]["vision_soft_tokens_per_image"], pixels),
+            **FAMILIES}
+
+
+def extra_libraries() -> dict[str, str]:
+    """The top-level packages this process imported from outside the interpreter's own installation and this repo
+    (``PYTHONPATH=/tmp/timm_site``: timm, torchvision, PIL for Gemma 3n's vision tower), ``name version (dir)``:
+    what an entry needed beyond the tested set, written into its record."""
+    prefixes = tuple(str(Path(p).resolve()) for p in {sys.prefix, sys.base_prefix})
+    found: dict[str, str] = {}
+    for name, mod in list(sys.modules.items()):
+        where = getattr(mod, "__file__", None)
+        if "." in name or not where:
+            continue
+        path = str(Path(where).resolve())
+        if path.startswith(prefixes) or path.startswith(str(ROOT)):
+            continue
+        site = str(Path(path).parent.parent if Path(path).name == "__init__.py" else Path(path).parent)
+        found[name] = f"{getattr(mod, '__version__', '?')} ({site})"
+    return found
+
+
 def _worker_multimodal(family: str) -> dict:
-    """A ``<type>+image`` entry: the tiny multimodal model of tests/multimodal_models.py, image+text and text-only
-    steps (module docstring)."""
+    """A ``<type>+image`` entry: the tiny multimodal model of tests/multimodal_models.py (or ``_sweep_multimodal``),
+    image+text and text-only steps (module docstring)."""
     import transformers
 
     sys.path.insert(0, str(ROOT))
+    import tests.multimodal_models as mm
     from tests.multimodal_models import multimodal_batch, tiny_multimodal
 
+    mm.FAMILIES = _sweep_multimodal()  # (the builders multimodal_batch / tiny_multimodal look up)
     model_type = family[: -len(IMAGE)]
     rec = {"family": family, "model_class": None, "status": None, "transformers": transformers.__version__,
            "batches": "image+text, text only, image+text (GA 2)"}
@@ -610,6 +686,8 @@ def _worker_multimodal(family: str) -> dict:
         out = probe(input_ids=ids, labels=lab, **kw)
         out.loss.backward()
         del probe
+    except ImportError as e:  # (as in worker: a tower built from a library outside the tested set)
+        return {**rec, "status": "refused", "reason": f"needs a library outside the tested set: {str(e).strip()[:400]}"}
     except Exception as e:  # noqa: BLE001
         return _not_built(rec, model, e)
     return _check(rec, model, type(model), batches, 1e-3, 0.1, 1.0)
@@ -722,8 +800,9 @@ def _check(rec: dict, model, cls, batches, lr: float, wd: float, mgn: float) -> 
     return rec
 
 
-def run_one(model_type: str, timeout: float) -> dict:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+def run_one(model_type: str, timeout: float, extra_site: str = "") -> dict:
+    path = os.pathsep.join(x for x in (str(ROOT), extra_site, os.environ.get("PYTHONPATH", "")) if x)
+    env = {**os.environ, "PYTHONPATH": path,
            "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
     t0 = time.time()
     try:
@@ -773,6 +852,9 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--out", default=str(RESULTS / "family_sweep_cpu.jsonl"))
     ap.add_argument("--append", action="store_true", help="keep the output file's other families' lines")
+    ap.add_argument("--extra-site", default="", help="a directory put on the workers' PYTHONPATH for libraries "
+                    "outside the tested set (integration/install_timm_site.sh: timm + pillow for gemma3n); the "
+                    "lines of the entries that imported from it name them (extra_libraries)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
@@ -783,14 +865,16 @@ def main(argv=None) -> int:
             rec = worker(a.worker)
         except Exception as e:  # noqa: BLE001
             rec = {"family": a.worker, "status": "fail", "stage": "worker", "reason": f"{type(e).__name__}: {e}"}
+        extra = extra_libraries()
+        if extra:  # (an entry that needed them says so, whatever its status)
+            rec["extra_libraries"] = extra
+            rec["extra_note"] = EXTRA_NOTE
         print(json.dumps(rec), flush=True)
         return 0
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     sys.path.insert(0, str(ROOT))
-    from tests.multimodal_models import FAMILIES as MULTIMODAL
-
-    multimodal = [f + IMAGE for f in MULTIMODAL]
+    multimodal = [f + IMAGE for f in _sweep_multimodal()]
     everything = list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     if a.families:
         fams = [f.strip() for f in a.families.split(",") if f.strip()]
@@ -816,7 +900,7 @@ def main(argv=None) -> int:
         write_markdown(list(records.values()), out.with_suffix(".md"))
 
     with cf.ThreadPoolExecutor(max_workers=a.jobs) as ex:
-        futs = {ex.submit(run_one, f, a.timeout): f for f in fams}
+        futs = {ex.submit(run_one, f, a.timeout, a.extra_site): f for f in fams}
         for fut in cf.as_completed(futs):
             r = fut.result()
             records[r["family"]] = r

@@ -60,8 +60,9 @@ def render(records: list[dict]) -> str:
              + f" of transformers {', '.join(versions) or '?'}, CPU, fp32; "
              "`integration/family_sweep.py` runs the sweep).", "",
              "| status | count | meaning | model types |", "|---|---|---|---|"]
+    extra = {r["family"]: r["extra_libraries"] for r in records if r.get("extra_libraries")}
     for status in [s for s in ORDER if s in by] + sorted(set(by) - set(ORDER)):
-        fams = ", ".join(f"`{f}`" for f in sorted(by[status]))
+        fams = ", ".join(f"`{f}`" + ("\\*" if f in extra else "") for f in sorted(by[status]))
         lines.append(f"| {status} | {len(by[status])} | {MEANING.get(status, '')} | {fams} |")
     told = [r for r in records if r["status"] in ("fail", "refused", "timeout")
             or r["status"] == "cannot-build" and r["family"].endswith("+image")]
@@ -69,6 +70,11 @@ def render(records: list[dict]) -> str:
         lines += ["", "| model type | status | why |", "|---|---|---|"]
         for r in sorted(told, key=lambda r: (ORDER.index(r["status"]), r["family"])):
             lines.append(f"| `{r['family']}` | {r['status']} | {_reason(r)} |")
+    if extra:  # entries that needed libraries outside the tested set (integration/family_sweep.py: --extra-site)
+        libs = sorted({f"{name} {where.split(' (')[0]}" for e in extra.values() for name, where in e.items()})
+        lines += ["", "\\* with libraries outside the tested set, installed beside it (not into the venv) by "
+                  "`integration/install_timm_site.sh` and given to the sweep with `--extra-site`: "
+                  + ", ".join(libs) + " (" + ", ".join(f"`{f}`" for f in sorted(extra)) + ")."]
     return "\n".join(lines)
 
 

@@ -42,6 +42,9 @@ HAND_BUILT = ["cohere_compass_text", "dbrx", "deepseek_v2", "deepseek_v4", "doge
               "kimi_linear", "lfm2_moe", "mamba2", "phi4_multimodal", "qwen4_exp_text", "reformer", "xlstm", "xmod",
               "zamba", "zamba2"]
 TEXT_OF_COMPOSITE = ["dots3_note", "emu3", "llama4", "qwen3_5", "qwen3_5_moe", "qwen4_exp"]
+# Hand-made configs whose model needs a library outside the tested set (Gemma 3n's vision tower is timm's
+# TimmWrapperModel): built where it is installed (integration/install_timm_site.sh), skipped otherwise.
+NEEDS_TIMM = ["gemma3n"]
 
 
 def test_hand_made_tiny_configs_build():
@@ -52,7 +55,7 @@ def test_hand_made_tiny_configs_build():
     sys.path.insert(0, os.path.join(ROOT, "integration"))
     from family_sweep import HAND, tiny_config
 
-    assert set(HAND) <= set(HAND_BUILT)
+    assert set(HAND) <= set(HAND_BUILT + NEEDS_TIMM)
     for mt in HAND_BUILT + TEXT_OF_COMPOSITE:
         if mt not in names:  # (a type an older transformers does not have)
             continue
@@ -62,3 +65,32 @@ def test_hand_made_tiny_configs_build():
         with torch.device("meta"):
             model = cls(cfg)
         assert 0 < sum(p.numel() for p in model.parameters()) < 2_000_000, mt
+
+
+def test_gemma3n_multimodal_config_builds_with_timm():
+    pytest.importorskip("timm")
+    pytest.importorskip("PIL")
+    import torch
+    import transformers
+
+    sys.path.insert(0, os.path.join(ROOT, "integration"))
+    from family_sweep import tiny_config
+
+    for mt in NEEDS_TIMM:
+        cfg = tiny_config(mt)
+        assert cfg.text_config.num_kv_shared_layers == 2 and cfg.vision_soft_tokens_per_image == 4
+        with torch.device("meta"):
+            model = transformers.Gemma3nForConditionalGeneration(cfg)
+        # (the MobileNetV5 tower keeps its fixed 2048-wide fusion output and 64-wide attention heads: ~7.7M)
+        assert 0 < sum(p.numel() for p in model.parameters()) < 10_000_000, mt
+
+
+def test_extra_libraries_name_none_of_the_tested_set():
+    sys.path.insert(0, os.path.join(ROOT, "integration"))
+    from family_sweep import extra_libraries
+
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+
+    extra = extra_libraries()
+    assert "torch" not in extra and "transformers" not in extra and "hf_megatrain" not in extra, extra

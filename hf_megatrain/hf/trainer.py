@@ -339,6 +339,20 @@ class MegaTrainTrainer(Trainer):
         self.engine.ranks.barrier()
         return files
 
+    def _mt_save_barrier(self) -> None:
+        """The other ranks wait for the main process's checkpoint save for 30 minutes plus its bytes at 100 MB/s (a
+        slow disk), not the process group's fixed 30 minutes: a 120B checkpoint (1.4 TB) takes longer at any rate."""
+        nbytes = 16 * sum(u.numel for u in self.engine.store.units)  # export (<= 4 B) + FP32 master + AdamW m, v
+        wait_s = 1800 + nbytes / 1e8
+        try:
+            self.engine.ranks.barrier(timeout_s=wait_s)
+        except RuntimeError as e:
+            raise RuntimeError(f"hf_megatrain: waiting for the main process's checkpoint save failed ({e}). The save "
+                               f"barrier waits up to {wait_s:.0f} s (30 minutes + the checkpoint's ~"
+                               f"{nbytes / 1e9:.0f} GB at 100 MB/s): the save failed (see the main process's log) or "
+                               "is slower than that (a disk slower than 100 MB/s: save less often, or to a faster "
+                               "disk)") from e
+
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
         if not self._mt:
             return super()._save_checkpoint(model, trial)
@@ -356,7 +370,7 @@ class MegaTrainTrainer(Trainer):
             with ckpt.output_dir_lock(run_dir):  # (held already when train() runs: re-entrant)
                 ckpt.recover_interrupted_saves(run_dir)  # never removes the only complete copy; logs each step
                 self._mt_write_checkpoint(output_dir)
-        self.engine.ranks.barrier()  # no rank updates the shared state before the main process has written it
+        self._mt_save_barrier()  # no rank updates the shared state before the main process has written it
         if self.args.push_to_hub:
             self._push_from_checkpoint(output_dir)
         if self.args.should_save:

@@ -47,7 +47,7 @@ class Alone:
         """Whether this process fills ``u``'s masters on a load (checkpoint/folders.py): alone, every one."""
         return True
 
-    def barrier(self) -> None:
+    def barrier(self, timeout_s: float | None = None) -> None:
         pass
 
     def broadcast_object(self, obj: Any) -> Any:
@@ -109,8 +109,8 @@ class SharedHostRanks:
         """Local rank 0 fills the shared (HOST) units' masters on a load, every rank its own replicated ones."""
         return self.dp.writes_shared(u)
 
-    def barrier(self) -> None:
-        self.dp.barrier()
+    def barrier(self, timeout_s: float | None = None) -> None:
+        self.dp.barrier(timeout_s)
 
     def broadcast_object(self, obj: Any) -> Any:
         return self.dp.broadcast_object(obj)

@@ -12,6 +12,7 @@ Collectives of gradients run on ``group`` (NCCL on GPUs, gloo on the CPU); barri
 
 from __future__ import annotations
 
+import datetime
 import socket
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -32,6 +33,7 @@ class DataParallel:
     device: torch.device  # where gradient collectives run (the backend's device)
     group: Any = None  # process group of the gradient collectives (None: the default group)
     cpu_group: Any = None  # gloo group: barriers, objects
+    wait_group: Any = None  # gloo group whose own timeout is a week: barriers given theirs (the checkpoint save's)
 
     @classmethod
     def from_process_group(cls, group: Any = None) -> "DataParallel":
@@ -51,7 +53,8 @@ class DataParallel:
                 f"hf_megatrain data parallel runs on one host; these {world} processes span hosts {sorted(set(hosts))}."
                 " Multi-node (one shared store per node) is not built yet: launch on a single machine.")
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        return cls(rank, world, rank, device, group, cpu_group)
+        wait_group = dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(days=7))
+        return cls(rank, world, rank, device, group, cpu_group, wait_group)
 
     @classmethod
     def current(cls) -> "DataParallel | None":
@@ -82,8 +85,14 @@ class DataParallel:
         return self.is_leader or unit.plan.stepper is not Stepper.HOST
 
     # -- collectives ---------------------------------------------------------------------------------------------------
-    def barrier(self) -> None:
-        dist.barrier(group=self.cpu_group)
+    def barrier(self, timeout_s: float | None = None) -> None:
+        """Wait for every rank. ``timeout_s``: this wait's own limit (a ``RuntimeError`` after it), longer or shorter
+        than the process group's (30 minutes by default): on ``wait_group``, whose own limit is a week."""
+        if timeout_s is None:
+            dist.barrier(group=self.cpu_group)
+        else:
+            work = dist.barrier(group=self.wait_group or self.cpu_group, async_op=True)
+            work.wait(timeout=datetime.timedelta(seconds=timeout_s))
 
     def broadcast_object(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank."""

@@ -17,7 +17,7 @@ from hf_megatrain import checkpoint as ckpt
 from hf_megatrain.checkpoint import fast_io, folders, safetensors_io
 
 from .models import tiny
-from .test_load_speed import engine_with_moments
+from .test_load_speed import engine_with_moments, scramble
 from .test_planner import _config_dir
 
 
@@ -168,12 +168,7 @@ def test_engine_load_reads_into_the_store_and_refuses_changed_bytes(tmp_path):
     folders.write_manifest(folder)
     want = {n: t.clone() for n, t in engine.named_master_tensors()}
     moments = {k: v.clone() for k, v in opt.state_tensors().items()}
-    with torch.no_grad():
-        for _, t in engine.named_master_tensors():
-            t.add_(1.0)
-        for u in engine.store.units:
-            u.exp_avg.zero_()
-            u.exp_avg_sq.zero_()
+    scramble(engine)
     assert folders.load_pretrained_into_engine(engine, folder) == []
     assert folders.load_training_state(engine, folder)
     assert all(torch.equal(t, want[n]) for n, t in engine.named_master_tensors())

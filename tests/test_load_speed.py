@@ -53,7 +53,8 @@ def _trained_checkpoint(tmp_path) -> tuple[MegaTrainEngine, str, dict, dict]:
     return engine, path, masters, moments
 
 
-def _scramble(engine: MegaTrainEngine) -> None:
+def scramble(engine: MegaTrainEngine) -> None:
+    """Every master moved by 1, every moment zeroed: a load that missed any of them shows."""
     with torch.no_grad():
         for _, t in engine.named_master_tensors():
             t.add_(1.0)
@@ -72,7 +73,7 @@ def test_loads_bitwise_exact_for_any_readers_and_read_size(tmp_path, monkeypatch
     engine, path, masters, moments = _trained_checkpoint(tmp_path)
     monkeypatch.setattr(fast_io, "READERS", readers)
     monkeypatch.setattr(fast_io, "READ_CHUNK", chunk)
-    _scramble(engine)
+    scramble(engine)
     ckpt.verify_checkpoint(path)
     ckpt.load_pretrained_into_engine(engine, path)
     assert ckpt.load_training_state(engine, path)
@@ -93,7 +94,7 @@ def test_resume_larger_than_the_page_cache_reads_each_byte_once(tmp_path):
                  and f.endswith(".safetensors"))
 
     def resume(once: list[str]) -> int:
-        _scramble(engine)
+        scramble(engine)
         with ckpt.read_stats() as st:
             ckpt.verify_checkpoint(path, crc_on_load=once)
             ckpt.load_pretrained_into_engine(engine, path)

@@ -29,7 +29,8 @@ Multimodal models (``<type>+image``, issue 32): the tiny ``...ForConditionalGene
 same protocol with image+text and text-only steps (step 1: two image+text micro-batches, step 2: two text-only ones,
 step 3: image+text), ``pixel_values`` and the family's other inputs passed to both models' forward; the reference is
 the class's own ``from_pretrained``. ``--families gemma3+image,...``; all of them run by default after the causal
-LMs. ``gemma3n+image`` is the sweep's own (``_sweep_multimodal``): its vision tower needs timm.
+LMs. ``gemma3n+image`` is the sweep's own (``SWEEP_MULTIMODAL``: its vision tower needs timm): an audio clip too in
+the first step (Gemma 3n's conformer audio tower).
 
 Libraries outside the tested set: transformers builds Gemma 3n's vision tower (``gemma3n``, ``gemma3n+image``) as
 ``TimmWrapperModel``, which needs timm and pillow. ``integration/install_timm_site.sh DIR`` installs them beside the
@@ -614,32 +615,54 @@ def worker(model_type: str) -> dict:
     return _check(rec, model, cls, batches, lr, wd, mgn)
 
 
+# Gemma 3n's token layout, tiny: the text vocabulary ends with the vision then the audio "hard" tokens (as the real
+# 262144 + 128 + 128), the placeholders the second of each (262145, 262273), the audio padding token the last id
+GEMMA3N_IDS = {"vocab": 128, "vision_offset": 112, "audio_offset": 120, "image": 113, "audio": 121}
+
+
 def _gemma3n_multimodal():
-    """Gemma 3n with images: the sweep's tiny ``gemma3n`` config (``HAND``) with the vocabulary of
-    tests/multimodal_models.py (its image placeholder id inside it) and one 2x2 grid of soft tokens per image."""
+    """Gemma 3n with images and audio: the sweep's tiny ``gemma3n`` config (``HAND``) with ``GEMMA3N_IDS``' layout,
+    a 2x2 grid of soft tokens per image, 4 per audio clip (64 frames: 16 after the two stride-2 convolutions, 4
+    after the conformer's 4x reduction)."""
     import transformers
 
-    from tests.multimodal_models import IMAGE as IMAGE_ID, VOCAB
+    hand, ids = HAND["gemma3n"], GEMMA3N_IDS
+    text = {**hand["text_config"], "vocab_size": ids["vocab"], "vocab_size_per_layer_input": ids["vocab"]}
+    return transformers.Gemma3nForConditionalGeneration(transformers.Gemma3nConfig(**{
+        **hand, "text_config": text, "image_token_id": ids["image"], "audio_token_id": ids["audio"],
+        "vision_config": {**hand["vision_config"], "vocab_offset": ids["vision_offset"], "vocab_size": 8},
+        "audio_config": {**hand["audio_config"], "vocab_offset": ids["audio_offset"], "vocab_size": 8},
+        "audio_soft_tokens_per_image": 4}))
 
-    hand = HAND["gemma3n"]
-    text = {**hand["text_config"], "vocab_size": VOCAB, "vocab_size_per_layer_input": VOCAB}
-    return transformers.Gemma3nForConditionalGeneration(
-        transformers.Gemma3nConfig(**{**hand, "text_config": text, "image_token_id": IMAGE_ID}))
 
-
-def _sweep_multimodal() -> dict:
-    """The ``+image`` entries the sweep adds to tests/multimodal_models.py's: those whose towers need a library
-    outside the tested set (Gemma 3n's MobileNetV5 vision tower is timm's), kept out of the CPU tests, which import
-    that module; same shape as its ``FAMILIES`` (builder, image tokens, extra inputs)."""
+def _gemma3n_batch(seed: int, image: bool) -> tuple:
+    """Gemma 3n's micro-batch: text only, or an image (4 placeholders at 1..4, 32x32 pixels: MobileNetV5 downsamples
+    32x, its fusion adapter resizes to the 2x2 grid) and, in the first step's micro-batches, an audio clip too (4
+    placeholders at 8..11, the second row's last 16 frames masked); labels ignore the placeholders."""
     import torch
 
-    from tests.multimodal_models import FAMILIES
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 96, (2, 16), generator=g)
+    labels = ids.clone()
+    labels[0, :4] = -100  # a prompt without loss
+    if not image:
+        return ids, labels, {}
+    ids[:, 1:5] = GEMMA3N_IDS["image"]
+    kw = {"pixel_values": torch.randn(2, 3, 32, 32, generator=g)}
+    if seed < 10:
+        ids[:, 8:12] = GEMMA3N_IDS["audio"]
+        mask = torch.ones(2, 64, dtype=torch.bool)
+        mask[1, 48:] = False
+        kw.update(input_features=torch.randn(2, 64, 16, generator=g), input_features_mask=mask)
+    labels[ids >= GEMMA3N_IDS["vision_offset"]] = -100
+    return ids, labels, kw
 
-    def pixels(g, ids):  # 32x32 images: MobileNetV5 downsamples 32x (the MSFA then resizes to the 2x2 grid)
-        return {"pixel_values": torch.randn(ids.shape[0], 3, 32, 32, generator=g)}
 
-    return {"gemma3n": (_gemma3n_multimodal, HAND["gemma3n"]["vision_soft_tokens_per_image"], pixels),
-            **FAMILIES}
+# The ``+image`` entries the sweep adds to tests/multimodal_models.py's: those whose towers need a library outside
+# the tested set (Gemma 3n's MobileNetV5 vision tower is timm's), kept out of the CPU tests that import that module:
+# type -> (builder, batch(seed, image), what the three steps hold)
+SWEEP_MULTIMODAL = {"gemma3n": (_gemma3n_multimodal, _gemma3n_batch,
+                                "image+audio+text, text only, image+text (GA 2)")}
 
 
 def extra_libraries() -> dict[str, str]:
@@ -661,7 +684,7 @@ def extra_libraries() -> dict[str, str]:
 
 
 def _worker_multimodal(family: str) -> dict:
-    """A ``<type>+image`` entry: the tiny multimodal model of tests/multimodal_models.py (or ``_sweep_multimodal``),
+    """A ``<type>+image`` entry: the tiny multimodal model of tests/multimodal_models.py (or ``SWEEP_MULTIMODAL``),
     image+text and text-only steps (module docstring)."""
     import transformers
 
@@ -669,18 +692,20 @@ def _worker_multimodal(family: str) -> dict:
     import tests.multimodal_models as mm
     from tests.multimodal_models import multimodal_batch, tiny_multimodal
 
-    mm.FAMILIES = _sweep_multimodal()  # (the builders multimodal_batch / tiny_multimodal look up)
     model_type = family[: -len(IMAGE)]
+    own = SWEEP_MULTIMODAL.get(model_type)
+    if own is not None:  # (tiny_multimodal's initialisation, the sweep's builder)
+        mm.FAMILIES = {**mm.FAMILIES, model_type: (own[0], 0, None)}
+    batch_of = own[1] if own is not None else (lambda seed, image: multimodal_batch(model_type, seed, image))
     rec = {"family": family, "model_class": None, "status": None, "transformers": transformers.__version__,
-           "batches": "image+text, text only, image+text (GA 2)"}
+           "batches": own[2] if own is not None else "image+text, text only, image+text (GA 2)"}
     model = None
     try:
         model = tiny_multimodal(model_type)
         rec["model_class"] = type(model).__name__
         model.train()
         rec["params"] = sum(p.numel() for p in model.parameters())
-        batches = [[multimodal_batch(model_type, 10 * s + j, image) for j in range(2)]
-                   for s, image in enumerate((True, False, True))]
+        batches = [[batch_of(10 * s + j, image) for j in range(2)] for s, image in enumerate((True, False, True))]
         probe = copy.deepcopy(model)
         ids, lab, kw = batches[0][0]
         out = probe(input_ids=ids, labels=lab, **kw)
@@ -874,7 +899,9 @@ def main(argv=None) -> int:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     sys.path.insert(0, str(ROOT))
-    multimodal = [f + IMAGE for f in _sweep_multimodal()]
+    from tests.multimodal_models import FAMILIES as MULTIMODAL
+
+    multimodal = [f + IMAGE for f in {**MULTIMODAL, **SWEEP_MULTIMODAL}]
     everything = list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     if a.families:
         fams = [f.strip() for f in a.families.split(",") if f.strip()]

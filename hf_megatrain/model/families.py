@@ -34,8 +34,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from .head_config import (NOT_CAUSAL_LM, check_head_extras, head_module_params, head_transforms, head_value,
-                          is_composite, other_layer_lists, own_loss_form, text_config_of)
+from .head_config import (NOT_CAUSAL_LM, check_head_extras, embedding_owner, head_module_params, head_transforms,
+                          head_value, is_composite, other_layer_lists, own_loss_form, text_config_of)
 from .layers import LayerStack
 from .loss import TokenStats
 from .loss_impl import choose, head_loss
@@ -67,6 +67,25 @@ def _check_standard_loss(model: nn.Module, hint: str) -> None:
                          f"{': ' + why if why else ''}. {hint}")
 
 
+def whole_stack_function(stack: LayerStack) -> str | None:
+    """The ``torch.autograd.Function`` that the stack owner's forward applies to the layer list as a whole, if any
+    (Reformer's ``_ReversibleFunction.apply(hidden_states, self.layers, ...)``: reversible layers, whose backward
+    recomputes each layer's input from its output over the whole stack). Streaming runs each layer in its own
+    Function, so it cannot reproduce that one."""
+    import re
+
+    try:
+        source = inspect.getsource(type(stack.parent).forward)
+    except (OSError, TypeError):
+        return None
+    attr = stack.path.rpartition(".")[2]
+    for name, obj in vars(sys.modules.get(type(stack.parent).__module__) or object()).items():
+        if isinstance(obj, type) and issubclass(obj, torch.autograd.Function) and \
+                re.search(rf"\b{re.escape(name)}\.apply\([^)]*\bself\.{re.escape(attr)}\b", source):
+            return name
+    return None
+
+
 def check_supported(model: nn.Module, stack: LayerStack) -> None:
     """Raise a clear error unless ``model`` is a decoder-only LM whose forward is ``stack.parent`` -> lm_head."""
     name = type(model).__name__
@@ -79,12 +98,24 @@ def check_supported(model: nn.Module, stack: LayerStack) -> None:
     head = get_head() if callable(get_head) else None
     if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
         raise ValueError(f"{name} has no output embeddings (lm_head) to train a language-model loss on. {hint}")
+    whole = whole_stack_function(stack)
+    if whole is not None:
+        raise ValueError(
+            f"{name} is not supported: {type(stack.parent).__name__}.forward runs its whole layer stack "
+            f"({stack.path}) inside one autograd Function ({whole}: reversible layers, whose backward recomputes each "
+            "layer's input from its output across the stack), so hf_megatrain's per-layer streaming (one Function "
+            "per layer) cannot reproduce it. Train it with plain transformers.")
     # A causal LM: the engine runs the module that owns the layer stack, then the output embeddings. Any trainable
     # weight outside both (BERT's MLM transform, its embeddings outside the encoder, a value head) would be skipped.
     # A multimodal model runs its own forward up to lm_head (model/multimodal.py): its towers are in the path; so
-    # does a model with a head transform before the projection (head_config.head_transforms: ModernBERT-decoder).
+    # does a model with a head transform before the projection (head_config.head_transforms: ModernBERT-decoder),
+    # and one whose stack owner takes hidden states from a module that embeds the ids (head_config.embedding_owner:
+    # CPM-Ant) -- unless it also has a head transform: an encoder's embeddings and MLM prediction head (BERT family).
+    transforms = head_transforms(base_model_of(model), stack.parent)
+    owner = None if transforms else embedding_owner(base_model_of(model), stack.parent)
     inside = {id(p) for p in stack.parent.parameters()} | {id(p) for p in head.parameters()} | \
-        {id(p) for m in head_transforms(base_model_of(model), stack.parent) for p in m.parameters()}
+        {id(p) for m in transforms for p in m.parameters()} | \
+        {id(p) for p in (owner.parameters() if owner is not None else ())}
     outside = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in inside]
     if outside and not is_composite(base_model_of(model)):
         stacks = other_layer_lists(model, stack.layers, {id(p) for p in model.parameters() if id(p) not in inside})

@@ -171,6 +171,31 @@ def aux_loss_needs_forward(model: Any) -> bool:
     return names[:4] != ["gate_logits", "num_experts", "top_k", "attention_mask"]
 
 
+def _takes(module: Any, arg: str) -> bool:
+    """Whether ``module``'s forward names the parameter ``arg`` (unreadable forwards: taken to)."""
+    import inspect
+
+    try:
+        params = inspect.signature(type(module).forward).parameters
+    except (TypeError, ValueError):
+        return True
+    return arg in params or any(p.kind is p.VAR_POSITIONAL for p in params.values())  # (a (*args, **kw) wrapper)
+
+
+def embedding_owner(model: Any, decoder: Any) -> Any | None:
+    """The module whose forward embeds ``input_ids`` and hands hidden states to ``decoder`` (the module that owns the
+    layer stack), where ``decoder``'s own forward takes no ``input_ids``: CPM-Ant's ``CpmAntModel`` (input and segment
+    embeddings, the segment-relative position bias) around its ``CpmAntEncoder``. The engine cannot call such a
+    decoder on token ids: the model's own forward runs (``own_forward_reason``), with that module's parameters as
+    resident parts. None where ``decoder`` embeds the ids itself (every Llama-like ``*Model``)."""
+    if _takes(decoder, "input_ids"):
+        return None
+    for mod in model.modules():
+        if any(child is decoder for child in mod.children()):
+            return mod if mod is not model and _takes(mod, "input_ids") else None
+    return None
+
+
 def own_forward_reason(model: Any, decoder: Any) -> str | None:
     """Why the engine must run ``model``'s own forward up to lm_head's input (model/multimodal.py
     ``ModelForwardRun``: the forward's code runs unchanged, the projection's input recorded, its ``loss_function``
@@ -181,6 +206,10 @@ def own_forward_reason(model: Any, decoder: Any) -> str | None:
     if transforms:
         return (f"its forward applies {', '.join(type(m).__name__ for m in transforms)} between the decoder and the "
                 "output embeddings")
+    owner = embedding_owner(model, decoder)
+    if owner is not None:
+        return (f"{type(decoder).__name__} takes hidden states: {type(owner).__name__}'s forward embeds the input ids "
+                "(and builds the masks / position biases) before it")
     if aux_loss_needs_forward(model):
         return "its MoE aux loss function takes arguments hf_megatrain does not pass: its forward computes it"
     return None
@@ -213,6 +242,9 @@ OWN_LOSS_FORMS: dict[str, tuple[str, str]] = {
     "TrOCRForCausalLM": ("unshifted_mean", "loss_fct = CrossEntropyLoss()\n"
                                            "            loss = loss_fct(logits.view(-1, self.config.vocab_size), "
                                            "labels.view(-1))"),
+    "CpmAntForCausalLM": ("unshifted_mean", "loss_func = CrossEntropyLoss()\n"
+                                            "            loss = loss_func(logits.view(-1, logits.size(-1)), "
+                                            "labels.view(-1))"),
 }
 
 # Why the other transformers classes with an own loss are not causal decoder LMs (the refusal says so).

@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from .head_config import HEAD_ALIASES, own_forward_reason
+from .head_config import HEAD_ALIASES, own_forward_reason, own_loss_form
 from .layers import LayerStack
 
 logger = logging.getLogger(__name__)
@@ -102,6 +102,9 @@ class ModelForwardRun:
     def __init__(self, model: nn.Module) -> None:
         self.model = base_model_of(model)
         self.name = type(self.model).__name__
+        # A forward that computes its own loss in a form hf_megatrain reproduces (head_config.OWN_LOSS_FORMS:
+        # CPM-Ant's unshifted mean) would compute it on the empty logits: it runs without labels, the head applies it.
+        self.own_loss = own_loss_form(self.model) is not None
 
     @contextmanager
     def _swapped(self, seen: list[torch.Tensor], losses: list[int]) -> Iterator[None]:
@@ -135,8 +138,8 @@ class ModelForwardRun:
         seen: list[torch.Tensor] = []
         losses: list[int] = []
         with self._swapped(seen, losses):
-            out = self.model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, use_cache=False,
-                             **kwargs)
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask,
+                             labels=None if self.own_loss else labels, use_cache=False, **kwargs)
         if len(seen) != 1:
             raise RuntimeError(
                 f"hf_megatrain: {self.name}.forward called its output embeddings (lm_head) {len(seen)} times; "
@@ -151,12 +154,12 @@ class ModelForwardRun:
                 f"{tuple(ref.shape) if ref is not None else ''}: hf_megatrain's shifted causal-LM loss would pair "
                 "hidden states with the wrong labels. Pass labels aligned with the sequence the model builds "
                 "(one per position), or train this model with plain transformers.")
-        if labels is not None and not losses:
+        if labels is not None and not losses and not self.own_loss:
             raise RuntimeError(
                 f"hf_megatrain: {self.name}.forward computed no causal-LM loss through self.loss_function for the "
                 "labels given, so the loss hf_megatrain computes would not be this model's. Train it with plain "
                 "transformers.")
-        if labels is None:
+        if labels is None or self.own_loss:
             return hidden, None
         return hidden, out.loss if hasattr(out, "loss") else out[0]  # (a tuple output starts with the loss)
 

@@ -66,6 +66,8 @@ class StreamingExecutor:
         # Any input that requires grad makes autograd call our backward even when the hidden state does not
         # (frozen embeddings, PEFT): the anchor guarantees that.
         self.grad_anchor = torch.zeros((), device=device, requires_grad=True)
+        # Visits per layer in the engine's current forward (lean units take one gradient each: runtime.forward).
+        self.visits: dict[int, int] = {}
         # Optional side-output tap (families.RouterTap): tensors a layer forward produces besides its hidden state.
         self.tap: Any = None
         # RNG states of the last stochastic forward, per chunk (read by the layer Function into its ctx).
@@ -110,6 +112,7 @@ class StreamingExecutor:
                       recompute: bool = False) -> tuple[list[torch.Tensor], OutLayout]:
         """Run layer ``index`` (no grad): its output as (tensors, layout), ``layout.rebuild(tensors)`` being what the
         layer returned. ``recompute``: the backward will recompute this visit (stochastic layers' RNG is kept)."""
+        self.visits[index] = self.visits.get(index, 0) + 1
         with torch.profiler.record_function("megatrain.forward"):
             return self._forward_layer(index, hidden, call, recompute)
 
@@ -224,11 +227,11 @@ class StreamingExecutor:
                     continue  # (a shared output is the first chunk's: only that chunk's recompute made it)
                 outs.append(t)
                 gouts.append(g if shared or not split else g[a:b])
-            for t, g in zip(side, side_grads):  # side outputs are batch-major rows: slice this chunk's rows
-                if g is not None:
+            for t, g in zip(side, side_grads):  # split: side outputs are batch-major rows, slice this chunk's
+                if g is not None:  # (whole: any shape, e.g. Doge's [2, tokens, keys] router logits)
                     r = g.shape[0] // batch
                     outs.append(t)
-                    gouts.append(g[a * r:b * r])
+                    gouts.append(g[a * r:b * r] if split else g)
             inputs = [x for x in dict.fromkeys(leaves) if x is not None] + trainable
             if outs:
                 torch.autograd.backward(outs, gouts, inputs=inputs)

@@ -300,10 +300,18 @@ class MegaTrainEngine:
         kwargs = {k: move(v) for k, v in kwargs.items()}
         extras = self.head_extras
         attention_mask = move(attention_mask)
+        self.executor.visits.clear()
         with extras.capture(kwargs) as router_logits:
             # Embeddings -> layers -> final norm: the module that owns the layer stack (e.g. LlamaModel), or a
             # multimodal model's own forward, towers included (model/multimodal.py). hidden: lm_head's input.
             hidden, added = extras.run(move(input_ids), attention_mask, move(labels), **kwargs)
+        again = sorted(i for i, n in self.executor.visits.items() if n > 1)
+        if replay is not None and again:  # (before any backward: nothing updated yet)
+            raise ValueError(
+                f"hf_megatrain: lean_store=True cannot train layers {again[:4]}: each runs several times in one "
+                "forward (a layer looped, e.g. Dory's n_recurrent_loops > 1) and the lean store updates a layer "
+                "from its gradient as soon as one backward visit ends, so it cannot sum its visits. Use "
+                "lean_store=False (the full store sums them exactly).")
         head = self.model.get_output_embeddings()
         loss = None
         stats = TokenStats() if token_stats and labels is not None else None

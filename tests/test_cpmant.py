@@ -45,3 +45,13 @@ def test_reformer_reversible_stack_is_refused_by_name():
     with pytest.raises(ValueError, match=r"whole layer stack .*one autograd Function \(_ReversibleFunction"):
         MegaTrainEngine(transformers.ReformerModelWithLMHead(cfg), MegaTrainConfig(compute_dtype="float32"),
                         device="cpu")
+
+
+def test_a_second_stack_beside_the_embeddings_stays_refused():
+    """HRM's ``HrmTextModel`` embeds the ids around its L and H modules' layer stacks: counting the embedding owner's
+    parameters as resident (the CPM-Ant rule) must not turn the second stack into a silently resident one."""
+    cfg = transformers.HrmTextConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                     head_dim=8, num_layers_per_stack=1, H_cycles=1, L_cycles=1, L_bp_cycles=[1],
+                                     max_position_embeddings=64, use_cache=False)
+    with pytest.raises(ValueError, match=r"2 layer stacks .*multi-stack"):
+        MegaTrainEngine(transformers.HrmTextForCausalLM(cfg), MegaTrainConfig(compute_dtype="float32"), device="cpu")

@@ -114,10 +114,11 @@ def check_supported(model: nn.Module, stack: LayerStack) -> None:
     transforms = head_transforms(base_model_of(model), stack.parent)
     owner = None if transforms else embedding_owner(base_model_of(model), stack.parent)
     inside = {id(p) for p in stack.parent.parameters()} | {id(p) for p in head.parameters()} | \
-        {id(p) for m in transforms for p in m.parameters()} | \
-        {id(p) for p in (owner.parameters() if owner is not None else ())}
+        {id(p) for m in transforms for p in m.parameters()}
     outside = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in inside]
     if outside and not is_composite(base_model_of(model)):
+        # (before the embedding owner's parameters count as inside: a second layer stack there -- HRM's H module
+        # beside the streamed L module -- is a multi-stack model, not embeddings)
         stacks = other_layer_lists(model, stack.layers, {id(p) for p in model.parameters() if id(p) not in inside})
         if stacks:
             raise ValueError(
@@ -126,6 +127,9 @@ def check_supported(model: nn.Module, stack: LayerStack) -> None:
                 "not the one decoder-layer stack "
                 "(embeddings -> layers -> norm -> lm_head) that hf_megatrain streams. (If the model has one decoder "
                 "stack and hf_megatrain picked the wrong list, name it: MegaTrainConfig(layers_path=...).)")
+        embedded = {id(p) for p in (owner.parameters() if owner is not None else ())}
+        outside = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in inside | embedded]
+    if outside and not is_composite(base_model_of(model)):
         shown = ", ".join(outside[:4]) + (", ..." if len(outside) > 4 else "")
         decoder = stack.path.rpartition(".")[0] or "model"
         raise ValueError(

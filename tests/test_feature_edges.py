@@ -213,3 +213,47 @@ def test_doge_router_logits_at_any_batch_size(batch):
     (rows per sequence = 2 // batch), which is the whole tensor only for batch 1 or 2 -- batch 3 or 4 failed in the
     backward with a shape error. Whole visits now take the side output's gradient whole."""
     run_parity(_doge_moe(), steps=2, ga=1, batch=batch)
+
+
+
+def _lora_trained(name: str, targets: list[str], tmp_path) -> tuple[transformers.Trainer, MegaTrainTrainer]:
+    model = lora(BUILDERS[name](), targets)
+    ref = plain(copy.deepcopy(model), tmp_path / "r", max_steps=2)
+    ref.train()
+    mt = ours(copy.deepcopy(model), tmp_path / "mt", max_steps=2)
+    mt.train()
+    return ref, mt
+
+
+@pytest.mark.parametrize("name, targets", [("zamba2", LORA_TARGETS["zamba2"]), ("zamba2", ["in_proj", "linear"]),
+                                           ("gemma3n", LORA_TARGETS["gemma3n"])],
+                         ids=["zamba2-shared", "zamba2", "gemma3n"])
+def test_lora_exports_load_in_plain_peft(name, targets, tmp_path):
+    """The adapter folder loads with ``PeftModel.from_pretrained`` (every adapter weight the trained one); the
+    merged export loads with plain ``from_pretrained`` and equals plain PEFT's ``merge_and_unload``. Zamba2's shared
+    block is written once (it was written at every use, the later uses' tensors unfilled: transformers then declined
+    to tie them and loaded NaNs there); adapters on the shared block itself (one per use) refuse a merged export."""
+    from peft import PeftModel
+
+    ref, mt = _lora_trained(name, targets, tmp_path)
+    mt.save_model(str(tmp_path / "adapter"))
+    loaded = PeftModel.from_pretrained(BUILDERS[name](), str(tmp_path / "adapter"))
+    got = masters(mt)
+    assert sorted(got) == sorted(n for n, _ in loaded.named_parameters() if "lora_" in n)
+    for n, p in loaded.named_parameters():
+        if "lora_" in n:
+            assert torch.equal(p.detach(), got[n]), n
+    if "q_proj" in targets and name == "zamba2":
+        with pytest.raises(ValueError, match=r"merged export cannot hold adapters on model.layers.0.shared_transf"
+                                             r".*shared by several layers.*save_model"):
+            mt.save_merged_model(str(tmp_path / "merged"))
+        return
+    mt.save_merged_model(str(tmp_path / "merged"))
+    merged_model = ref.model.merge_and_unload()
+    merged_model.save_pretrained(str(tmp_path / "plain"))
+    assert sorted(saved(tmp_path / "merged")) == sorted(saved(tmp_path / "plain"))
+    msd = type(merged_model).from_pretrained(str(tmp_path / "merged")).state_dict()
+    want = merged_model.state_dict()
+    assert sorted(msd) == sorted(want)
+    for n in want:
+        assert rel(msd[n], want[n]) <= 1e-5, n

@@ -161,10 +161,24 @@ def _merged_tensors(engine: EngineView) -> Iterator[tuple[str, torch.Tensor]]:
         if not n.startswith(layer_prefix) and n not in done:
             yield strip(n), t.float()
     layer_buffers = dict(engine.named_layer_buffers())  # the layers' real buffers (the templates' are meta)
+    written: set[int] = set()  # shared parameters (model/shared_blocks.py) written already
     for i, template in enumerate(engine.layer_templates()):
         prefix = f"{layer_prefix}{i}."
+        shared = getattr(stack.layers[i], "shared_params", {})
+        wrapped = [n for n in shared if ".base_layer." in n]
+        if wrapped:  # each use has its own adapter on one weight: no single merged weight gives every use's output
+            raise ValueError(
+                f"hf_megatrain: a merged export cannot hold adapters on "
+                f"{strip(prefix + wrapped[0].replace('.base_layer', ''))}: that weight is shared "
+                "by several layers (one block at several depths) and each use has its own adapter, so merging them "
+                "would change the model (PEFT's merge_and_unload adds every use's delta into the one weight). Save "
+                "the adapter (save_model) instead, or leave the shared block out of target_modules.")
         merged = _merge_unwrap(_materialize(template, prefix, values))
         for n, t in merged.state_dict().items():
+            if n in shared:  # written once, under its first use's name, as save_pretrained writes a tied block
+                if id(shared[n]) in written:
+                    continue
+                written.add(id(shared[n]))
             yield strip(prefix + n), layer_buffers.get(prefix + n, t)
 
 

@@ -40,6 +40,12 @@ BUILDERS = {"zamba2": zamba2, "gemma3n": gemma3n, "gemma4": gemma4, "dory": _dor
 FP32 = {"compute_dtype": "float32"}
 
 
+def tiered(names, fast=()) -> list:
+    """``names`` as parameters, those not in ``fast`` marked slow (the fast tier keeps one smoke run of each
+    path; every combination runs in the full suite)."""
+    return [n if n in fast else pytest.param(n, marks=pytest.mark.slow) for n in names]
+
+
 def ours(model, out, config=None, **over) -> MegaTrainTrainer:
     args = MegaTrainTrainingArguments(**common_args(out, **over), megatrain_config=config or dict(FP32))
     return MegaTrainTrainer(model=model, args=args, train_dataset=dataset(), eval_dataset=dataset(6, seed=1))
@@ -69,7 +75,7 @@ def saved(folder) -> dict[str, torch.Tensor]:
 
 
 # -- exact resume --------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", list(BUILDERS))
+@pytest.mark.parametrize("name", tiered(BUILDERS, fast=("zamba2",)))
 def test_resume_is_bitwise(name, tmp_path):
     kw = dict(max_steps=4, save_strategy="steps", save_steps=2)
     full = ours(BUILDERS[name](), tmp_path / "a", **kw)
@@ -84,7 +90,7 @@ def test_resume_is_bitwise(name, tmp_path):
 
 
 # -- save_model -> from_pretrained ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", list(BUILDERS))
+@pytest.mark.parametrize("name", tiered(BUILDERS, fast=("zamba2", "gemma4", "dory")))
 def test_save_model_loads_in_plain_transformers(name, tmp_path):
     model = BUILDERS[name]()
     trainer = ours(copy.deepcopy(model), tmp_path / "mt", max_steps=2)
@@ -111,7 +117,7 @@ def test_save_model_loads_in_plain_transformers(name, tmp_path):
 
 
 # -- evaluate / generate ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", list(BUILDERS))
+@pytest.mark.parametrize("name", tiered(BUILDERS))
 def test_evaluate_and_generate_match_plain(name, tmp_path):
     model = BUILDERS[name]()
     ref = plain(copy.deepcopy(model), tmp_path / "r", max_steps=2)
@@ -139,7 +145,7 @@ def lora(model, targets):
     return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
 
 
-@pytest.mark.parametrize("name", list(LORA_TARGETS))
+@pytest.mark.parametrize("name", tiered(LORA_TARGETS))
 def test_lora_matches_plain_peft(name, tmp_path):
     model = lora(BUILDERS[name](), LORA_TARGETS[name])
     ref = plain(copy.deepcopy(model), tmp_path / "r", max_steps=2)
@@ -161,6 +167,7 @@ ONE_BATCH = dict(per_device_train_batch_size=4, gradient_accumulation_steps=1)  
 LEAN = ["zamba2", "gemma3n", "gemma4", "modernbert", "doge"]  # (Dory's looped layer: refused, below)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("plane", ["on", "off", "on-split"])
 @pytest.mark.parametrize("name", LEAN)
 def test_lean_store_matches_plain(name, plane, tmp_path):
@@ -191,6 +198,7 @@ def test_lean_store_matches_plain(name, plane, tmp_path):
         assert torch.equal(mt.model.generate(input_ids=ids, max_new_tokens=5, do_sample=False), want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", LEAN)
 def test_lean_store_resume_is_bitwise(name, tmp_path):
     cfg = {**FP32, "lean_store": True, "lean_grad_plane": "on"}
@@ -240,9 +248,10 @@ def _lora_trained(name: str, targets: list[str], tmp_path) -> tuple[transformers
     return ref, mt
 
 
-@pytest.mark.parametrize("name, targets", [("zamba2", LORA_TARGETS["zamba2"]), ("zamba2", ["in_proj", "linear"]),
-                                           ("gemma3n", LORA_TARGETS["gemma3n"])],
-                         ids=["zamba2-shared", "zamba2", "gemma3n"])
+@pytest.mark.parametrize("name, targets", [
+    pytest.param("zamba2", LORA_TARGETS["zamba2"], id="zamba2-shared"),
+    pytest.param("zamba2", ["in_proj", "linear"], id="zamba2"),
+    pytest.param("gemma3n", LORA_TARGETS["gemma3n"], id="gemma3n", marks=pytest.mark.slow)])
 def test_lora_exports_load_in_plain_peft(name, targets, tmp_path):
     """The adapter folder loads with ``PeftModel.from_pretrained`` (every adapter weight the trained one); the
     merged export loads with plain ``from_pretrained`` and equals plain PEFT's ``merge_and_unload``. Zamba2's shared
@@ -274,6 +283,7 @@ def test_lora_exports_load_in_plain_peft(name, targets, tmp_path):
         assert rel(msd[n], want[n]) <= 1e-5, n
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(LORA_TARGETS))
 def test_lora_resume_is_bitwise_and_generate_matches_plain_peft(name, tmp_path):
     kw = dict(max_steps=4, save_strategy="steps", save_steps=2)
@@ -294,6 +304,7 @@ def test_lora_resume_is_bitwise_and_generate_matches_plain_peft(name, tmp_path):
     assert torch.equal(full.model.generate(input_ids=ids, max_new_tokens=5, do_sample=False), expect)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(LORA_TARGETS))
 def test_lora_on_the_lean_store_matches_plain_peft(name, tmp_path):
     model = lora(BUILDERS[name](), LORA_TARGETS[name])
@@ -332,3 +343,43 @@ def test_bf16_resume_is_bitwise_and_bf16_export_loads(name, tmp_path):
     loaded = type(model).from_pretrained(str(tmp_path / "export"), dtype=torch.bfloat16).state_dict()
     for n, t in want.items():
         assert torch.equal(loaded[n], t.to(torch.bfloat16)), n
+
+
+def _zamba2_two_blocks() -> transformers.PreTrainedModel:
+    return tiny_zamba2([HYBRID, HYBRID, MAMBA, HYBRID, HYBRID], 2, False)
+
+
+def _zamba2_frozen_block() -> transformers.PreTrainedModel:
+    model = zamba2()
+    for n, p in model.named_parameters():
+        if "shared_transformer" in n:
+            p.requires_grad_(False)
+    return model
+
+
+@pytest.mark.slow  # (variants of the fast Zamba2 paths above)
+@pytest.mark.parametrize("build", [_zamba2_two_blocks, _zamba2_frozen_block], ids=["two-blocks", "frozen-block"])
+def test_zamba2_variants_train_resume_and_export(build, tmp_path):
+    """Two shared blocks each at two depths, and a frozen shared block: plain Trainer parity, bitwise resume, and
+    an export with transformers' own keys that plain ``from_pretrained`` loads to the trained weights."""
+    ref = plain(build(), tmp_path / "r", max_steps=4)
+    ref.train()
+    kw = dict(max_steps=4, save_strategy="steps", save_steps=2)
+    full = ours(build(), tmp_path / "a", **kw)
+    full.train()
+    for (s, a, ga), (_, b, gb) in zip(losses(ref), losses(full), strict=True):
+        assert b == pytest.approx(a, rel=1e-5) and gb == pytest.approx(ga, rel=1e-5), s
+    resumed = ours(build(), tmp_path / "b", **kw)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
+    assert losses(full) == losses(resumed)
+    want, got = masters(full), masters(resumed)
+    for n in want:
+        assert torch.equal(want[n], got[n]), n
+    resumed.save_model(str(tmp_path / "export"))
+    ref.model.save_pretrained(str(tmp_path / "plain"))
+    assert sorted(saved(tmp_path / "export")) == sorted(saved(tmp_path / "plain"))
+    loaded = type(ref.model).from_pretrained(str(tmp_path / "export")).state_dict()
+    for n, t in ref.model.state_dict().items():
+        assert rel(loaded[n], t) <= 1e-5, n
+        if n in got:
+            assert torch.equal(loaded[n], got[n]), n

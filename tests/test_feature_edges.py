@@ -60,6 +60,12 @@ def losses(trainer) -> list[tuple]:
     return [(h["step"], h["loss"], h.get("grad_norm")) for h in trainer.state.log_history if "loss" in h]
 
 
+def logs_match(ref: transformers.Trainer, mt: MegaTrainTrainer) -> None:
+    """Every logged loss and grad norm within 1e-5 of plain Trainer's."""
+    for (s, a, ga), (_, b, gb) in zip(losses(ref), losses(mt), strict=True):
+        assert b == pytest.approx(a, rel=1e-5) and gb == pytest.approx(ga, rel=1e-5), s
+
+
 def masters(trainer) -> dict[str, torch.Tensor]:
     trainer.engine.optimizer.wait()
     return {n: t.detach().clone() for n, t in trainer.engine.named_master_tensors()}
@@ -74,19 +80,26 @@ def saved(folder) -> dict[str, torch.Tensor]:
     return out
 
 
-# -- exact resume --------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", tiered(BUILDERS, fast=("zamba2",)))
-def test_resume_is_bitwise(name, tmp_path):
-    kw = dict(max_steps=4, save_strategy="steps", save_steps=2)
-    full = ours(BUILDERS[name](), tmp_path / "a", **kw)
+def resumed_bitwise(build, tmp_path, config=None, **over) -> tuple[MegaTrainTrainer, MegaTrainTrainer]:
+    """4 steps uninterrupted, and 4 steps resumed from the checkpoint saved at step 2 (fresh models from ``build``):
+    the same logged losses and grad norms, and every master equal bit for bit. Returns (whole, resumed)."""
+    kw = dict(max_steps=4, save_strategy="steps", save_steps=2, **over)
+    full = ours(build(), tmp_path / "a", config, **kw)
     full.train()
-    resumed = ours(BUILDERS[name](), tmp_path / "b", **kw)
+    resumed = ours(build(), tmp_path / "b", config, **kw)
     resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
     assert losses(full) == losses(resumed)
     want, got = masters(full), masters(resumed)
     assert sorted(want) == sorted(got)
     for n in want:
         assert torch.equal(want[n], got[n]), n
+    return full, resumed
+
+
+# -- exact resume --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", tiered(BUILDERS, fast=("zamba2",)))
+def test_resume_is_bitwise(name, tmp_path):
+    resumed_bitwise(BUILDERS[name], tmp_path)
 
 
 # -- save_model -> from_pretrained ----------------------------------------------------------------------------------
@@ -152,8 +165,7 @@ def test_lora_matches_plain_peft(name, tmp_path):
     ref.train()
     mt = ours(copy.deepcopy(model), tmp_path / "mt", max_steps=2)
     mt.train()
-    for (s, a, ga), (_, b, gb) in zip(losses(ref), losses(mt), strict=True):
-        assert b == pytest.approx(a, rel=1e-5) and gb == pytest.approx(ga, rel=1e-5), s
+    logs_match(ref, mt)
     got = masters(mt)
     want = {n: p.detach() for n, p in ref.model.named_parameters() if p.requires_grad}
     assert sorted(got) == sorted(want)
@@ -184,8 +196,7 @@ def test_lean_store_matches_plain(name, plane, tmp_path):
         cfg["micro_batch_size"] = 2
     mt = ours(copy.deepcopy(model), tmp_path / "mt", cfg, **kw)
     mt.train()
-    for (s, a, ga), (_, b, gb) in zip(losses(ref), losses(mt), strict=True):
-        assert b == pytest.approx(a, rel=1e-5) and gb == pytest.approx(ga, rel=1e-5), s
+    logs_match(ref, mt)
     got = masters(mt)
     for n, p in ref.model.named_parameters():
         assert rel(got[n], p.detach()) <= 1e-5, n
@@ -202,15 +213,8 @@ def test_lean_store_matches_plain(name, plane, tmp_path):
 @pytest.mark.parametrize("name", LEAN)
 def test_lean_store_resume_is_bitwise(name, tmp_path):
     cfg = {**FP32, "lean_store": True, "lean_grad_plane": "on"}
-    kw = dict(max_steps=4, save_strategy="steps", save_steps=2, max_grad_norm=0.5, **ONE_BATCH)
-    full = ours(BUILDERS[name](), tmp_path / "a", cfg, **kw)
-    full.train()
-    resumed = ours(BUILDERS[name](), tmp_path / "b", cfg, **kw)
-    resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
-    assert losses(full) == losses(resumed)
-    want, got = masters(full), masters(resumed)
-    for n in want:
-        assert torch.equal(want[n], got[n]), n
+    _, resumed = resumed_bitwise(BUILDERS[name], tmp_path, cfg, max_grad_norm=0.5, **ONE_BATCH)
+    got = masters(resumed)
     resumed.save_model(str(tmp_path / "export"))  # the lean store's masters, as plain transformers loads them
     loaded = type(resumed.model).from_pretrained(str(tmp_path / "export")).state_dict()
     for n in got:
@@ -286,15 +290,8 @@ def test_lora_exports_load_in_plain_peft(name, targets, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(LORA_TARGETS))
 def test_lora_resume_is_bitwise_and_generate_matches_plain_peft(name, tmp_path):
-    kw = dict(max_steps=4, save_strategy="steps", save_steps=2)
-    full = ours(lora(BUILDERS[name](), LORA_TARGETS[name]), tmp_path / "a", **kw)
-    full.train()
-    resumed = ours(lora(BUILDERS[name](), LORA_TARGETS[name]), tmp_path / "b", **kw)
-    resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
-    assert losses(full) == losses(resumed)
-    want, got = masters(full), masters(resumed)
-    for n in want:
-        assert torch.equal(want[n], got[n]), n
+    full, _ = resumed_bitwise(lambda: lora(BUILDERS[name](), LORA_TARGETS[name]), tmp_path)
+    want = masters(full)
     ref = lora(BUILDERS[name](), LORA_TARGETS[name])  # plain PEFT with the trained adapters
     for n, p in ref.named_parameters():
         if n in want:
@@ -313,8 +310,7 @@ def test_lora_on_the_lean_store_matches_plain_peft(name, tmp_path):
     ref.train()
     mt = ours(copy.deepcopy(model), tmp_path / "mt", {**FP32, "lean_store": True, "lean_grad_plane": "on"}, **kw)
     mt.train()
-    for (s, a, ga), (_, b, gb) in zip(losses(ref), losses(mt), strict=True):
-        assert b == pytest.approx(a, rel=1e-5) and gb == pytest.approx(ga, rel=1e-5), s
+    logs_match(ref, mt)
     got = masters(mt)
     for n, p in ref.model.named_parameters():
         if p.requires_grad:
@@ -324,16 +320,8 @@ def test_lora_on_the_lean_store_matches_plain_peft(name, tmp_path):
 @pytest.mark.slow  # (bf16 variants of the fast tests above)
 @pytest.mark.parametrize("name", list(BUILDERS))
 def test_bf16_resume_is_bitwise_and_bf16_export_loads(name, tmp_path):
-    cfg = {"compute_dtype": "bfloat16", "save_dtype": "bfloat16"}
-    kw = dict(max_steps=4, save_strategy="steps", save_steps=2)
-    full = ours(BUILDERS[name](), tmp_path / "a", cfg, **kw)
-    full.train()
-    resumed = ours(BUILDERS[name](), tmp_path / "b", cfg, **kw)
-    resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
-    assert losses(full) == losses(resumed)
-    want, got = masters(full), masters(resumed)
-    for n in want:
-        assert torch.equal(want[n], got[n]), n
+    full, _ = resumed_bitwise(BUILDERS[name], tmp_path, {"compute_dtype": "bfloat16", "save_dtype": "bfloat16"})
+    want = masters(full)
     full.save_model(str(tmp_path / "export"))
     model = BUILDERS[name]()
     model.save_pretrained(str(tmp_path / "plain"))
@@ -364,17 +352,9 @@ def test_zamba2_variants_train_resume_and_export(build, tmp_path):
     an export with transformers' own keys that plain ``from_pretrained`` loads to the trained weights."""
     ref = plain(build(), tmp_path / "r", max_steps=4)
     ref.train()
-    kw = dict(max_steps=4, save_strategy="steps", save_steps=2)
-    full = ours(build(), tmp_path / "a", **kw)
-    full.train()
-    for (s, a, ga), (_, b, gb) in zip(losses(ref), losses(full), strict=True):
-        assert b == pytest.approx(a, rel=1e-5) and gb == pytest.approx(ga, rel=1e-5), s
-    resumed = ours(build(), tmp_path / "b", **kw)
-    resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
-    assert losses(full) == losses(resumed)
-    want, got = masters(full), masters(resumed)
-    for n in want:
-        assert torch.equal(want[n], got[n]), n
+    full, resumed = resumed_bitwise(build, tmp_path)
+    logs_match(ref, full)
+    got = masters(resumed)
     resumed.save_model(str(tmp_path / "export"))
     ref.model.save_pretrained(str(tmp_path / "plain"))
     assert sorted(saved(tmp_path / "export")) == sorted(saved(tmp_path / "plain"))

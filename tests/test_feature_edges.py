@@ -363,3 +363,59 @@ def test_zamba2_variants_train_resume_and_export(build, tmp_path):
         assert rel(loaded[n], t) <= 1e-5, n
         if n in got:
             assert torch.equal(loaded[n], got[n]), n
+
+
+def _frozen(name: str, frozen) -> transformers.PreTrainedModel:
+    model = BUILDERS[name]()
+    for n, p in model.named_parameters():
+        if frozen(n):
+            p.requires_grad_(False)
+    return model
+
+
+FROZEN = {  # parts of each feature frozen (fine-tuning the rest)
+    "gemma3n-store-layers": lambda: _frozen("gemma3n", lambda n: ".layers.0." in n or ".layers.1." in n),
+    "gemma3n-reuse-layers": lambda: _frozen("gemma3n", lambda n: ".layers.2." in n or ".layers.3." in n),
+    "gemma4-store-kv": lambda: _frozen("gemma4", lambda n: (".layers.0." in n or ".layers.1." in n)
+                                       and ("k_proj" in n or "v_proj" in n)),
+    "dory-logit-scale": lambda: _frozen("dory", lambda n: "logit_scale" in n),
+    "modernbert-head-transform": lambda: _frozen("modernbert", lambda n: n.startswith("lm_head.")),
+    "zamba2-only-shared-trains": lambda: _frozen("zamba2", lambda n: "shared_transformer" not in n),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(FROZEN))
+def test_partly_frozen_features_match_plain_and_export(name, tmp_path):
+    model = FROZEN[name]()
+    ref = plain(copy.deepcopy(model), tmp_path / "r")
+    ref.train()
+    mt = ours(copy.deepcopy(model), tmp_path / "mt")
+    mt.train()
+    logs_match(ref, mt)
+    got = masters(mt)
+    assert sorted(got) == sorted(n for n, p in ref.model.named_parameters() if p.requires_grad)
+    for n in got:
+        assert rel(got[n], ref.model.get_parameter(n).detach()) <= 1e-5, n
+    mt.save_model(str(tmp_path / "export"))
+    loaded = type(model).from_pretrained(str(tmp_path / "export")).state_dict()
+    for n, t in ref.model.state_dict().items():
+        assert rel(loaded[n], t) <= 1e-5, n
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", LEAN)
+def test_bf16_gradient_plane_is_bit_identical_to_the_rerun(name, tmp_path):
+    """bf16 compute, native host kernel: the bf16 plane (every step clips) gives the re-run path's losses and
+    weights bit for bit with each feature, with no re-run."""
+    out = {}
+    for plane in ("on", "off"):
+        cfg = dict(compute_dtype="bfloat16", lean_store=True, lean_grad_plane=plane, host_kernel="native",
+                   overlap_optimizer=False, resident_placement="host")
+        mt = ours(BUILDERS[name](), tmp_path / plane, cfg, max_grad_norm=0.05, **ONE_BATCH)
+        mt.train()
+        out[plane] = (losses(mt), masters(mt), mt.engine.optimizer.regenerated_steps)
+    (l1, w1, r1), (l0, w0, r0) = out["on"], out["off"]
+    assert (r1, r0) == (0, 3) and l1 == l0
+    for n in w0:
+        assert torch.equal(w1[n], w0[n]), n

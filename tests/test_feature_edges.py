@@ -419,3 +419,13 @@ def test_bf16_gradient_plane_is_bit_identical_to_the_rerun(name, tmp_path):
     assert (r1, r0) == (0, 3) and l1 == l0
     for n in w0:
         assert torch.equal(w1[n], w0[n]), n
+
+
+def test_predictions_of_a_model_with_several_output_tensors_are_refused(tmp_path):
+    """Plain Trainer's predictions for an MoE with output_router_logits are (aux loss, logits, router logits); the
+    engine returns the logits alone, so predict() refuses instead of handing compute_metrics other arrays. The eval
+    loss alone (prediction_loss_only) still runs."""
+    mt = ours(_doge_moe(), tmp_path / "mt", max_steps=1)
+    assert mt.evaluate()["eval_loss"] > 0
+    with pytest.raises(ValueError, match="output_router_logits.*prediction_loss_only=True"):
+        mt.predict(dataset(2, seed=2))

@@ -273,6 +273,8 @@ class MegaTrainTrainer(Trainer):
                         ignore_keys: list[str] | None = None):
         if not self._mt:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        if not prediction_loss_only:
+            self._mt_check_prediction_outputs()
         has_labels = bool(self.label_names) and all(inputs.get(k) is not None for k in self.label_names)
         inputs = self._prepare_inputs(inputs)
         labels = None
@@ -294,6 +296,23 @@ class MegaTrainTrainer(Trainer):
         if prediction_loss_only:
             return loss, None, None
         return loss, nested_detach(logits), labels
+
+    def _mt_check_prediction_outputs(self) -> None:
+        """Plain Trainer's predictions are every tensor of the model's output besides the loss: a tuple where the
+        config asks for more than logits (an MoE's ``output_router_logits``: aux loss, logits, router logits; hidden
+        states; attentions). The engine returns the logits alone, so a ``compute_metrics`` written against the plain
+        tuple would read other arrays: refuse instead."""
+        cfg = getattr(self.engine.model, "config", None)
+        configs = [c for c in (cfg, getattr(cfg, "get_text_config", lambda: None)()) if c is not None]
+        asked = sorted({k for c in configs for k in ("output_router_logits", "output_hidden_states", "output_attentions")
+                        if getattr(c, k, False)})
+        if asked:
+            raise ValueError(f"hf_megatrain: predictions (compute_metrics / predict) return the logits alone, but this "
+                             f"model's config sets {', '.join(asked)}=True, for which plain Trainer returns a tuple of "
+                             "every output tensor (e.g. aux loss, logits, router logits), so a compute_metrics written "
+                             "for plain Trainer would read other arrays. Evaluate with prediction_loss_only=True, or set "
+                             "those flags to False on model.config around evaluate() / predict() (training needs "
+                             "output_router_logits=True for the router aux loss).")
 
     # -- saving -------------------------------------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:

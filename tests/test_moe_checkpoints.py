@@ -64,9 +64,13 @@ def test_expert_order_is_numeric(tmp_path):
 
 
 def test_own_export_with_in_memory_names_still_loads(tmp_path):
+    """Exports now take transformers' save layout (test_hub_layout.py); a folder in the in-memory layout (earlier
+    hf_megatrain exports, save_pretrained(save_original_format=False)) still loads."""
     model = tiny("qwen3_moe")
     engine = MegaTrainEngine(tiny("qwen3_moe"), FP32, device="cpu")
-    ckpt.save_pretrained_streamed(engine, str(tmp_path / "mt"))
+    os.makedirs(tmp_path / "mt")
+    save_file({n: t.contiguous() for n, t in engine.named_master_tensors()}, str(tmp_path / "mt" / "model.safetensors"),
+              metadata={"format": "pt"})
     model.config.save_pretrained(tmp_path / "mt")
     with safe_open(str(tmp_path / "mt" / "model.safetensors"), "pt") as f:
         assert any(k.endswith("mlp.experts.gate_up_proj") for k in f.keys())  # fused, in-memory names

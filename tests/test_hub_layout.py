@@ -55,3 +55,24 @@ def test_hub_layout_export_loads_back_exactly(family, tmp_path):
     again = from_pretrained_streamed(str(tmp_path / "ours"), FP32, device="cpu")
     for n, t in again.named_master_tensors():
         assert torch.equal(t, ref[n]), n
+
+
+def test_merged_lora_export_matches_peft_merge_and_save(tmp_path):
+    """The merged export of a LoRA MoE is what PEFT's merge_and_unload + save_pretrained write: the Hub layout,
+    every key, the values to rounding of the merge."""
+    from peft import LoraConfig, get_peft_model
+
+    from hf_megatrain.export.peft_support import save_merged
+
+    def wrapped():
+        torch.manual_seed(0)
+        return get_peft_model(tiny("mixtral"), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                           init_lora_weights=False))
+
+    engine = MegaTrainEngine(wrapped(), FP32, device="cpu")
+    save_merged(engine, str(tmp_path / "ours"))
+    wrapped().merge_and_unload().save_pretrained(tmp_path / "plain")
+    want, got = _tensors(tmp_path / "plain"), _tensors(tmp_path / "ours")
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert torch.allclose(got[k], want[k], rtol=1e-5, atol=1e-6), k

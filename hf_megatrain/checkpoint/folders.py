@@ -31,7 +31,7 @@ from ..core.memory import available_host_bytes
 from .atomic import (OutputDirBusy, atomic_directory, output_dir_lock, recover_interrupted_saves,
                      remove_stale_temp_dirs, rotate_checkpoints)
 from .fast_io import crc32_files, recorded_crc32
-from .hub_layout import hub_layout
+from .hub_layout import hub_layout, layer_runs
 from .read_into import HeaderError, ReadStats, Target, read_into, read_stats
 from .safetensors_io import (DEFAULT_MAX_SHARD_SIZE, WEIGHTS_PREFIX, CheckpointError,
                              open_safetensors, parse_size, read_json_key, save_weights, weight_files, write_json,
@@ -62,7 +62,7 @@ def save_pretrained_streamed(engine: EngineView, save_dir: str, *, dtype: torch.
     ``save_dir`` may hold an earlier export and the user's files: the export is staged and committed so that a kill
     at any instant leaves the old or the new model loadable, never a mix (``staged.py``)."""
     # (waits for updates in flight) In the layout transformers' save_pretrained writes (hub_layout.py).
-    items = hub_layout(engine.model, list(engine.named_master_tensors()) + list(extra))
+    items = list(hub_layout(engine.model, layer_runs(list(engine.named_master_tensors()) + list(extra))))
     with staged_export(save_dir) as stage:
         files = write_weights(stage, items, dtype=dtype, max_shard_size=max_shard_size)
         model = engine.model

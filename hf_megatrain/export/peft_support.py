@@ -28,6 +28,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from ..checkpoint.hub_layout import hub_layout
 from ..core.engine_view import EngineView
 from ..checkpoint.safetensors_io import (DEFAULT_MAX_SHARD_SIZE, _nbytes, _shard_files, open_safetensors, parse_size,
                                          write_json, write_safetensors)
@@ -207,7 +208,7 @@ def save_merged(engine: EngineView, save_dir: str, dtype: torch.dtype = torch.fl
             tmp_names.append(name)
         shard, size = [], 0
 
-    for name, t in _merged_tensors(engine):
+    for name, t in hub_layout(base, _merged_tensors(engine)):  # (transformers' save layout, one layer at a time)
         n = _nbytes(t, dtype)
         if shard and size + n > limit:
             flush()

@@ -265,13 +265,17 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
 
     # (a) the plain model
     hook = InputGrad(model.get_input_embeddings())
+    def plain_pass(key: str) -> Any:  # one forward+backward of the plain model, timed into times[key]
+        t = time.perf_counter()
+        out = model(input_ids=ids.to(device), labels=ids.to(device),
+                    num_items_in_batch=torch.tensor(n_items, device=device))
+        out.loss.backward()
+        _sync(device)
+        times[key] = time.perf_counter() - t
+        return out
+
     _reset_peak(device)
-    t = time.perf_counter()
-    out = model(input_ids=ids.to(device), labels=ids.to(device),
-                num_items_in_batch=torch.tensor(n_items, device=device))
-    out.loss.backward()
-    _sync(device)
-    times["plain_fwd_bwd_first"] = time.perf_counter() - t
+    out = plain_pass("plain_fwd_bwd_first")
     rec["plain_peak_gpu_gib"] = _peak(device)
     ref_loss = float(out.loss.detach())
     ref_input = hook.take()
@@ -280,13 +284,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
            for n, p in model.named_parameters()}
     del out
     model.zero_grad(set_to_none=True)
-    t = time.perf_counter()
-    out = model(input_ids=ids.to(device), labels=ids.to(device),
-                num_items_in_batch=torch.tensor(n_items, device=device))
-    out.loss.backward()
-    _sync(device)
-    times["plain_fwd_bwd"] = time.perf_counter() - t
-    del out
+    plain_pass("plain_fwd_bwd")  # (its output dropped at once)
     hook.take()
     hook.handle.remove()
     model.zero_grad(set_to_none=True)

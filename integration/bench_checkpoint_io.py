@@ -15,6 +15,9 @@ allocated), then times, each against the same folder's filesystem (``--dir`` is 
   from the page cache with ``posix_fadvise(DONTNEED)`` (no root needed; ``cache_drop`` in the JSON says so), and
   the parallel read once more with ``O_DIRECT`` (no page cache at all; recorded as unsupported where the
   filesystem refuses it, e.g. tmpfs);
+- a plain read of the same bytes the load reads (the checkpoint's master and optimizer files, each split into as
+  many ranges as the loads have readers, 64 MiB ``preadv`` calls, no CRC; cold): the disk's rate for those very
+  files, where they lie on it;
 - the Trainer checkpoint: bf16 export (``save_pretrained_streamed``) + FP32 master + AdamW moments
   (``save_training_state``) + manifest (``write_manifest``), each timed and in total;
 - verify (``verify_checkpoint``: every byte against its recorded CRC-32), load (master + moments into the engine,
@@ -34,7 +37,8 @@ gives the main figures, and the raw parallel read is measured with as many threa
 read phase from the page cache (the CPU's cost per byte).
 
 GB/s are 1e9 bytes per second. ``vs_raw``: the rate over the one-stream raw write (saves) or read (verify, loads);
-``vs_ceiling``: over the device's best measured rate, the faster of one stream and parallel (and O_DIRECT), the
+``vs_ceiling``: over the device's best measured rate, the fastest of the raw reads above (one stream, parallel,
+O_DIRECT, the load's own files), the
 figure the "at least 90 % of the disk" goal is checked against. The JSON records the command that produced it.
 """
 
@@ -182,6 +186,32 @@ def raw_read_parallel(path: str, threads: int, direct: bool = False) -> float | 
     return time.perf_counter() - t
 
 
+def raw_read_files(paths: list[str], threads: int) -> float:
+    """A plain read of the same bytes the loads read: the files, each split into ``threads`` ranges, read by
+    ``threads`` threads in 64 MiB preadv calls after their pages were dropped (no CRC, no destination)."""
+    for path in paths:
+        drop_pages(path)
+    work = [(path, a, b) for path in paths for a, b in _ranges(os.path.getsize(path), threads)]
+
+    def read(item: tuple[str, int, int]) -> None:
+        path, off, end = item
+        buf = bytearray(_CHUNK)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            while off < end:
+                n = os.preadv(fd, [memoryview(buf)[:min(_CHUNK, end - off)]], off)
+                if n <= 0:
+                    break
+                off += n
+        finally:
+            os.close(fd)
+
+    t = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(read, work))
+    return time.perf_counter() - t
+
+
 def timed(fn) -> float:
     t = time.perf_counter()
     fn()
@@ -208,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="reader threads of verify and the loads (default: fast_io.READERS, from the core count); "
                         "a comma list (4,8,16) times every read phase with each, the first giving the main figures")
     p.add_argument("--read-chunk", type=int, default=None, help="MiB a read (default: fast_io.READ_CHUNK)")
+    p.add_argument("--no-read-advise", action="store_true",
+                   help="A/B: no POSIX_FADV_SEQUENTIAL on the readers' files (fast_io.READ_SEQUENTIAL)")
     p.add_argument("--warm", action="store_true", help="also time verify and the loads from the page cache")
     p.add_argument("--no-advise", action="store_true",
                    help="A/B: leave written pages to the kernel (no early writeback: safetensors_io._ADVISE)")
@@ -219,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
 
     threads = a.threads or fast_io.DEFAULT_WORKERS
     readers = [int(n) for n in a.readers.split(",")] if a.readers else [fast_io.READERS]
-    saved = fast_io.READERS, fast_io.READ_CHUNK  # (restored at the end: tests run main() in their process)
+    saved = fast_io.READERS, fast_io.READ_CHUNK, fast_io.READ_SEQUENTIAL  # (restored at the end: tests run main())
+    fast_io.READ_SEQUENTIAL = not a.no_read_advise
     fast_io.READERS = readers[0]
     if a.read_chunk:
         fast_io.READ_CHUNK = a.read_chunk << 20
@@ -244,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
                      " ".join(["python", "integration/bench_checkpoint_io.py", *argv]),
                      "dir": os.path.abspath(root), "threads": threads, "cache_drop": "posix_fadvise(DONTNEED)",
                      "readers": readers[0], "read_chunk_MiB": fast_io.READ_CHUNK >> 20,
+                     "read_sequential": fast_io.READ_SEQUENTIAL,
                      "params": params, "save_dtype": a.save_dtype, "advise": not a.no_advise,
                      "cpu_count": os.cpu_count(),
                      "engine_build_s": engine_s, "engine_build_Bparams_per_s": params / 1e9 / engine_s}
@@ -283,6 +317,11 @@ def main(argv: list[str] | None = None) -> int:
                          or (save_dtype == torch.float32 and f.startswith("model")))
         export_bytes = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)
                            if f.startswith("model") and f.endswith(".safetensors"))
+        # the plain read of the checkpoint's own files (the bytes the loads read), as many threads as the readers
+        load_files = [os.path.join(path, f) for f in sorted(os.listdir(path))
+                      if f.startswith(("megatrain_master", "megatrain_optimizer")) and f.endswith(".safetensors")]
+        raw_fr = raw_read_files(load_files, readers[0])
+        raw_fr_bytes = sum(os.path.getsize(f) for f in load_files)
         once = ckpt.files_checked_on_load(engine, path, page_cache_bytes=0)  # (as if larger than the page cache)
         reads = {
             "verify": lambda: ckpt.verify_checkpoint(path),
@@ -323,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
         rw, rr, pw, pr = gb / raw_w, gb / raw_r, gb / raw_pw, gb / raw_pr
         dr = gb / raw_dr if raw_dr else None
         rr_ = gb / raw_rr
-        cw, cr = max(rw, pw), max(rr, pr, rr_, dr or 0.0)  # the device's best measured rates
+        fr = raw_fr_bytes / 1e9 / raw_fr
+        cw, cr = max(rw, pw), max(rr, pr, rr_, dr or 0.0, fr)  # the device's best measured rates
 
         def rate(nb: int, s: float, write: bool) -> dict:
             g = nb / 1e9 / s
@@ -339,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
             "raw_read_parallel_readers_cold": {"s": raw_rr, "GBps": rr_, "threads": readers[0]},
             "raw_read_parallel_direct": ({"s": raw_dr, "GBps": dr, "threads": threads} if raw_dr else
                                          {"unsupported": "the filesystem refused O_DIRECT"}),
+            "raw_read_files_cold": {"s": raw_fr, "GBps": fr, "threads": readers[0], "bytes": raw_fr_bytes,
+                                    "files": [os.path.basename(f) for f in load_files]},
             "ceiling": {"write_GBps": cw, "read_GBps": cr},
             "checkpoint_write": {**best, **rate(nbytes, best["total_s"], True)},
             "verify_cold": rate(nbytes, verify_s, False),
@@ -363,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  raw write+fsync  {rw:6.2f} GB/s one stream, {pw:6.2f} GB/s {threads} threads")
         print(f"  raw read (cold)  {rr:6.2f} GB/s one stream, {pr:6.2f} GB/s {threads} threads, {rr_:6.2f} GB/s "
               f"{readers[0]} threads, O_DIRECT "
-              + (f"{dr:.2f} GB/s" if dr else "unsupported"))
+              + (f"{dr:.2f} GB/s" if dr else "unsupported")
+              + f"; the load's own files {fr:6.2f} GB/s {readers[0]} threads")
         for k in ("checkpoint_write", "verify_cold", "load_cold", "load_export_cold", "from_pretrained_cold",
                   "resume_once_cold"):
             if "GBps" not in res[k]:
@@ -390,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
             print("wrote", a.out)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-        fast_io.READERS, fast_io.READ_CHUNK = saved
+        fast_io.READERS, fast_io.READ_CHUNK, fast_io.READ_SEQUENTIAL = saved
     return 0
 
 

@@ -153,3 +153,47 @@ def test_crc32_files_any_size_any_readers(tmp_path):
         paths.append(str(p))
     for readers in (1, 2, 5):
         assert fast_io.crc32_files(paths, workers=readers, chunk=4096) == [_crc(p) for p in paths]
+
+
+def test_host_zeros_without_a_pass_are_zeros_and_writable():
+    from hf_megatrain.core.memory import alloc_host_zeros
+
+    for numel in (7, 3 << 20):  # (below and above the size that takes an anonymous mapping)
+        t = alloc_host_zeros(numel, torch.float32)
+        assert t.numel() == numel and t.dtype == torch.float32 and t.is_contiguous()
+        assert int(t.count_nonzero()) == 0
+        t[-1] = 5.0  # (writable, and the mapping outlives the call that made it)
+        assert float(t.sum()) == 5.0
+
+
+def test_moments_of_a_wide_build_start_at_zero_and_resume_into_them(tmp_path):
+    """Layers wide enough for the mapped zeros: a fresh engine's moments are exactly zero, its first step equals a
+    reference engine's whose moments were zeroed by hand, and a resume's reads fill them bitwise."""
+    def build() -> MegaTrainEngine:
+        model = tiny("llama", hidden_size=256, intermediate_size=1024, num_attention_heads=4, num_key_value_heads=4)
+        engine = MegaTrainEngine(model, MegaTrainConfig(compute_dtype="float32"), device="cpu")
+        engine.create_optimizer(lr=1e-2)
+        return engine
+
+    engine = build()
+    assert max(u.exp_avg.numel() for u in engine.store.units) * 4 >= 1 << 20
+    assert all(int(u.exp_avg.count_nonzero()) == 0 and int(u.exp_avg_sq.count_nonzero()) == 0
+               for u in engine.store.units)
+    ref = build()
+    for u in ref.store.units:
+        u.exp_avg.copy_(torch.zeros_like(u.exp_avg))
+        u.exp_avg_sq.copy_(torch.zeros_like(u.exp_avg_sq))
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
+    for e in (engine, ref):
+        e(input_ids=ids, labels=ids).loss.backward()
+        e.optimizer.step()
+        e.optimizer.wait()
+    for u, r in zip(engine.store.units, ref.store.units):
+        assert torch.equal(u.master, r.master) and torch.equal(u.exp_avg_sq, r.exp_avg_sq)
+
+    ckpt.save_training_state(engine, str(tmp_path), master=True)
+    assert any(int(u.exp_avg.count_nonzero()) for u in engine.store.units)
+    fresh = build()
+    ckpt.load_training_state(fresh, str(tmp_path))
+    for u, f in zip(engine.store.units, fresh.store.units):
+        assert torch.equal(u.exp_avg, f.exp_avg) and torch.equal(u.exp_avg_sq, f.exp_avg_sq)

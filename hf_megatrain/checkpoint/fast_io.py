@@ -22,6 +22,9 @@ CHUNK_BYTES = 64 << 20
 # benchmarks can A/B them (integration/bench_checkpoint_io.py --readers / --read-chunk).
 READERS = max(4, min(8, (os.cpu_count() or 4) // 2))
 READ_CHUNK = 16 << 20  # bytes a preadv: large for the disk, small enough that the lanes keep pace chunk by chunk
+# POSIX_FADV_SEQUENTIAL on each reader's range: the kernel's readahead window doubles, so the disk already has the
+# range's next bytes requested while the reader's lane digests the last chunk (A/B: bench_checkpoint_io.py).
+READ_SEQUENTIAL = True
 
 
 # -- CRC-32 of a concatenation ---------------------------------------------------------------------------------------

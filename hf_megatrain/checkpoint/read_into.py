@@ -229,6 +229,9 @@ def _read_range(path: str, pieces: list[_Piece], chunk: int, crc_on: bool, lane:
     acc, total, pending = [0], 0, []
     fd = os.open(path, os.O_RDONLY)
     try:
+        if fast_io.READ_SEQUENTIAL and pieces and hasattr(os, "posix_fadvise"):
+            first = min(p.off for p in pieces)
+            os.posix_fadvise(fd, first, max(p.off + p.n for p in pieces) - first, os.POSIX_FADV_SEQUENTIAL)
         for p in pieces:
             if stop.is_set():
                 break

@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from .memory import alloc_host, alloc_on_disk, check_disk_space
+from .memory import alloc_host, alloc_host_zeros, alloc_on_disk, check_disk_space
 from .plan import Plans, Stepper, UnitPlan, Where, host_layer_plan
 
 
@@ -138,8 +138,13 @@ class UnitStore:
                 return None
             if where is Where.DISK:
                 return alloc_on_disk(n, dtype, state_dir)  # sparse file: zeros
-            if where is Where.DEVICE:
+            private = where is Where.DEVICE or host_alloc is alloc_host  # (not memory shared by the ranks)
+            if where is Where.DEVICE and device.type != "cpu":
                 t = torch.empty(n, dtype=dtype, device=device)
+            elif moment and private and not (pin and streams):  # (a CPU engine's "device" buffers are host memory)
+                return alloc_host_zeros(n, dtype)  # zeros without a pass over them: see alloc_host_zeros
+            elif where is Where.DEVICE:
+                t = torch.empty(n, dtype=dtype)
             else:  # moments cross PCIe only for GPU-stepped layers: pinning others would only cost time and RAM
                 t = host_alloc(n, dtype, pin and (not moment or streams))
             return t.zero_() if moment else t

@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import mmap
 import os
 import shutil
@@ -225,6 +226,54 @@ def timed_phases(fn) -> dict:
     return {"total_s": total, **st.as_dict(), "other_s": total - st.wall_s}
 
 
+def export_load(size_b: float, root: str, readers: int) -> dict:
+    """``from_pretrained_streamed`` of a bf16 Hub-style export of ``size_b`` billion parameters (Llama shape, hidden
+    4096; written directly from the meta model's shapes, no engine built first, so sizes beyond the checkpoint
+    bench's fit the disk) beside a plain cold read of the same shard files: the streamed load's rate where its fixed
+    costs (skeleton, store allocation) no longer dominate as they do at 1B."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hidden, vocab = 4096, 32000
+    layers = max(1, round((size_b * 1e9 - 2 * vocab * hidden) / (16 * hidden * hidden)))  # (4h^2 attn, 12h^2 MLP)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=32, num_key_value_heads=32, tie_word_embeddings=False)
+    with torch.device("meta"):
+        shapes = {n: tuple(p.shape) for n, p in LlamaForCausalLM(cfg).state_dict().items()}
+    folder = os.path.join(root, "export")
+    os.makedirs(folder)
+    cfg.save_pretrained(folder)
+    shard, shards, size, index = {}, [], 0, {}
+
+    def flush() -> None:
+        name = f"model-{len(shards) + 1:05d}.safetensors"
+        save_file(shard, os.path.join(folder, name), metadata={"format": "pt"})
+        index.update({k: name for k in shard})
+        shards.append(os.path.join(folder, name))
+
+    for n, shape in shapes.items():
+        shard[n] = torch.zeros(shape, dtype=torch.bfloat16)
+        size += shard[n].numel() * 2
+        if size >= 4 << 30:
+            flush()
+            shard, size = {}, 0
+    if shard:
+        flush()
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": index}, f)
+    nbytes = sum(os.path.getsize(f) for f in shards)
+    plain = raw_read_files(shards, readers)
+    drop_pages(folder)
+    fpt = timed_phases(lambda: from_pretrained_streamed(folder, MegaTrainConfig(
+        compute_dtype="float32", overlap_optimizer=False), device="cpu", dp=None))
+    gc.collect()
+    shutil.rmtree(folder)
+    return {"params": sum(math.prod(s) for s in shapes.values()), "bytes": nbytes, "shards": len(shards),
+            "plain_read_s": plain, "plain_read_GBps": nbytes / 1e9 / plain,
+            "from_pretrained": fpt, "from_pretrained_GBps": nbytes / 1e9 / fpt["total_s"],
+            "vs_plain_read": plain / fpt["total_s"]}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", type=float, default=0.5, help="billions of parameters (default 0.5)")
@@ -240,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--read-chunk", type=int, default=None, help="MiB a read (default: fast_io.READ_CHUNK)")
     p.add_argument("--no-read-advise", action="store_true",
                    help="A/B: no POSIX_FADV_SEQUENTIAL on the readers' files (fast_io.READ_SEQUENTIAL)")
+    p.add_argument("--export-load", type=float, default=None, metavar="B",
+                   help="only time from_pretrained_streamed of a bf16 export of B billion parameters (hidden 4096) "
+                        "beside a plain read of its shards (``export_load`` in the JSON)")
     p.add_argument("--warm", action="store_true", help="also time verify and the loads from the page cache")
     p.add_argument("--no-advise", action="store_true",
                    help="A/B: leave written pages to the kernel (no early writeback: safetensors_io._ADVISE)")
@@ -260,6 +312,22 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(a.dir, exist_ok=True)
     root = tempfile.mkdtemp(prefix="bench_ckpt_io-", dir=a.dir)
     save_dtype = getattr(torch, a.save_dtype)
+    if a.export_load:
+        try:
+            res = {"command": " ".join(["python", "integration/bench_checkpoint_io.py", *(argv or sys.argv[1:])]),
+                   "readers": readers[0], "export_load": export_load(a.export_load, root, readers[0])}
+            e = res["export_load"]
+            print(f"export {e['params'] / 1e9:.2f}B params, {e['bytes'] / 1e9:.2f} GB in {e['shards']} shards: plain "
+                  f"read {e['plain_read_GBps']:.2f} GB/s, from_pretrained_streamed {e['from_pretrained_GBps']:.2f} "
+                  f"GB/s ({100 * e['vs_plain_read']:.1f} % of the plain read; outside the reads "
+                  f"{e['from_pretrained']['other_s']:.2f} s)")
+            if a.out:
+                with open(a.out, "w") as f:
+                    json.dump(res, f, indent=1)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+            fast_io.READERS, fast_io.READ_CHUNK, fast_io.READ_SEQUENTIAL = saved
+        return 0
     try:
         t = time.perf_counter()
         model = build(a.size)

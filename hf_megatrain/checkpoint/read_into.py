@@ -7,7 +7,7 @@ the tensor), ``fast_io.READERS`` reader threads each taking consecutive ranges o
 
 - same dtype, contiguous CPU destination: the kernel copies from the page cache into the tensor, nothing more;
 - another dtype (a bf16 checkpoint into FP32 masters), a destination on the GPU or not contiguous: each chunk is
-  read into one of the reader's two bounce buffers and converted / copied once into the destination;
+  read into one of the reader's bounce buffers and converted / copied once into the destination;
 - ``crc=True``: every byte of the file is read (ranges no target wants go to a bounce buffer) and its CRC-32 is
   computed on the fly and combined across threads (``fast_io.crc32_combine``); the caller compares it with the
   manifest's. Without it, bytes no target wants are not read.
@@ -44,6 +44,12 @@ from .fast_io import crc32_combine
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
            "BOOL": torch.bool}
+
+
+# Bounce buffers per reader (reads that need a conversion or a CRC of bytes no target wants). Two left readers
+# waiting for their lane 8 % of a 5B-parameter bf16 load (bursts of conversions behind a slow chunk); three absorb
+# them (integration/results/checkpoint_io/: ``stall_s``).
+BOUNCE_BUFFERS = 3
 
 
 class HeaderError(ValueError):
@@ -312,7 +318,7 @@ def read_into(jobs: list[tuple[str, dict[str, Target] | None, bool]], workers: i
 
     def reader() -> None:
         free: queue.SimpleQueue = queue.SimpleQueue()
-        for _ in range(2):  # double buffering: one being read into, one being digested (allocated on first use)
+        for _ in range(BOUNCE_BUFFERS):  # one being read into, the others being digested (allocated on first use)
             free.put(torch.empty(0, dtype=torch.uint8))
         try:
             with ThreadPoolExecutor(1) as lane:

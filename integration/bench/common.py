@@ -223,6 +223,11 @@ def memory_stats() -> dict[str, Any]:
         out.update(peak_gpu_alloc_gib=torch.cuda.max_memory_allocated() / GIB,
                    peak_gpu_reserved_gib=torch.cuda.max_memory_reserved() / GIB,
                    gpu_used_now_gib=(total - free) / GIB, gpu_total_gib=total / GIB)
+        # the caching allocator's retries free cached blocks with a device-wide synchronisation: a step that pays
+        # them waits for every stream (the optimizer's copies included)
+        stats = torch.cuda.memory_stats()
+        out["cuda_alloc"] = {k: stats.get(k) for k in ("num_alloc_retries", "num_sync_all_streams",
+                                                         "num_device_alloc", "num_device_free", "num_ooms")}
     return out
 
 

@@ -177,6 +177,7 @@ def _timeline(model: torch.nn.Module) -> HostTimeline:
     from hf_megatrain.optim.adamw import CPUAdamW
 
     tl = HostTimeline()
+    tl.sample_stack(MegaTrainEngine, "__call__", (15.0, 60.0, 120.0))  # (inside the wrap below: its span's calls)
     tl.wrap(MegaTrainEngine, "__call__", "forward")
     tl.wrap(Accelerator, "backward", "backward")
     tl.wrap(CPUAdamW, "step", "opt.step")
@@ -187,6 +188,17 @@ def _timeline(model: torch.nn.Module) -> HostTimeline:
     tl.wrap(StreamingExecutor, "finish", "executor.finish")
     tl.wrap(DeviceStepper, "run", "device_stepper")
     tl.wrap(common, "sync", "clock_sync")
+    # where threads block outside the slots' waits: device syncs, the resident unit's publication, activation
+    # offload buffers (calls of 1 ms or more). Not torch.Tensor methods: compiled layers would trace the wrapper
+    # (graph breaks, and recompiles on its clock values).
+    from hf_megatrain.engine.activations import ActivationStore
+
+    for owner, name, label in ((torch.cuda.Event, "synchronize", "event.sync"),
+                               (torch.cuda.Stream, "synchronize", "stream.sync"),
+                               (torch.cuda, "synchronize", "device.sync"),
+                               (MegaTrainEngine, "publish_resident", "publish_resident"),
+                               (ActivationStore, "save", "act.save"), (ActivationStore, "_take", "act.take")):
+        tl.wrap_slow(owner, name, label)
     return tl
 
 

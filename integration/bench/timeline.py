@@ -47,6 +47,55 @@ class HostTimeline:
         setattr(owner, name, wrapped)
         self._undo.append(lambda: setattr(owner, name, orig))
 
+    def wrap_slow(self, owner: Any, name: str, label: str | None = None, min_ms: float = 1.0) -> None:
+        """Like ``wrap``, for calls made often (syncs, ``.item()``): only calls of at least ``min_ms`` recorded."""
+        orig = getattr(owner, name)
+        label = label or name
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                if (time.perf_counter() - t) * 1e3 >= min_ms:
+                    th = threading.current_thread().name
+                    self.events += [(t, th, label + ">"), (time.perf_counter(), th, "<" + label)]
+
+        setattr(owner, name, wrapped)
+        self._undo.append(lambda: setattr(owner, name, orig))
+
+    def sample_stack(self, owner: Any, name: str, after_ms: tuple[float, ...]) -> None:
+        """While ``owner.name`` runs, record the calling thread's Python stack ``after_ms`` into the call (what a
+        thread blocked in a C call is inside of)."""
+        import sys
+        import traceback
+
+        orig = getattr(owner, name)
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            ident = threading.get_ident()
+            done = threading.Event()
+
+            def sample() -> None:
+                t0 = time.perf_counter()
+                for ms in after_ms:
+                    if done.wait(max(0.0, ms / 1e3 - (time.perf_counter() - t0))):
+                        return
+                    frame = sys._current_frames().get(ident)
+                    if frame is not None:
+                        stack = traceback.format_stack(frame)[-8:]
+                        self.note("stack@%g ms: " % ms + " | ".join(line.strip().replace("\n", " ")[:300]
+                                                                  for line in stack))
+
+            threading.Thread(target=sample, daemon=True).start()
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                done.set()
+
+        setattr(owner, name, wrapped)
+        self._undo.append(lambda: setattr(owner, name, orig))
+
     def cut(self) -> None:
         """End of a step: keep its events, relative (ms) to the previous cut."""
         t0 = self._t0

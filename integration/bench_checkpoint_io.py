@@ -234,10 +234,10 @@ def export_load(size_b: float, root: str, readers: int) -> dict:
     from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    hidden, vocab = 4096, 32000
+    hidden, vocab, heads = (4096, 32000, 32) if size_b >= 1 else (64, 1000, 4)  # (the last: smoke tests)
     layers = max(1, round((size_b * 1e9 - 2 * vocab * hidden) / (16 * hidden * hidden)))  # (4h^2 attn, 12h^2 MLP)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=32, num_key_value_heads=32, tie_word_embeddings=False)
+                      num_attention_heads=heads, num_key_value_heads=heads, tie_word_embeddings=False)
     with torch.device("meta"):
         shapes = {n: tuple(p.shape) for n, p in LlamaForCausalLM(cfg).state_dict().items()}
     folder = os.path.join(root, "export")

@@ -218,3 +218,21 @@ def test_bench_checkpoint_io_smoke(tmp_path):
     for key in ("checkpoint_write", "verify_cold", "load_cold", "load_export_cold"):
         assert 0 < res[key]["vs_ceiling"] <= res[key]["vs_raw"] + 1e-9, key
     assert not os.listdir(tmp_path / "new" / "dir")  # (its temp folder removed)
+
+
+def test_bench_export_load_smoke(tmp_path):
+    """``--export-load``: a bf16 export written from the meta model's shapes, then ``from_pretrained_streamed`` of it
+    beside a plain read of the same shards; the JSON says both rates and the folder is removed."""
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("bench_ckio2", os.path.join(root, "integration",
+                                                                             "bench_checkpoint_io.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "res.json"
+    assert bench.main(["--export-load", "0.0005", "--dir", str(tmp_path / "d"), "--out", str(out)]) == 0
+    e = json.loads(out.read_text())["export_load"]
+    assert e["params"] > 0 and e["bytes"] >= 2 * e["params"] and e["plain_read_GBps"] > 0
+    assert 2 * e["params"] <= e["from_pretrained"]["bytes"] <= e["bytes"] and 0 < e["vs_plain_read"]  # (headers: not read)
+    assert not os.listdir(tmp_path / "d")

@@ -61,6 +61,11 @@ class StepState:
         for e in self._ready + self._loadable:
             e.set()
         self._error: BaseException | None = None
+        # Set when a reader reaches the units (a weight load, or a wait that would block): an updater that holds
+        # copies back to host memory until then (optim/device_stepper.py) queues them now. Holding them keeps the
+        # copy engine free while the forward's preamble reads single values back from the GPU.
+        self.readers_arrived = threading.Event()
+        self.readers_arrived.set()
         # (compute copy, event, version) of a unit whose updater made the new compute-dtype weights on the GPU:
         # the next forward may take them from there (event: they are written) instead of waiting for the update's
         # copies back to host memory and loading them again. Valid while the unit is at, or on its way to, that
@@ -182,12 +187,15 @@ class StepState:
             e.set()
 
     def wait_ready(self, i: int) -> None:
+        if not self._ready[i].is_set():
+            self.readers_arrived.set()  # (a blocking waiter never waits on copies held back for readers)
         self._ready[i].wait()
         self._raise()
 
     def wait_loadable(self, i: int) -> tuple[Any, Any, int] | None:
         """Block until unit ``i``'s weights may be loaded; returns its published GPU copy (``early_copy``) when
         that is what made it loadable, else None once it is ready."""
+        self.readers_arrived.set()
         self._loadable[i].wait()
         self._raise()
         early = self.early_copy(i)
@@ -200,6 +208,7 @@ class StepState:
     def wait_all(self) -> None:
         """Block until no update is in flight; re-raise a worker's failure. (The optimizer's ``wait()`` also
         joins its worker threads first, which re-raises a lean update's failure at once.)"""
+        self.readers_arrived.set()
         for e in self._ready:
             e.wait()
         self._raise()

@@ -42,6 +42,11 @@ from ..core.streams import StreamSet
 from .steppers import Update
 
 
+# The longest the copies back to host memory wait for the next forward to reach the layers (run): a bound, so a
+# run that never reads the units again (no next forward, no waiter) still finishes its update.
+HOLD_COPIES_S = 0.5
+
+
 class DeviceStepper:
     def __init__(self, units: list[Unit], device: torch.device, compute_dtype: torch.dtype, state: StepState) -> None:
         self.units = units
@@ -124,6 +129,8 @@ class DeviceStepper:
         """Main thread, at launch: an event on the compute stream once the backward was queued (the gradients, and
         the last forward's reads of the published copies, come before the kernels of ``run``)."""
         self._after = self.streams.record(self.streams.compute)
+        if self.host_state and self.streams.is_cuda:
+            self.state.readers_arrived.clear()  # (main thread, before the worker starts: see run)
 
     def run(self, order: list[Unit], update: Update) -> None:
         """Step ``order``'s units; ``update(unit, [master, grad, m, v], False)`` runs the kernel on device views
@@ -136,6 +143,7 @@ class DeviceStepper:
         st.wait(self.compute_stream, after)
         position = {u.index: j for j, u in enumerate(self.units)}
         prev: tuple[Unit, object] | None = None
+        back: list[tuple[Unit, int, list[tuple[torch.Tensor, torch.Tensor]], object]] = []
         self.prefetch()
         for k, unit in enumerate(order):
             j = self._slot(position[unit.index] if self.host_state else k)
@@ -155,16 +163,17 @@ class DeviceStepper:
                 update(unit, [master, unit.grad, m, v], False)
                 comp.copy_(master)
                 stepped = st.record(self.compute_stream)
-            if self.host_state and unit.frozen is None:  # (a frozen part loads from host)
-                self.state.publish_copy(unit.index, comp, stepped)
-            with st.on(st.d2h):
+            # the compute copy first: the next forward reads it
+            pairs = ([(unit.compute, comp)] if unit.compute is not None else []) + [(unit.master, master)]
+            if self.host_state:
+                if unit.frozen is None:  # (a frozen part loads from host)
+                    self.state.publish_copy(unit.index, comp, stepped)
+                back.append((unit, j, pairs + [(unit.exp_avg, m), (unit.exp_avg_sq, v)], stepped))
+                continue  # (copied back below)
+            with st.on(st.d2h):  # device state: two buffers used in turn, each copied back before its reuse
                 st.wait(st.d2h, stepped)
-                if unit.compute is not None:  # first: the next forward reads it
-                    unit.compute.copy_(comp, non_blocking=True)
-                unit.master.copy_(master, non_blocking=True)
-                if self.host_state:
-                    unit.exp_avg.copy_(m, non_blocking=True)
-                    unit.exp_avg_sq.copy_(v, non_blocking=True)
+                for dst, src in pairs:
+                    dst.copy_(src, non_blocking=True)
                 self.free[j] = st.record(st.d2h)
             if prev is not None:  # the previous unit's copies were queued before this one's: finish it now
                 with torch.profiler.record_function("megatrain.optimizer.device_unit_wait"):
@@ -174,3 +183,20 @@ class DeviceStepper:
         if prev is not None:
             st.synchronize(prev[1])
             self.state.finish_update(prev[0].index)
+        if not back:
+            return
+        # Host state: every layer's new weights are published on the GPU, and its state goes back to host memory
+        # once the next forward reaches the layers (or anyone waits on these units): a copy engine runs the copies
+        # queued on it in order, whatever their stream, so GBs of state queued now would hold the one-element
+        # device-to-host reads of the forward's preamble (transformers' packed-sequence check in
+        # ``create_causal_mask``) behind them: ~75 ms a layer, measured, with the GPU idle meanwhile.
+        self.state.readers_arrived.wait(timeout=HOLD_COPIES_S)
+        with st.on(st.d2h):
+            for unit, j, pairs, stepped in back:
+                st.wait(st.d2h, stepped)
+                for dst, src in pairs:
+                    dst.copy_(src, non_blocking=True)
+                self.free[j] = st.record(st.d2h)
+        for unit, j, _, _ in back:
+            st.synchronize(self.free[j])
+            self.state.finish_update(unit.index)

@@ -197,9 +197,8 @@ def test_engine_load_reads_into_the_store_and_refuses_changed_bytes(tmp_path):
     assert all(torch.equal(t, want[n].bfloat16().float()) for n, t in engine.named_master_tensors())
 
 
-def test_bench_checkpoint_io_smoke(tmp_path):
-    """integration/bench_checkpoint_io.py end to end on a tiny model: it creates --dir, measures the raw ceilings
-    (one stream, parallel threads, O_DIRECT or a note that the filesystem refuses it) and records the command."""
+def _bench_module():
+    """integration/bench_checkpoint_io.py as a module (a script, not part of the package)."""
     import importlib.util
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -207,6 +206,13 @@ def test_bench_checkpoint_io_smoke(tmp_path):
                                                                             "bench_checkpoint_io.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_bench_checkpoint_io_smoke(tmp_path):
+    """integration/bench_checkpoint_io.py end to end on a tiny model: it creates --dir, measures the raw ceilings
+    (one stream, parallel threads, O_DIRECT or a note that the filesystem refuses it) and records the command."""
+    bench = _bench_module()
     out = tmp_path / "res.json"
     assert bench.main(["--size", "0.0001", "--dir", str(tmp_path / "new" / "dir"), "--out", str(out),
                        "--threads", "2"]) == 0
@@ -223,13 +229,7 @@ def test_bench_checkpoint_io_smoke(tmp_path):
 def test_bench_export_load_smoke(tmp_path):
     """``--export-load``: a bf16 export written from the meta model's shapes, then ``from_pretrained_streamed`` of it
     beside a plain read of the same shards; the JSON says both rates and the folder is removed."""
-    import importlib.util
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location("bench_ckio2", os.path.join(root, "integration",
-                                                                             "bench_checkpoint_io.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _bench_module()
     out = tmp_path / "res.json"
     assert bench.main(["--export-load", "0.0005", "--dir", str(tmp_path / "d"), "--out", str(out)]) == 0
     e = json.loads(out.read_text())["export_load"]

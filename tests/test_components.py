@@ -196,6 +196,28 @@ def test_step_state_waiters_block_until_ready_and_see_failures():
         st.wait_ready(0)
 
 
+def test_step_state_readers_arrived_releases_held_copies():
+    """An updater holding its copies back (optim/device_stepper.py) is released by the first weight load, by any
+    wait that would block, and by ``wait_all`` -- never by a wait that returns at once (the forward's preamble
+    waits for the resident unit, already ready, before the reads the hold protects)."""
+    st = StepState(2)
+    st.readers_arrived.clear()
+    st.wait_ready(1)  # ready: returns at once, releases nothing
+    assert not st.readers_arrived.is_set()
+    st.wait_loadable(1)
+    assert st.readers_arrived.is_set()
+    st.readers_arrived.clear()
+    st.wait_all()
+    assert st.readers_arrived.is_set()
+    st.readers_arrived.clear()
+    st.begin_update(0)
+    t = threading.Thread(target=st.wait_ready, args=(0,))
+    t.start()
+    assert st.readers_arrived.wait(5)  # a blocked waiter releases the hold (else it would wait on the copies)
+    st.finish_update(0)
+    t.join()
+
+
 # -- step counts (fakes: units as spans) ------------------------------------------------------------------------------
 def test_step_counts_per_parameter_only_where_some_skipped():
     from types import SimpleNamespace as NS

@@ -36,6 +36,11 @@ WIDTHS = {
 }
 STREAMED = dict(device_layers=0, device_step_layers=0)  # --regime streamed
 COMPILE = dict(torch_compile=True)
+
+
+def GPU_STEPPED(k: int) -> dict:  # noqa: N802  (reads as the regime's name)
+    """Every layer streamed, the first ``k`` stepped on the GPU with their state in host memory."""
+    return dict(device_layers=0, device_step_layers=k, device_step_state="host")
 # (measured before the bf16 gradient plane: a clipping step re-ran its forward+backward; "auto" would depend on
 # the RAM of the machine running the test)
 LEAN_COPY = dict(lean_store=True, lean_compute_copy=True, lean_grad_plane="off")
@@ -111,6 +116,14 @@ CASES = [
      lambda: step("14B", 8, STREAMED | COMPILE, 4096, 8, True),
      lambda: measured("bench_vs_deepspeed/2026-11-25_a14889b_finetune_packed_compile_h100.json", "records", "megatrain:streamed@32768",
                       "step_time_s")),
+    ("14B x8 fine-tune packed 8 x 4096, compile, clip 1.0 (session 15)",
+     lambda: step("14B", 8, STREAMED | COMPILE, 4096, 8, True),
+     lambda: measured("bench_vs_deepspeed/2026-11-26_f9a8613_finetune_packed_compile_h100.json", "records",
+                      "megatrain:streamed@32768", "step_time_s")),
+    *[(f"14B x8, 32k tokens, compile, clipping every step, {k} GPU-stepped layers with host state (session 15)",
+       functools.partial(step, "14B", 8, GPU_STEPPED(k) | COMPILE, 2048, 16, True),
+       functools.partial(measured, f"bench_vs_deepspeed/2026-11-26_7d56ef7_bench_clip1_32k_gpu_step_k{k}_held_copies_h100"
+                         ".json", "records", "megatrain:auto@16", "step_time_s")) for k in (0, 2, 3, 4)],
     ("7B x8 kept on the GPU, one 262,144-token sequence, inputs offloaded (the attention rate's calibration run)",
      lambda: step("7B", 8, dict(activation_offload="on"), 262144, 1, False),
      lambda: measured("long_context/2026-11-23_6c2de76_long_context_h100_8layers_262k.json", "runs", "0", "step_time_s")),

@@ -151,21 +151,29 @@ def raw_write_parallel(path: str, nbytes: int, threads: int) -> float:
 def raw_read_parallel(path: str, threads: int, direct: bool = False) -> float | None:
     """``threads`` readers, each its range in 64 MiB preadv calls, after the pages were dropped; ``direct``: with
     O_DIRECT into page-aligned buffers (None where the filesystem refuses O_DIRECT)."""
-    drop_pages(path)
-    nbytes = os.path.getsize(path)
-    flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if direct else 0)
-    try:
-        os.close(os.open(path, flags))
-    except OSError:
-        return None
+    return raw_read_files([path], threads, direct)
 
-    def read(r: tuple[int, int]) -> None:
+
+def raw_read_files(paths: list[str], threads: int, direct: bool = False) -> float | None:
+    """A plain read of ``paths`` (for the loads: the very bytes they read): each file split into ``threads`` ranges,
+    read by ``threads`` threads in 64 MiB preadv calls after their pages were dropped, no CRC, no destination;
+    ``direct``: with O_DIRECT into page-aligned buffers (None where the filesystem refuses O_DIRECT)."""
+    flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if direct else 0)
+    for path in paths:
+        drop_pages(path)
+        try:
+            os.close(os.open(path, flags))
+        except OSError:
+            return None
+    work = [(path, a, b) for path in paths for a, b in _ranges(os.path.getsize(path), threads)]
+
+    def read(item: tuple[str, int, int]) -> None:
+        path, off, end = item
         buf = mmap.mmap(-1, _CHUNK)  # (page-aligned: what O_DIRECT needs)
         fd = os.open(path, flags)
         try:
-            off = r[0]
-            while off < r[1]:
-                want = min(_CHUNK, r[1] - off)
+            while off < end:
+                want = min(_CHUNK, end - off)
                 if direct:
                     want = -(-want // 4096) * 4096  # (whole blocks; the file's end returns fewer bytes)
                 n = os.preadv(fd, [memoryview(buf)[:want]], off)
@@ -179,37 +187,11 @@ def raw_read_parallel(path: str, threads: int, direct: bool = False) -> float | 
     t = time.perf_counter()
     try:
         with ThreadPoolExecutor(threads) as pool:
-            list(pool.map(read, _ranges(nbytes, threads)))
+            list(pool.map(read, work))
     except OSError:  # (O_DIRECT accepted at open, refused at read: some filesystems)
         if direct:
             return None
         raise
-    return time.perf_counter() - t
-
-
-def raw_read_files(paths: list[str], threads: int) -> float:
-    """A plain read of the same bytes the loads read: the files, each split into ``threads`` ranges, read by
-    ``threads`` threads in 64 MiB preadv calls after their pages were dropped (no CRC, no destination)."""
-    for path in paths:
-        drop_pages(path)
-    work = [(path, a, b) for path in paths for a, b in _ranges(os.path.getsize(path), threads)]
-
-    def read(item: tuple[str, int, int]) -> None:
-        path, off, end = item
-        buf = bytearray(_CHUNK)
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            while off < end:
-                n = os.preadv(fd, [memoryview(buf)[:min(_CHUNK, end - off)]], off)
-                if n <= 0:
-                    break
-                off += n
-        finally:
-            os.close(fd)
-
-    t = time.perf_counter()
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(read, work))
     return time.perf_counter() - t
 
 

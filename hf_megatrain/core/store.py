@@ -138,13 +138,13 @@ class UnitStore:
                 return None
             if where is Where.DISK:
                 return alloc_on_disk(n, dtype, state_dir)  # sparse file: zeros
-            private = where is Where.DEVICE or host_alloc is alloc_host  # (not memory shared by the ranks)
-            if where is Where.DEVICE and device.type != "cpu":
+            # Moments in private, unpinned host memory (a CPU engine's "device" buffers are host memory too; not
+            # memory shared by the ranks): zeros without a pass over them, see alloc_host_zeros.
+            host = device.type == "cpu" if where is Where.DEVICE else host_alloc is alloc_host
+            if moment and host and not (pin and streams):
+                return alloc_host_zeros(n, dtype)
+            if where is Where.DEVICE:
                 t = torch.empty(n, dtype=dtype, device=device)
-            elif moment and private and not (pin and streams):  # (a CPU engine's "device" buffers are host memory)
-                return alloc_host_zeros(n, dtype)  # zeros without a pass over them: see alloc_host_zeros
-            elif where is Where.DEVICE:
-                t = torch.empty(n, dtype=dtype)
             else:  # moments cross PCIe only for GPU-stepped layers: pinning others would only cost time and RAM
                 t = host_alloc(n, dtype, pin and (not moment or streams))
             return t.zero_() if moment else t

@@ -198,6 +198,12 @@ class MegaTrainConfig:
             beside), "native" (the same single pass as a C loop built with the system C compiler at start, called
             without the GIL: core/native_adamw.py; bf16 compute copies) or "auto" (native when training on a GPU
             with a bf16 or FP32 compute dtype and a C compiler, else fused).
+        split_host_update: how host AdamW updates that the next forward waits for (those launched after the
+            gradient norm: clipping active) run: "auto" splits each layer's update in two passes where the host has
+            time to spare -- first the new bf16 weights alone (~60 % of a whole pass's memory traffic: the layer can
+            be loaded then), later master and moments, under the next forward and backward -- judged from the last
+            step's measured host rate and step time (optim/split_update.py); "on": always; "off": whole updates.
+            Same bits either way. Needs host_kernel native, bf16 compute and one process ("auto" is off otherwise).
         seq_chunk_tokens: run each decoder layer's position-wise parts (the MLP, the norms) over chunks of this many
             tokens of the sequence, each chunk recomputed on its own in the backward (model/seq_tiling.py), so their
             intermediates ([tokens, intermediate] gate/up, fp32 norm upcasts) never exist for the whole sequence:
@@ -245,6 +251,7 @@ class MegaTrainConfig:
     speculative_step: bool = True
     exact_take_back: bool = False
     host_kernel: str = "auto"
+    split_host_update: str = "auto"
     seq_chunk_tokens: int = 0
     activation_offload: str = "auto"
     activation_prefetch: int = 2
@@ -315,6 +322,8 @@ class MegaTrainConfig:
                              "Use device_step_layers=-1 or 0")
         if self.seq_chunk_tokens < -1:
             raise ValueError(f"seq_chunk_tokens={self.seq_chunk_tokens}: use 0 (off), -1 (auto) or a number of tokens")
+        if self.split_host_update not in ("auto", "on", "off"):
+            raise ValueError(f"split_host_update={self.split_host_update!r}; use 'auto', 'on' or 'off'")
         if self.activation_offload not in ("auto", "on", "off"):
             raise ValueError(f"activation_offload={self.activation_offload!r}; use 'auto', 'on' or 'off'")
         if self.activation_prefetch < 1:

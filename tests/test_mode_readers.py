@@ -177,7 +177,10 @@ def test_decide_modes_decides_each_mode_once_from_the_config_and_plans() -> None
     lean = modes(lean_store=True)
     assert lean.consume and not lean.speculate
     assert not modes(speculative_step=False).speculate
-    assert native.describe() == {"host_kernel": "native", "speculative_step": True, "narrow_grads": True}
+    assert native.describe() == {"host_kernel": "native", "speculative_step": True, "narrow_grads": True,
+                                 "split_host_update": "auto"}
+    assert modes().split == "off"  # (the fused kernel cannot write the weights alone)
+    assert modes(data_parallel=True, host_kernel="native").split == "off"
 
 
 def test_code_lines_blank_strings_and_comments() -> None:

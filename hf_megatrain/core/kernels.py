@@ -17,6 +17,13 @@ is folded in as ``grad_scale`` (each gradient is divided by it). Two implementat
   optimizer then never stalls the Python thread that drives the backward (inductor's binding holds the GIL for
   the whole call).
 
+A host update whose new weights the next forward waits for can be split in two (``UpdatePart``; NATIVE only):
+``WEIGHTS`` computes the update and writes only the compute copy (reads 16 bytes per parameter, writes 2: ~60 % of
+the whole pass's DRAM traffic), ``STATE`` later runs the same expressions again and writes master and moments, no
+copy. Both halves evaluate the same float expressions on the same inputs, so the pair writes exactly the bits one
+whole pass writes (tests/test_split_update.py); ``STATE`` must run before anything else reads or writes the unit's
+master, moments or gradient (optim/split_update.py).
+
 The undo functions invert the update for the lean store and speculative steps (optim/lean.py,
 optim/speculative_step.py): the master from the new moments, the moments from the gradient they took.
 """
@@ -64,11 +71,22 @@ class HostKernel(enum.Enum):
     NATIVE = "native"  # core/native_adamw.py: the compiled kernel's pass as a C loop that releases the GIL
 
 
-def host_bytes_per_param(impl: HostKernel, clip: bool, copy_bytes: int, grad_bytes: int = 4) -> int:
+class UpdatePart(enum.Enum):
+    WHOLE = "whole"  # master, moments and the compute copy in one pass
+    WEIGHTS = "weights"  # the compute copy of the new master only (state untouched)
+    STATE = "state"  # master and moments only (after WEIGHTS, with the same inputs)
+
+
+def host_bytes_per_param(impl: HostKernel, clip: bool, copy_bytes: int, grad_bytes: int = 4,
+                         part: UpdatePart = UpdatePart.WHOLE) -> int:
     """Host DRAM bytes one update moves per parameter (``copy_bytes``: the compute copy's element size, 0 if none;
     ``grad_bytes``: the gradient's, 2 when narrow): read master, grad, exp_avg, exp_avg_sq, write master and
     moments; the fused kernel writes the unscaled gradient back when clipping and its copy pass reads the master
-    again."""
+    again. ``part``: a half of a split update (NATIVE)."""
+    if part is UpdatePart.WEIGHTS:
+        return 12 + grad_bytes + copy_bytes
+    if part is UpdatePart.STATE:
+        return 24 + grad_bytes
     if impl in (HostKernel.COMPILED, HostKernel.NATIVE):
         return 24 + grad_bytes + copy_bytes
     return 28 + (4 if clip else 0) + (4 + copy_bytes if copy_bytes else 0)
@@ -76,10 +94,22 @@ def host_bytes_per_param(impl: HostKernel, clip: bool, copy_bytes: int, grad_byt
 
 def adamw_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
            groups: Groups, step: int, grad_scale: float | None = None, compute: torch.Tensor | None = None,
-           impl: HostKernel = HostKernel.FUSED) -> None:
+           impl: HostKernel = HostKernel.FUSED, part: UpdatePart = UpdatePart.WHOLE) -> None:
     """One AdamW update of every span (step count ``step``, already incremented), then ``compute`` (the unit's
     compute copy, if any) refreshed over the same spans. ``grad_scale``: the gradients are divided by it
-    (clipping). ``COMPILED`` and ``NATIVE`` apply to host buffers; on a GPU the fused kernel runs."""
+    (clipping). ``COMPILED`` and ``NATIVE`` apply to host buffers; on a GPU the fused kernel runs. ``part``: one
+    half of a split update (host buffers, ``NATIVE``; ``WEIGHTS`` needs ``compute``, ``STATE`` writes none)."""
+    if part is not UpdatePart.WHOLE:
+        if impl is not HostKernel.NATIVE or master.device.type != "cpu" or (part is UpdatePart.WEIGHTS) != (
+                compute is not None):
+            raise ValueError(f"a {part.value} half-update needs the native kernel on host buffers, with a compute "
+                             f"copy for the weights half and none for the state half (got {impl.value}, "
+                             f"{master.device.type}, copy {compute is not None})")
+        for lo, hi, h, c, small in _spans_with_constants(groups, step, grad_scale):
+            native_adamw.adamw_span_(master[lo:hi], grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi],
+                                     None if compute is None else compute[lo:hi], c, small,
+                                     write_state=part is UpdatePart.STATE)
+        return
     if impl is HostKernel.COMPILED and master.device.type == "cpu":
         _compiled_adamw_(master, grad, exp_avg, exp_avg_sq, groups, step, grad_scale, compute)
         return

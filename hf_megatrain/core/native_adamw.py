@@ -72,7 +72,7 @@ static inline void stream_u16(uint16_t* restrict dst, const uint16_t* restrict s
 #define BLOCK 65536  /* handed out one at a time (dynamic): see the module docstring */
 #define SUB 2048     /* the copy of SUB parameters waits in an L1-sized buffer, then streams out */
 
-#define BODY(GRAD, LERP_SMALL, OUT)                                                              \
+#define BODY(GRAD, LERP_SMALL, OUT, STATE)                                                       \
     _Pragma("omp parallel for num_threads(threads) schedule(dynamic, 1)")                        \
     for (int64_t b = 0; b < n; b += BLOCK) {                                                     \
         const int64_t e = b + BLOCK < n ? b + BLOCK : n;                                         \
@@ -85,7 +85,7 @@ static inline void stream_u16(uint16_t* restrict dst, const uint16_t* restrict s
                 float mn = LERP_SMALL ? mi + c1 * (gi - mi) : gi + c1m1 * (gi - mi);             \
                 float vn = v[i] * c2 + c3 * gi * gi;                                             \
                 float pn = p[i] * c0 + c6 * mn / (sqrtf(vn) / c4 + c5);                          \
-                m[i] = mn; v[i] = vn; p[i] = pn;                                                 \
+                if (STATE) { m[i] = mn; v[i] = vn; p[i] = pn; }                                  \
                 if (OUT) buf[i - s] = bf16_out(pn);                                              \
             }                                                                                    \
             if (OUT) stream_u16(out + s, buf, t - s);                                            \
@@ -93,19 +93,24 @@ static inline void stream_u16(uint16_t* restrict dst, const uint16_t* restrict s
         if (OUT) FENCE();  /* streaming stores are weakly ordered: visible before the update ends */ \
     }
 
-/* c = [wd_mul, 1-b1, b2, 1-b2, bc2_sqrt, eps, -step_size, grad_scale] */
+/* c = [wd_mul, 1-b1, b2, 1-b2, bc2_sqrt, eps, -step_size, grad_scale]
+   write_state = 0: the weights-only half of a split update (the compute copy of the new master; master and moments
+   untouched, so the same call with write_state = 1 and no copy later writes bit-identical state). */
+#define ALL(GRAD, LERP_SMALL)                                                                                    \
+    if (!write_state) { BODY(GRAD, LERP_SMALL, 1, 0) }                                                          \
+    else if (out)     { BODY(GRAD, LERP_SMALL, 1, 1) }                                                          \
+    else              { BODY(GRAD, LERP_SMALL, 0, 1) }
+
 void adamw_span(float* restrict p, const void* restrict g, int g_bf16, float* restrict m, float* restrict v,
-                uint16_t* restrict out, int64_t n, const float* c, int lerp_small, int threads) {
+                uint16_t* restrict out, int64_t n, const float* c, int lerp_small, int threads, int write_state) {
     const float c0 = c[0], c1 = c[1], c2 = c[2], c3 = c[3], c4 = c[4], c5 = c[5], c6 = c[6], c7 = c[7];
     const float c1m1 = c1 - 1.0f;
     const float* restrict gf = (const float*)g;
     const uint16_t* restrict gb = (const uint16_t*)g;
     if (g_bf16) {
-        if (lerp_small) { if (out) { BODY(bf16_in(gb[i]), 1, 1) } else { BODY(bf16_in(gb[i]), 1, 0) } }
-        else            { if (out) { BODY(bf16_in(gb[i]), 0, 1) } else { BODY(bf16_in(gb[i]), 0, 0) } }
+        if (lerp_small) { ALL(bf16_in(gb[i]), 1) } else { ALL(bf16_in(gb[i]), 0) }
     } else {
-        if (lerp_small) { if (out) { BODY(gf[i], 1, 1) } else { BODY(gf[i], 1, 0) } }
-        else            { if (out) { BODY(gf[i], 0, 1) } else { BODY(gf[i], 0, 0) } }
+        if (lerp_small) { ALL(gf[i], 1) } else { ALL(gf[i], 0) }
     }
 }
 """
@@ -130,7 +135,7 @@ def build(source: str = _SOURCE) -> Any:
     lib = shared_library(source, _compiler(), _FLAGS, "adamw", ctypes.CDLL)  # (CDLL: each call releases the GIL)
     lib.adamw_span.restype = None
     lib.adamw_span.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                               ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+                               ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     return lib
 
 
@@ -144,13 +149,15 @@ def library() -> Any:
 
 
 def adamw_span_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None,
-                c: torch.Tensor, lerp_small: bool) -> None:
+                c: torch.Tensor, lerp_small: bool, write_state: bool = True) -> None:
     """One span, in place: contiguous CPU tensors of one length; ``c`` the 8 float32 constants of
-    ``kernels._constants``."""
+    ``kernels._constants``. ``write_state=False``: only ``out`` (required) gets the new weights; master and
+    moments are left as they were (the first half of a split update, kernels.UpdatePart)."""
     n = p.numel()
     if n == 0:
         return
     assert g.numel() == m.numel() == v.numel() == n and (out is None or out.numel() == n)
+    assert write_state or out is not None
     assert all(t.is_contiguous() and t.device.type == "cpu" for t in (p, g, m, v, c))
     if g.dtype not in (torch.float32, torch.bfloat16) or p.dtype != torch.float32 or (
             out is not None and out.dtype != torch.bfloat16):
@@ -158,4 +165,4 @@ def adamw_span_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tens
                         f"grad {g.dtype}, copy {None if out is None else out.dtype}")
     library().adamw_span(p.data_ptr(), g.data_ptr(), int(g.dtype == torch.bfloat16), m.data_ptr(), v.data_ptr(),
                          None if out is None else out.data_ptr(), n, c.data_ptr(), int(lerp_small),
-                         torch.get_num_threads())
+                         torch.get_num_threads(), int(write_state))

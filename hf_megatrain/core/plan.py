@@ -301,18 +301,20 @@ class StepModes:
     (optim/speculative_step.py). ``consume``: some units have no gradient buffer and consume each gradient as it
     lands (optim/lean.py ``LeanAdamW``); the engine then records each training forward for a re-run.
     ``grad_plane``: the dtype in which those units keep the step's gradient on the host (optim/grad_plane.py), or
-    None."""
+    None. ``split``: whether host layer updates launched after the norm may run split ("auto" / "on" / "off";
+    optim/split_update.py): needs the native kernel, bf16 compute copies and one process."""
 
     host_kernel: kernels.HostKernel = kernels.HostKernel.FUSED
     narrow: torch.dtype | None = None
     speculate: bool = False
     consume: bool = False
     grad_plane: torch.dtype | None = None
+    split: str = "off"
 
     def describe(self) -> dict[str, object]:
         """What the run summary reports of these modes (engine/summary.py), under the config's names."""
         return {"host_kernel": self.host_kernel.value, "speculative_step": self.speculate,
-                "narrow_grads": self.narrow is not None}
+                "narrow_grads": self.narrow is not None, "split_host_update": self.split}
 
 
 def _host_kernel(choice: str, device_type: str, probe: bool) -> kernels.HostKernel:
@@ -352,6 +354,13 @@ def decide_modes(config: MegaTrainConfig, plans: Plans, device_type: str, data_p
         logger.warning("hf_megatrain: lean_grad_plane: the layer gradients cross in %s (host kernel %s), not what "
                        "the plan sized the plane for: no gradient plane; a step that clips re-runs its "
                        "forward+backward", crosses, kernel.value)
-    return StepModes(host_kernel=kernel, narrow=compute if narrow else None,
+    split = config.split_host_update
+    if split != "off" and (kernel is not kernels.HostKernel.NATIVE or data_parallel or compute != torch.bfloat16):
+        if split == "on":
+            raise ValueError(f"split_host_update='on' needs host_kernel 'native' (here {kernel.value}), bf16 "
+                             f"compute (here {compute}) and one process (data parallel: {data_parallel}); use "
+                             "'auto' (splits where it can) or 'off'")
+        split = "off"
+    return StepModes(host_kernel=kernel, narrow=compute if narrow else None, split=split,
                      speculate=config.speculative_step and not consume, consume=consume,
                      grad_plane=crosses if planned == crosses.itemsize else None)

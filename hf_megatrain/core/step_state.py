@@ -9,7 +9,10 @@ a version that changes whenever its master changes. Everyone asks this object in
   before it loads a unit's weights, waits for it to be loadable: ready, or its new weights published on the GPU by
   a GPU updater (``publish_copy``: the copies back to host memory may still run); its slot cache is keyed by
   ``version`` (no "invalidate" calls);
-- the optimizer moves units through ``begin_update`` / ``finish_update`` (from worker threads);
+- the optimizer moves units through ``begin_update`` / ``finish_update`` (from worker threads); a split host
+  update (optim/split_update.py) calls ``finish_weights`` in between, when the unit's new compute copy is written
+  in host memory: it is loadable then, while its master, moments and gradient stay the updater's until ready (the
+  gradient path waits for ready before it lands the next gradient);
 - readers of the masters (checkpoints, exports, PEFT saves) call ``wait_all()``;
 - with data-parallel ranks sharing the host's store (each writes its shard of every update), ``peers`` hears of
   each finished update and makes loads and ``wait_all`` wait for every rank's shard (parallel/peer_cells.py).
@@ -71,6 +74,9 @@ class StepState:
         # copies back to host memory and loading them again. Valid while the unit is at, or on its way to, that
         # version; dropped when another update begins or the master changes outside an update.
         self._early: list[tuple[Any, Any, int] | None] = [None] * num_units
+        # The update in flight (or the last one) has written the unit's new compute copy in host memory
+        # (``finish_weights``): loads need not wait for the rest of it. Cleared by the next ``begin_update``.
+        self._weights_final = [False] * num_units
         # Final updates per unit (not ``version``, which a checkpoint load also moves): what ``peers`` compares. A
         # speculative update counts once judged right (it may still be taken back until then).
         self.updates = [0] * num_units
@@ -131,6 +137,7 @@ class StepState:
     def begin_update(self, i: int) -> None:
         self.phase[i] = Phase.UPDATING
         self._early[i] = None
+        self._weights_final[i] = False
         self._ready[i].clear()
         self._loadable[i].clear()
 
@@ -140,13 +147,22 @@ class StepState:
         self._early[i] = (copy, event, self.version[i] + 1)
         self._loadable[i].set()
 
+    def finish_weights(self, i: int) -> None:
+        """Unit ``i``'s update (final, not speculative) has written its new compute copy in host memory: its weights
+        may be loaded (the version moves now), while master, moments and gradient stay the updater's until
+        ``finish_update``."""
+        self.version[i] += 1
+        self._weights_final[i] = True
+        self._loadable[i].set()
+
     def early_copy(self, i: int) -> tuple[Any, Any, int] | None:
         """(copy, event, version) of unit ``i``'s published weights while they are its current or coming version,
         else None. Safe against the updater finishing concurrently: a torn read answers None."""
         e = self._early[i]
         if e is None:
             return None
-        return e if e[2] == self.version[i] + (1 if self.phase[i] is Phase.UPDATING else 0) else None
+        coming = self.phase[i] is Phase.UPDATING and not self._weights_final[i]
+        return e if e[2] == self.version[i] + (1 if coming else 0) else None
 
     def finish_update(self, i: int, changed: bool = True, keep_grad: bool = False) -> None:
         """Unit ``i``'s state is final for this step; ``changed``: its master moved (weights must be reloaded).
@@ -154,7 +170,7 @@ class StepState:
         self.phase[i] = Phase.LANDED if keep_grad else Phase.READY
         if not keep_grad:
             self.grad_sq[i] = None
-        if changed:
+        if changed and not self._weights_final[i]:  # (a split update moved it at finish_weights)
             self.version[i] += 1
         if keep_grad:
             self._unjudged[i] = self._unjudged[i] or changed
@@ -192,6 +208,12 @@ class StepState:
         self._ready[i].wait()
         self._raise()
 
+    def wait_state(self, i: int) -> None:
+        """Block while a split update of unit ``i`` (``finish_weights`` done) still owns its master, moments and
+        gradient: before anyone writes the gradient buffer its second pass reads."""
+        if self._weights_final[i]:
+            self.wait_ready(i)
+
     def wait_loadable(self, i: int) -> tuple[Any, Any, int] | None:
         """Block until unit ``i``'s weights may be loaded; returns its published GPU copy (``early_copy``) when
         that is what made it loadable, else None once it is ready."""
@@ -199,7 +221,7 @@ class StepState:
         self._loadable[i].wait()
         self._raise()
         early = self.early_copy(i)
-        if early is None:
+        if early is None and not self._weights_final[i]:
             self.wait_ready(i)
         if self.peers is not None:  # (a shared unit: the other ranks' shards of the same update)
             self.peers.wait(i, self.updates[i])

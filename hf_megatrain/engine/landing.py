@@ -87,6 +87,7 @@ class GradientLanding:
             return
         for u in [*self.executor.units, self.resident]:
             if u.grad is not None and not self.state.has_grad(u.index):  # (a lean unit has no buffer to zero)
+                self.state.wait_state(u.index)  # (a split update's second pass may still read it)
                 u.grad.zero_()
                 self.state.accumulate(u.index)
                 self.executor.grads.landed(u.index, None)

@@ -160,6 +160,9 @@ class GradientOffload:
         """``off`` -> the unit's host gradient from element ``at`` (a data-parallel shard; else all of it)."""
         ready = self.streams.record(self.streams.compute)
         self._drain(k)
+        # The last step's update may still own this unit's state and read its gradient buffer (the second pass of
+        # a split update, optim/split_update.py): it ends before the next gradient lands there.
+        self.state.wait_state(unit.index)
         first = self.state.accumulate(unit.index, sq)
         narrow = self._narrow_k[k]
         if narrow is not None:

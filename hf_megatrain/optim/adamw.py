@@ -9,7 +9,8 @@ splits them), so LR schedulers drive it unchanged. ``step()`` runs in named phas
     decide  clip factor (folded into the kernel as ``grad_scale``) or, on a non-finite norm, skip the step
     launch  each unit goes to the stepper of its plan's kind, chosen once (optim/steppers.py): HOST and DEVICE
             units on one worker (the fused kernel on the CPU or the GPU where the state lives), DEVICE_STREAMED
-            units on a second one (device_stepper.py); LEAN units were updated as they landed (optim/lean.py)
+            units on a second one (device_stepper.py); LEAN units were updated as they landed (optim/lean.py).
+            Host layer updates may run split, new weights first (``SplitPolicy``, optim/split_update.py)
 
 With ``overlap=True`` the workers run in background threads in the order the next forward consumes units (resident
 first, then layer 0, 1, ...); the executor waits, per layer, until the step state says that unit is ready. Every
@@ -55,6 +56,7 @@ from .gradient_path import GradientPath
 from .jobs import Jobs
 from .ranks import Alone, Ranks
 from .speculative_step import SpeculativeStep
+from .split_update import SplitPolicy
 from .step_counts import StepCounts
 from .steppers import KernelStepper, UnitStepper
 
@@ -134,8 +136,17 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
         self.host_update_params = 0
         self.host_update_bytes = 0  # host DRAM bytes those updates moved (kernels.host_bytes_per_param)
         self.last_grad_norm: float | None = None
+        self._split_steps: dict[int, list[tuple[int, kernels.Groups]]] = {}  # a split update's steps, for STATE
         # The launch's workers: the HOST and DEVICE units on one, the DEVICE_STREAMED ones on another (optim/jobs.py).
         self._workers = [Jobs("megatrain-adamw", overlap) for _ in range(1 + (self.device_stepper is not None))]
+        # Host layers whose launched update may run split (new weights first; optim/split_update.py), and the
+        # policy that decides per step from the measured host rate and step interval.
+        self._kernel = kernel
+        self.split_policy = SplitPolicy(modes.split if overlap or modes.split == "on" else "off")
+        self._splittable = frozenset(
+            u.index for u in store.units if modes.split != "off" and u.plan.streamed
+            and u.plan.stepper is Stepper.HOST and u.compute is not None and u.master.device.type == "cpu")
+        self.last_step_split = False
         self._init_speculation(modes, exact_take_back)  # (speculative_step.py: on or off, chosen there once)
 
     # -- phases ------------------------------------------------------------------------------------------------------
@@ -143,6 +154,7 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         loss = closure() if closure is not None else None
         self._join_before_step()
+        self.split_policy.observe(time.perf_counter(), self.host_update_bytes, self.host_update_seconds)
         self.grads.land()  # (may hand the last units to the speculative worker)
         # Every update but this step's speculative ones is finished; those may still run: the norm needs only their
         # landed gradients, which the updates leave untouched, and step() returns without waiting for them.
@@ -242,13 +254,18 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
             self.step_state.begin_update(i)
             taken = self.grad_reach.take(i) if self.grad_reach is not None else None
             self._reached[i] = self.ranks.reached(i, taken)
+        split = [i for i in workers[0] if i in self._splittable]
+        self.last_step_split = bool(split) and self.split_policy.decide(sum(
+            self.store.units[i].numel * self._split_bytes(self.store.units[i]) for i in split))
+        self._kernel.split = frozenset(split) if self.last_step_split else frozenset()
         jobs = [(w, ids) for w, ids in zip(self._workers, workers) if w is self._workers[0] or ids]
         for _, ids in jobs:  # (on the main thread: everything the backward queued comes before the streamed kernels)
             if ids:
                 self.steppers[self.store.units[ids[0]].plan.stepper].prepare()
 
-        def update(u: Unit, flats: list[torch.Tensor], refresh: bool) -> None:
-            self.update_(u, flats, hyper, grad_scale, refresh=refresh)
+        def update(u: Unit, flats: list[torch.Tensor], refresh: bool,
+                   part: kernels.UpdatePart = kernels.UpdatePart.WHOLE) -> None:
+            self.update_(u, flats, hyper, grad_scale, refresh=refresh, part=part)
 
         t0 = time.perf_counter()
         self._running_seconds = 0.0
@@ -277,20 +294,35 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
         return u.grad_as(self.step_state.narrow[u.index])
 
     def update_(self, unit: Unit, flats: list[torch.Tensor], hyper: list[kernels.Hyper], grad_scale: float | None,
-                refresh: bool = True) -> None:
-        """One AdamW update of ``unit`` on [master, grad, exp_avg, exp_avg_sq] (counted), with its compute copy."""
-        self.counts.add(unit.index)
+                refresh: bool = True, part: kernels.UpdatePart = kernels.UpdatePart.WHOLE) -> None:
+        """One AdamW update of ``unit`` on [master, grad, exp_avg, exp_avg_sq] (counted), with its compute copy;
+        or one half of a split update (``part``: WEIGHTS counts it, STATE completes it with the same steps)."""
         compute = unit.compute if refresh else None
         t0 = time.perf_counter()
         lo, hi = self.own(unit)
-        for step, groups in self.counts.by_step(unit.index, hyper, self._reached.pop(unit.index, None)):
-            kernels.adamw_(*flats, self.owned(unit, groups), step, grad_scale, compute, self.host_kernel)
+        if part is kernels.UpdatePart.STATE:
+            by_step = self._split_steps.pop(unit.index)
+        else:
+            self.counts.add(unit.index)
+            by_step = [(step, self.owned(unit, groups)) for step, groups
+                       in self.counts.by_step(unit.index, hyper, self._reached.pop(unit.index, None))]
+            if part is kernels.UpdatePart.WEIGHTS:
+                self._split_steps[unit.index] = by_step
+        for step, groups in by_step:
+            kernels.adamw_(*flats, groups, step, grad_scale, compute, self.host_kernel, part)
         if flats[0].device.type == "cpu":  # (GPU updates are asynchronous launches: not timed here)
             self.host_update_seconds += time.perf_counter() - t0
-            self.host_update_params += hi - lo
+            self.host_update_params += 0 if part is kernels.UpdatePart.STATE else hi - lo
             self.host_update_bytes += (hi - lo) * kernels.host_bytes_per_param(
                 self.host_kernel, grad_scale is not None, compute.element_size() if compute is not None else 0,
-                flats[1].element_size())
+                flats[1].element_size(), part)
+
+    def _split_bytes(self, u: Unit) -> int:
+        """Host DRAM bytes per parameter of ``u``'s update run split (both passes)."""
+        g = self.grad_of(u).element_size()
+        c = u.compute.element_size() if u.compute is not None else 0
+        return sum(kernels.host_bytes_per_param(self.host_kernel, True, c, g, part)
+                   for part in (kernels.UpdatePart.WEIGHTS, kernels.UpdatePart.STATE))
 
     def groups_of(self, unit: Unit, hyper: list[kernels.Hyper]) -> kernels.Groups:
         """``unit``'s spans per param group, with that group's hyper-parameters."""

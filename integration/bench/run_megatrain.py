@@ -142,6 +142,7 @@ def run_engine(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str,
         per_step.append({"optimizer_step_call_s": call_s,
                          "optimizer_norm_s": getattr(opt, "last_norm_seconds", None),
                          "optimizer_worker_s": getattr(opt, "last_step_seconds", None),
+                         "split_host_update": getattr(opt, "last_step_split", None),
                          "forward_wait_for_optimizer_s": (w1 - w0) if w0 is not None else None})
     opt.wait()
     out = {"mode": "engine", "setup_s": setup_s, "losses": losses,
@@ -242,6 +243,7 @@ def run_trainer(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str
             w1 = getattr(ex, "wait_optimizer_s", None)
             per_step.append({"optimizer_norm_s": getattr(opt, "last_norm_seconds", None),
                              "optimizer_worker_s": getattr(opt, "last_step_seconds", None),
+                             "split_host_update": getattr(opt, "last_step_split", None),
                              "forward_wait_for_optimizer_s": (w1 - state["w0"]) if w1 is not None
                              and state.get("w0") is not None else None})
 

@@ -36,9 +36,10 @@ def main() -> None:
         assert old in native_adamw._SOURCE, name  # (the kernel changed: update the variant)
         libs[name] = native_adamw.build(native_adamw._SOURCE.replace(old, new) if old else native_adamw._SOURCE)
 
-    def job(lib, threads: int, copy: bool):
+    def job(lib, threads: int, copy: bool, state: bool = True):
         return lambda: lib.adamw_span(p.data_ptr(), g.data_ptr(), 1, m.data_ptr(), v.data_ptr(),
-                                      out.data_ptr() if copy else None, n, c.data_ptr(), int(small), threads)
+                                      out.data_ptr() if copy else None, n, c.data_ptr(), int(small), threads,
+                                      int(state))
     res = {}
     for dirs in ((), ("d2h", "h2d")) if pin else ((),):
         with dma_running(n // 2, dirs):
@@ -49,6 +50,11 @@ def main() -> None:
                         key = f"{'+'.join(dirs) or 'alone'} {name} t{threads} {'copy' if copy else 'lean'}"
                         res[key] = n / sec / 1e9
                         print(f"{key:45s} {sec * 1e3:7.1f} ms {n / sec / 1e9:5.2f} G param/s", flush=True)
+            # The halves of a split update (kernels.UpdatePart): the new weights alone, then master and moments.
+            sec = timed(in_thread(job(libs["current"], 16, True, False)), 5)
+            key = f"{'+'.join(dirs) or 'alone'} current t16 weights-only"
+            res[key] = n / sec / 1e9
+            print(f"{key:45s} {sec * 1e3:7.1f} ms {n / sec / 1e9:5.2f} G param/s", flush=True)
     if len(sys.argv) > 2:
         Path(sys.argv[2]).write_text(json.dumps(res, indent=1))
 

@@ -420,6 +420,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--layout", choices=("padded", "packed"), default="padded",
                     help="finetune: pad each step's sequences to its longest, or pack them into rows of the "
                          "longest length with position_ids restarting per sequence (DataCollatorWithFlattening)")
+    ap.add_argument("--attn", default="sdpa", choices=("sdpa", "flex_attention", "eager"),
+                    help="the model's attn_implementation, for every system (packed rows: transformers builds a "
+                         "block-causal mask from the positions; flex_attention skips the blocks it masks out)")
     ap.add_argument("--tokens", default=None,
                     help="finetune: real tokens per optimizer step, comma list (default 32768; 512 with --tiny); "
                          "a multiple of the longest length (4096; 64 with --tiny) for --layout packed")
@@ -520,6 +523,8 @@ def main(argv: list[str] | None = None) -> int:
             "trace_dir": os.path.abspath(a.out) if a.keep_trace else None}
     if a.data == "finetune":
         base.update(data="finetune", layout=a.layout, max_len=seq)
+    if a.attn != "sdpa":  # (every system runs the same attention implementation)
+        base["attn"] = a.attn
     command = "python " + shlex.join([os.path.relpath(os.path.abspath(sys.argv[0]), ROOT)] + sys.argv[1:]) \
         if argv is None else "bench_vs_deepspeed.main(" + shlex.join(argv) + ")"
     started = time.strftime("%Y-%m-%d %H:%M:%S")
@@ -572,8 +577,8 @@ def main(argv: list[str] | None = None) -> int:
         record["env"] = env_note
         doc = merge_and_write(path_json, {
             "gpu": gpu_name, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "versions": versions(),
-            "spec": {k: base[k] for k in ("tiny", "layers", "seq", "peak_tflops", "max_grad_norm", "data", "layout")
-                     if k in base},
+            "spec": {k: base[k] for k in ("tiny", "layers", "seq", "peak_tflops", "max_grad_norm", "data", "layout",
+                                          "attn") if k in base},
             "run": {"command": command, "started": started, "systems": systems, "sizes": sizes},
             "records": {"new": record}}, fresh=a.fresh and not doc)
         if a.mirror:

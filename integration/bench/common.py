@@ -70,7 +70,7 @@ def model_config(spec: dict) -> Any:
 
     width = TINY_WIDTH if spec.get("tiny") else FULL_WIDTH
     return Qwen2Config(**width, num_hidden_layers=int(spec["layers"]), tie_word_embeddings=False,
-                       attn_implementation="sdpa", use_cache=False)
+                       attn_implementation=spec.get("attn") or "sdpa", use_cache=False)
 
 
 def _init_value(name: str, shape: torch.Size, dtype: torch.dtype, gen_device: torch.device,

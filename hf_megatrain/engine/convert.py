@@ -141,7 +141,7 @@ def convert(model: nn.Module, config: MegaTrainConfig, device: torch.device, dec
     for i, layer in enumerate(originals):
         unit = store.units[i]
         if kinds[i] not in templates:
-            templates[kinds[i]] = LayerTemplate(layer, unit.params, unit.frozen_params, compile=config.torch_compile,
+            templates[kinds[i]] = LayerTemplate(layer, unit.params, unit.frozen_params, compile=config.compiles(device.type),
                                                 seq_chunk_tokens=chunk)
         own = (p for p in layer.parameters() if id(p) not in shared_ids)  # (shared: resident, maybe real already)
         if not next(own, torch.empty(0, device="meta")).is_meta:

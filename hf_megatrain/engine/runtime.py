@@ -318,7 +318,7 @@ class MegaTrainEngine:
         if labels is not None:
             loss = extras.loss(hidden, head, move(labels), chunk_tokens=self.config.loss_chunk_tokens,
                                num_items_in_batch=num_items_in_batch, router_logits=router_logits,
-                               attention_mask=attention_mask, compiled=self.config.torch_compile, stats=stats)
+                               attention_mask=attention_mask, compiled=self.config.compiles(self.device.type), stats=stats)
             if added is not None:  # what a multimodal forward adds to its loss (its MoE aux loss), else 0
                 loss = loss + added.to(loss.device)
         logits = extras.logits(hidden, head) if return_logits else None

@@ -48,7 +48,7 @@ def run_summary(engine: Any, *, config_source: str | None = None) -> dict[str, A
         "host_bytes_per_trainable_parameter": round(host / trainable, 2) if trainable else 0.0,
         "loss_impl": engine.head_extras.loss_impl.value,
         "loss_impl_reason": getattr(engine.head_extras, "loss_impl_reason", ""),
-        "torch_compile": config.torch_compile,
+        "torch_compile": config.compiles(engine.device.type),
         "micro_batch_size": config.micro_batch_size,
         "config_explicit_keys": sorted(config.explicit_keys),
         "config_source": config_source or "given to the engine",

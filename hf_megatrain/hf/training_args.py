@@ -105,7 +105,8 @@ class MegaTrainTrainingArguments(TrainingArguments):
                 raise ValueError("TrainingArguments torch_compile / torch_compile_backend / torch_compile_mode are "
                                  "not used with megatrain=True. Set the megatrain_config key instead: "
                                  "megatrain_config={..., 'torch_compile': True} (compiles each layer template and "
-                                 "the loss chunk), and remove the TrainingArguments flag.")
+                                 "the loss chunk; the default 'auto' already does on a GPU), and remove the "
+                                 "TrainingArguments flag.")
         super().__post_init__()
         if self.megatrain:
             # validate now: unknown keys / bad dtypes fail at argument time

@@ -396,7 +396,8 @@ def estimate(shape: ModelShape, config: MegaTrainConfig, seq_len: int, batch_siz
         if not n_off:  # (calibrated as before: the whole-model layout of the unchanged default)
             layer_acts["final norm + loss input/grad"] = final
         loss_chunk = min(config.loss_chunk_tokens, tokens)
-        fused = config.torch_compile or config.loss_impl in ("liger", "cce")  # ('auto' may still pick the eager one)
+        # ('auto' may still pick the eager loss)
+        fused = config.compiles(device_type) or config.loss_impl in ("liger", "cce")
         blocks = FUSED_LOSS_CHUNK_FACTOR if fused else LOSS_CHUNK_FACTOR
         attention = {"attention backward workspace (flash dq fp32)": attention_workspace_bytes(
             shape, chunk_seqs * seq_len)} if cuda else {}

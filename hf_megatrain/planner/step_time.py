@@ -97,6 +97,9 @@ class LayerCost:
     host_update: float  # host AdamW (0: updated on the GPU)
     gpu_update: float = 0.0  # GPU AdamW (kept / GPU-stepped layers)
     speculative: bool = False  # its update may start as its gradient lands
+    # The halves of its host update run split (optim/split_update.py; 0: it cannot be): new weights, then state.
+    split_weights: float = 0.0
+    split_state: float = 0.0
 
 
 @dataclass
@@ -130,7 +133,7 @@ def layer_costs(shape: ModelShape, config: MegaTrainConfig, plans: Plans, seq_le
     total = sum(shape.layer_numels) + sum(shape.layer_frozen)
     active = 1.0 - shape.routed_inactive / total if total else 1.0  # (MoE: a token runs top_k of the experts)
     A = 2.0 * shape.q_dim * seq_len * tokens  # causal attention FLOPs of one forward
-    elem = _elementwise_bytes(shape, config.torch_compile, c) * tokens
+    elem = _elementwise_bytes(shape, config.compiles("cuda"), c) * tokens
     o = _elt(config.torch_grad_offload_dtype)
     modes = decide_modes(config, plans, "cuda", data_parallel=False, probe=False)  # (the engine's own decision)
     kernel = modes.host_kernel
@@ -144,10 +147,13 @@ def layer_costs(shape: ModelShape, config: MegaTrainConfig, plans: Plans, seq_le
         bwd = (2 * (n + fz) + 2 * (n + fz) + 2 * n) * tokens / gemm + 3 * A / attn + 3 * elem / hbm
         kept = up.master is Where.DEVICE
         weights = 0 if kept else (c if up.compute is Where.HOST or c == 4 else 4) * up.numel + c * up.frozen_numel
-        host_s = gpu_s = 0.0
+        host_s = gpu_s = split_w = split_s = 0.0
         if up.stepper in (Stepper.HOST, Stepper.LEAN) and up.numel:
             copy = c if (up.compute is Where.HOST and c < 4) else 0
             host_s = up.numel * kernels.host_bytes_per_param(kernel, clipping, copy, g) / host
+            if up.stepper is Stepper.HOST and copy and modes.split != "off":
+                split_w, split_s = (up.numel * kernels.host_bytes_per_param(kernel, clipping, copy, g, part) / host
+                                    for part in (kernels.UpdatePart.WEIGHTS, kernels.UpdatePart.STATE))
         elif up.numel:
             gpu_s = up.numel * _GPU_ADAMW_BYTES / hbm
         state = 12 * up.numel if up.stepper is Stepper.DEVICE_STREAMED else 0  # master + moments in and out
@@ -156,7 +162,7 @@ def layer_costs(shape: ModelShape, config: MegaTrainConfig, plans: Plans, seq_le
             up.stepper is Stepper.HOST and modes.speculate and config.overlap_optimizer and not clipping)
         out.append(LayerCost(fwd, bwd, (weights + state) / h2d,
                              (0 if up.grad is Where.DEVICE or kept else g * up.numel + state) / d2h,
-                             host_s, gpu_s, speculative))
+                             host_s, gpu_s, speculative, split_w, split_s))
     return out
 
 
@@ -167,12 +173,17 @@ def _plane_used(modes: StepModes, narrow: bool, up: UnitPlan) -> bool:
 
 
 def simulate(layers: list[LayerCost], head_s: float, gpu_step_s: float, *, num_slots: int = 2, passes: int = 1,
-             overlap: bool = True, overhead_s: float = 0.04, steps: int = 4) -> tuple[float, float]:
+             overlap: bool = True, overhead_s: float = 0.04, steps: int = 4, split: str = "off",
+             split_slack: float = 0.75) -> tuple[float, float]:
     """(step seconds, the forward's wait for host updates per step) in steady state: ``steps`` steps of the engine's
     overlap, timed between the last two starts of layer 0's forward. Resources: the GPU's compute stream, the H2D
-    and D2H copy engines, one host AdamW worker; the Python thread blocks where the engine waits for an update."""
+    and D2H copy engines, one host AdamW worker; the Python thread blocks where the engine waits for an update.
+    ``split``: the optimizer's ``SplitPolicy`` mode: launched updates of splittable layers run as their weights half
+    (the forward waits for it) and, after all of those, their state halves in reverse order (a layer's next gradient
+    lands after its state half), when their work fits ``split_slack`` of the last step's interval."""
     L = len(layers)
-    done = [0.0] * L  # when each layer's last update finished
+    done = [0.0] * L  # when each layer's last update finished (a split one: its weights half)
+    state_done = [0.0] * L  # when a split update's state half finished
     ver = [0] * L
     held: list[tuple[int, int] | None] = [None] * num_slots
     ready, free, tick = [0.0] * num_slots, [0.0] * num_slots, [0] * num_slots
@@ -215,13 +226,19 @@ def simulate(layers: list[LayerCost], head_s: float, gpu_step_s: float, *, num_s
             for i in reversed(range(L)):
                 s = acquire(i, -1)
                 gpu = free[s] = max(gpu, ready[s], py) + layers[i].backward
-                d2h = land[i] = max(d2h, gpu) + layers[i].d2h
+                py = max(py, state_done[i])  # (the gradient path waits for a split update's state half)
+                d2h = land[i] = max(d2h, gpu, py) + layers[i].d2h
             py = max(py, land[0])
             if passes > 1 and p < passes - 1:
                 continue  # (norm-first: this pass only measures the gradients)
             py += overhead_s  # the training loop reaches optimizer.step()
             gpu = max(gpu, py) + gpu_step_s + sum(c.gpu_update for c in layers)
             todo = {i for i in range(L) if layers[i].host_update}
+            halves = [i for i in sorted(todo) if layers[i].split_weights and not layers[i].speculative]
+            work = sum(layers[i].split_weights + layers[i].split_state for i in halves)
+            interval = starts[-1] - starts[-2] if len(starts) > 1 else None
+            if not (split == "on" or split == "auto" and interval is not None and work <= split_slack * interval):
+                halves = []
             t = cpu
             while todo:  # one worker; a speculative update as its gradient lands (smallest landed index first)
                 avail = [i for i in todo if layers[i].speculative and land[i] <= t] or \
@@ -232,7 +249,9 @@ def simulate(layers: list[LayerCost], head_s: float, gpu_step_s: float, *, num_s
                     continue
                 i = min(avail)
                 todo.discard(i)
-                t = done[i] = t + layers[i].host_update
+                t = done[i] = t + (layers[i].split_weights if i in halves else layers[i].host_update)
+            for i in reversed(halves):
+                t = state_done[i] = t + layers[i].split_state
             cpu = t
             for i in range(L):
                 ver[i] += 1
@@ -246,7 +265,7 @@ def head_seconds(shape: ModelShape, config: MegaTrainConfig, tokens: int, machin
     """lm_head forward + gradients and the chunked loss's traffic, on the GPU."""
     m = machine
     matmul = 6.0 * shape.hidden * shape.vocab * tokens / (m.tflops * m.gemm_efficiency * 1e12)
-    fused = config.torch_compile or config.loss_impl in ("liger", "cce")
+    fused = config.compiles("cuda") or config.loss_impl in ("liger", "cce")
     return matmul + _LOSS_BYTES[fused] * tokens * shape.vocab / (m.hbm_gbps * 1e9)
 
 
@@ -269,8 +288,11 @@ def predict_step(shape: ModelShape, config: MegaTrainConfig, plans: Plans, seq_l
     if res.master is not Where.DEVICE and res.numel:  # resident state on the host: updated first, on the CPU
         head += res.numel * (2 * 2 + 4) / (m.pcie_h2d_gbps * 1e9)
         layers[0].host_update += res.numel * 28 / (m.host_adamw_gbps * 1e9)
+        if layers[0].split_weights:  # (the resident unit is updated whole, before layer 0's weights half)
+            layers[0].split_weights += res.numel * 28 / (m.host_adamw_gbps * 1e9)
     step, wait = simulate(layers, head, res_gpu, num_slots=config.num_slots, passes=passes,
-                          overlap=config.overlap_optimizer, overhead_s=m.step_overhead_s)
+                          overlap=config.overlap_optimizer, overhead_s=m.step_overhead_s,
+                          split=decide_modes(config, plans, "cuda", data_parallel=False, probe=False).split)
     if grad_accum > 1:  # the earlier micro-steps: forward + backward and their transfers, no update
         step += (grad_accum - 1) * (sum(max(c.forward, c.load) + max(c.backward, c.load, c.d2h) for c in layers)
                                     + head)

@@ -36,6 +36,8 @@ WIDTHS = {
 }
 STREAMED = dict(device_layers=0, device_step_layers=0)  # --regime streamed
 COMPILE = dict(torch_compile=True)
+SPLIT = dict(split_host_update="auto")  # (the default since session 16: host updates after the norm may split)
+H200 = "bench_vs_deepspeed/2026-11-26_50ce58b_"
 EAGER = dict(torch_compile=False)  # (the default until session 16; "auto" now compiles on a GPU)
 
 
@@ -126,6 +128,25 @@ CASES = [
        functools.partial(step, "14B", 8, GPU_STEPPED(k) | COMPILE, 2048, 16, True),
        functools.partial(measured, f"bench_vs_deepspeed/2026-11-26_7d56ef7_bench_clip1_32k_gpu_step_k{k}_held_copies_h100"
                          ".json", "records", "megatrain:auto@16", "step_time_s")) for k in (0, 2, 3, 4)],
+    # Session 16, an H200 machine (the profile's H100 rates: same tensor cores, the host AdamW measured 134-140 GB/s)
+    ("14B x8 streamed, 32k tokens, compile, clipping every step, whole updates (H200, session 16)",
+     lambda: step("14B", 8, STREAMED | COMPILE, 2048, 16, True),
+     lambda: measured(f"{H200}clip1_32k_split_off_h200.json", "records", "megatrain:streamed@16", "step_time_s")),
+    *[(f"14B x8 streamed, 32k tokens, compile, clipping every step, split host updates (H200, session 16, {run})",
+       functools.partial(step, "14B", 8, STREAMED | COMPILE | SPLIT, 2048, 16, True),
+       functools.partial(measured, f"{H200}clip1_32k_split_auto{run}_h200.json", "records", "megatrain:streamed@16",
+                         "step_time_s")) for run in ("", "_rerun")],
+    ("14B x8 streamed, 8k tokens, compile, clipping every step, split auto: declined (H200, session 16)",
+     lambda: step("14B", 8, STREAMED | COMPILE | SPLIT, 2048, 4, True),
+     lambda: measured(f"{H200}clip1_8k_split_auto_h200.json", "records", "megatrain:streamed@4", "step_time_s")),
+    ("14B x8, 32k tokens, compile, clipping every step, split + 2 GPU-stepped layers with host state (H200, session 16)",
+     lambda: step("14B", 8, GPU_STEPPED(2) | COMPILE | SPLIT, 2048, 16, True),
+     lambda: measured(f"{H200}clip1_32k_split_auto_gpu_step_k2_h200.json", "records", "megatrain:auto@16",
+                      "step_time_s")),
+    ("14B x8 fine-tune packed 8 x 4096, config defaults, flex_attention, clip 1.0 (H200, session 16)",
+     lambda: step("14B", 8, STREAMED | SPLIT | dict(torch_compile="auto"), 4096, 8, True),
+     lambda: measured("bench_vs_deepspeed/2026-11-26_976f21a_finetune_packed_flex_defaults_h200.json", "records",
+                      "megatrain:streamed@32768", "step_time_s")),
     ("7B x8 kept on the GPU, one 262,144-token sequence, inputs offloaded (the attention rate's calibration run)",
      lambda: step("7B", 8, dict(activation_offload="on"), 262144, 1, False),
      lambda: measured("long_context/2026-11-23_6c2de76_long_context_h100_8layers_262k.json", "runs", "0", "step_time_s")),
@@ -155,6 +176,13 @@ CASES = [
 
 # Measured runs the model does not predict within 15 %, and why.
 OUTSIDE = [
+    ("14B x8 fine-tune packed 8 x 4096, config defaults, SDPA, clip 1.0 (H200, session 16)",
+     lambda: step("14B", 8, STREAMED | SPLIT | dict(torch_compile="auto"), 4096, 8, True),
+     lambda: measured("bench_vs_deepspeed/2026-11-26_976f21a_finetune_packed_defaults_ds_h200.json", "records",
+                      "megatrain:streamed@32768", "step_time_s"),
+     "the model prices causal attention over each 4,096-token row; SDPA gets transformers' dense block-causal mask "
+     "and computes every block: 30.7 ms per layer forward + backward against 9.6 causal "
+     "(packed_attention/2026-11-26_ba4af5d_packed_attention_h200.json). The same run with flex_attention is in CASES"),
     ("14B x8 streamed, 8k tokens, compile, no clip (issue 31 headline: 0.760 s)",
      lambda: step("14B", 8, STREAMED | COMPILE, 2048, 4, False), lambda: issue31(0.760),
      "host-bound (the host AdamW is busy ~80 % of the step): the same config measured 0.567 / 0.661 / 0.760 s on "

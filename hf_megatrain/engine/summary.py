@@ -75,7 +75,8 @@ def format_summary(summary: dict[str, Any]) -> str:
     ]
     if "host_kernel" in s:
         lines.append(f"  optimizer: host AdamW kernel {s['host_kernel']}, speculative_step={s['speculative_step']}, "
-                     f"narrow_grads={s['narrow_grads']}, max_grad_norm={s['max_grad_norm']}")
+                     f"narrow_grads={s['narrow_grads']}, split_host_update={s['split_host_update']}, "
+                     f"max_grad_norm={s['max_grad_norm']}")
     keys = ", ".join(s["config_explicit_keys"]) or "none (all defaults)"
     lines.append(f"  config: from {s['config_source']}; keys set: {keys}")
     return "\n".join(lines)

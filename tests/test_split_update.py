@@ -56,17 +56,28 @@ def test_halves_need_the_native_kernel_and_the_right_copy():
 
 def test_policy_splits_only_where_the_host_has_time():
     p = SplitPolicy()
-    assert not p.decide(10**9)  # nothing measured yet
-    p.observe(0.0, 0, 0.0)
-    p.observe(1.5, 14 * 10**9, 0.1)  # a 1.5 s step; its updates moved 14 GB in 0.1 s (140 GB/s)
-    assert p.rate == pytest.approx(140e9) and p.interval == pytest.approx(1.5)
-    assert p.decide(int(140e9 * 1.1))  # 1.1 s of split work <= 0.75 x 1.5 s
-    assert not p.decide(int(140e9 * 1.2))
+    assert not p.decide(10**9, False)  # nothing measured yet
+    p.observe(0.0, 0, 0.0, False)
+    p.observe(1.5, 14 * 10**9, 0.1, False)  # a 1.5 s step on whole updates; they moved 14 GB in 0.1 s (140 GB/s)
+    assert p.rate == pytest.approx(140e9) and p.whole_interval == pytest.approx(1.5)
+    assert not p.decide(int(140e9 * 1.4), False)  # 1.4 s of split work > 0.9 x 1.5 s
+    assert p.decide(int(140e9 * 1.3), False)
     assert "140 GB/s" in p.describe()
-    assert SplitPolicy("on").decide(1) and not SplitPolicy("off").decide(10)
-    assert not SplitPolicy("on").decide(0)  # (nothing to split)
+    p.observe(2.8, 28 * 10**9, 0.2, True)  # the split step took 1.3 s: faster than the whole one, keep splitting
+    assert p.split_interval == pytest.approx(1.3) and p.decide(int(140e9 * 1.3), True)
+    p.observe(4.4, 42 * 10**9, 0.3, True)  # 1.6 s: slower than the whole step -> whole again (re-measures it)
+    assert not p.decide(int(140e9 * 1.3), True)
+    assert SplitPolicy("on").decide(1, False) and not SplitPolicy("off").decide(10, False)
+    assert not SplitPolicy("on").decide(0, False)  # (nothing to split)
     with pytest.raises(ValueError, match="split_host_update"):
         SplitPolicy("sometimes")
+
+
+def test_policy_re_measures_the_whole_step_now_and_then():
+    p = SplitPolicy(refresh=3)
+    p.observe(0.0, 0, 0.0, False)
+    p.observe(1.0, 10**9, 0.01, False)
+    assert [p.decide(10**6, True) for _ in range(5)] == [True, True, True, False, True]
 
 
 def test_a_split_unit_is_loadable_before_it_is_ready():
@@ -150,3 +161,42 @@ def test_split_needs_what_it_says():
     with pytest.raises(ValueError, match="split_host_update='on' needs host_kernel 'native'"):
         MegaTrainEngine(tiny("llama", num_hidden_layers=2),
                         MegaTrainConfig(compute_dtype="bfloat16", host_kernel="fused", split_host_update="on"))
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_lean_plane_updates_split_bitwise(overlap):
+    """Lean store + compute copy + bf16 gradient plane (16 B/param), clipping on every step: the updates from the
+    plane run split (weights first, state after) and give the same losses, masters and moments, bit for bit.
+    (Overlapped: the next forward loads a layer between its two passes, the next backward's landing on the plane
+    waits for the second.)"""
+    model = tiny("llama", num_hidden_layers=3)
+    out = {}
+    for split in ("off", "on"):
+        cfg = MegaTrainConfig(compute_dtype="bfloat16", lean_store=True, lean_compute_copy=True,
+                              lean_grad_plane="on", host_kernel="native", overlap_optimizer=overlap,
+                              resident_placement="host", split_host_update=split)
+        e = MegaTrainEngine(copy.deepcopy(model), cfg, device="cpu")
+        opt = e.create_optimizer(lr=1e-3, weight_decay=0.1, max_grad_norm=0.05)
+        losses, n_split = [], 0
+        for micro in random_batches(4, 1, 4, 12, 96, seed=5):
+            ids, lab = micro[0]
+            loss = e(input_ids=ids, labels=lab).loss
+            loss.backward()
+            opt.step()
+            n_split += opt.last_step_split
+            opt.zero_grad()
+            losses.append(loss.detach())
+        state = {k: v.clone() for k, v in opt.state_tensors().items()}
+        out[split] = (torch.stack(losses), {n: e.store.master_tensor(n).clone() for n in e.store.names()}, state,
+                      n_split, opt.regenerated_steps)
+    (l0, w0, s0, n0, r0), (l1, w1, s1, n1, r1) = out["off"], out["on"]
+    assert n0 == 0 and n1 >= 3 and r0 == r1 == 0  # (norm first from the plane: no re-run)
+    if not overlap:  # (overlapped, the CPU's forward GEMMs share threads with the update: their blocking may differ)
+        assert torch.equal(l1, l0)
+        for n in w0:
+            assert torch.equal(_bits(w1[n]), _bits(w0[n])), n
+        for k in s0:
+            assert torch.equal(s1[k], s0[k]), k
+    else:
+        for n in w0:
+            assert rel(w1[n], w0[n]) < 1e-2, n

@@ -291,6 +291,13 @@ def host_layer_plan(lean: bool, lean_copy: bool, compute_dtype: torch.dtype) -> 
     return UnitPlan(0, True, 1, 0, Where.HOST, grad, Where.HOST, copy, stepper)
 
 
+# A split host update moves ~1.5x the bytes of a whole one (optim/split_update.py) and shortens the forward's wait by
+# ~0.43x of them: it wins while the split work fits the step (host-bound, split the step is that work; whole, the
+# step is the whole update plus the backward). Split when it fits this share of the last step: a 10 % margin, so a
+# host-bound step stops splitting instead of staying at the break-even.
+SPLIT_SLACK = 0.9
+
+
 @dataclass(frozen=True)
 class StepModes:
     """How the step runs, decided once per engine (``decide_modes``) and handed to whoever carries it out.

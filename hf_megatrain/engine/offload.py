@@ -187,6 +187,7 @@ class GradientOffload:
         sq = self._sq(off, True)  # (a lean unit's every gradient is a whole step's, a re-run's included)
         ready = self.streams.record(self.streams.compute)
         self._drain(k)  # slab k released by the consumer (it may still be reading the gradient of two layers up)
+        self.state.wait_state(unit.index)  # (the last step's split update may still read its plane slice)
         narrow = self._narrow_k[k]
         if self.sink is None:
             raise RuntimeError("hf_megatrain: lean_store needs the optimizer before the first backward "

@@ -145,8 +145,10 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
         self.split_policy = SplitPolicy(modes.split if overlap or modes.split == "on" else "off")
         self._splittable = frozenset(
             u.index for u in store.units if modes.split != "off" and u.plan.streamed
-            and u.plan.stepper is Stepper.HOST and u.compute is not None and u.master.device.type == "cpu")
+            and u.plan.stepper in (Stepper.HOST, Stepper.LEAN) and u.compute is not None
+            and u.master.device.type == "cpu")  # (a LEAN one: updated from its gradient plane, optim/lean.py)
         self.last_step_split = False
+        self._split_before = False  # (whether the updates the current interval waits on ran split)
         self._init_speculation(modes, exact_take_back)  # (speculative_step.py: on or off, chosen there once)
 
     # -- phases ------------------------------------------------------------------------------------------------------
@@ -154,7 +156,10 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         loss = closure() if closure is not None else None
         self._join_before_step()
-        self.split_policy.observe(time.perf_counter(), self.host_update_bytes, self.host_update_seconds)
+        self.split_policy.observe(time.perf_counter(), self.host_update_bytes, self.host_update_seconds,
+                                  self.last_step_split)
+        # (this step's launch, or a lean replay, sets it again)
+        self._split_before, self.last_step_split = self.last_step_split, False
         self.grads.land()  # (may hand the last units to the speculative worker)
         # Every update but this step's speculative ones is finished; those may still run: the norm needs only their
         # landed gradients, which the updates leave untouched, and step() returns without waiting for them.
@@ -255,9 +260,11 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
             taken = self.grad_reach.take(i) if self.grad_reach is not None else None
             self._reached[i] = self.ranks.reached(i, taken)
         split = [i for i in workers[0] if i in self._splittable]
-        self.last_step_split = bool(split) and self.split_policy.decide(sum(
-            self.store.units[i].numel * self._split_bytes(self.store.units[i]) for i in split))
-        self._kernel.split = frozenset(split) if self.last_step_split else frozenset()
+        halves = bool(split) and self.split_policy.decide(sum(
+            self.store.units[i].numel * self._split_bytes(self.store.units[i], self.grad_of(self.store.units[i])
+                                                          .element_size()) for i in split), self._split_before)
+        self.last_step_split = self.last_step_split or halves
+        self._kernel.split = frozenset(split) if halves else frozenset()
         jobs = [(w, ids) for w, ids in zip(self._workers, workers) if w is self._workers[0] or ids]
         for _, ids in jobs:  # (on the main thread: everything the backward queued comes before the streamed kernels)
             if ids:
@@ -317,9 +324,8 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
                 self.host_kernel, grad_scale is not None, compute.element_size() if compute is not None else 0,
                 flats[1].element_size(), part)
 
-    def _split_bytes(self, u: Unit) -> int:
-        """Host DRAM bytes per parameter of ``u``'s update run split (both passes)."""
-        g = self.grad_of(u).element_size()
+    def _split_bytes(self, u: Unit, g: int) -> int:
+        """Host DRAM bytes per parameter of ``u``'s update run split (both passes), its gradient ``g`` bytes wide."""
         c = u.compute.element_size() if u.compute is not None else 0
         return sum(kernels.host_bytes_per_param(self.host_kernel, True, c, g, part)
                    for part in (kernels.UpdatePart.WEIGHTS, kernels.UpdatePart.STATE))

@@ -282,17 +282,34 @@ class LeanAdamW(UnitAdamW):
                     todo.append(i)
         finally:
             self.policy.rerun = None
+        # Split where the host has time to spare (optim/split_update.py): new weights first, in this order, then
+        # master and moments in the backward's order; the next landing on the plane waits for a layer's second pass.
+        split = [i for i in todo if i in self._splittable]
+        self.last_step_split = bool(split) and self.split_policy.decide(sum(
+            self.store.units[i].numel * self._split_bytes(self.store.units[i], self.plane.of(i).element_size())
+            for i in split), self._split_before)
+        halves = split if self.last_step_split else []
         for i in todo:
             self.step_state.begin_update(i)
-            self._jobs.submit(partial(self._update_from_plane, i, hyper, grad_scale))
+            part = kernels.UpdatePart.WEIGHTS if i in halves else kernels.UpdatePart.WHOLE
+            self._jobs.submit(partial(self._update_from_plane, i, hyper, grad_scale, part))
+        for i in reversed(halves):
+            self._jobs.submit(partial(self._update_from_plane, i, hyper, grad_scale, kernels.UpdatePart.STATE))
 
-    def _update_from_plane(self, i: int, hyper: list[kernels.Hyper], grad_scale: float | None) -> None:
+    def _update_from_plane(self, i: int, hyper: list[kernels.Hyper], grad_scale: float | None,
+                           part: kernels.UpdatePart = kernels.UpdatePart.WHOLE) -> None:
+        weights_out = False
         try:
             u = self.store.units[i]
             with torch.no_grad(), torch.profiler.record_function("megatrain.optimizer.lean_unit"):
-                self.update_(u, [u.master, self.plane.of(i), u.exp_avg, u.exp_avg_sq], hyper, grad_scale)
+                self.update_(u, [u.master, self.plane.of(i), u.exp_avg, u.exp_avg_sq], hyper, grad_scale,
+                             refresh=part is not kernels.UpdatePart.STATE, part=part)
+            weights_out = part is kernels.UpdatePart.WEIGHTS
         finally:
-            self.step_state.finish_update(i, True)
+            if weights_out:
+                self.step_state.finish_weights(i)
+            else:  # (a failed weights half too: waiters are released, the failure surfaces at the next join)
+                self.step_state.finish_update(i, True)
 
     def _end(self, clipped: bool | None) -> None:
         if self.plane is not None:

@@ -16,53 +16,73 @@ before landing the next gradient into the buffer the pass reads (engine/offload.
 first, hence the reverse order), and readers of the state (checkpoints, exports, the next step) wait for ready as
 for any update.
 
-A split moves more bytes in all (46 instead of 30 per parameter), so it pays only where the host has time to spare
-beside the GPU: ``SplitPolicy`` splits a step's updates when their split work, at the host rate measured over the
-last step, fits in ``slack`` of the last step's interval (the first step that launches updates runs them whole).
-Measured on the H100 host: integration/PERF.md, lever 46.
+A split moves more bytes in all (42-46 instead of 28-30 per parameter), so it pays only while the host has time for
+them: whole, a step that waits on its updates takes about the whole update W plus the backward B; split, the forward
+waits ~0.57 W and the step takes max(0.57 W + B, 1.5 W): better while 1.5 W < W + B. ``SplitPolicy`` splits a step's
+updates when their split work, at the host rate measured over the last step, fits ``slack`` (core/plan.py
+``SPLIT_SLACK``, 0.9) of the last step's interval; the first step that launches updates runs them whole. The
+step-time model (planner/step_time.py) plays the same rule. Measured: integration/PERF.md, lever 46.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..core.plan import SPLIT_SLACK
+
 
 @dataclass
 class SplitPolicy:
-    """Whether a step's host layer updates run split. ``mode``: "auto" (by the measured rule above), "on", "off".
-    Pure bookkeeping over numbers the optimizer hands it (tested with made-up times)."""
+    """Whether a step's host layer updates run split. ``mode``: "auto" (the rule below), "on", "off". Pure bookkeeping
+    over numbers the optimizer hands it (tested with made-up times).
+
+    "auto" compares against the interval of the last step whose updates ran *whole* (the W + B above): split when the
+    split work at the measured host rate fits ``slack`` of it; back to whole when a split step took longer than that
+    whole one, and for one step after ``refresh`` split ones in a row (the whole interval is re-measured: sequence
+    lengths and the machine's rates move)."""
 
     mode: str = "auto"
-    slack: float = 0.75  # share of the step interval the split host work may fill
+    slack: float = SPLIT_SLACK
+    refresh: int = 50
     rate: float | None = None  # host DRAM bytes per second of the updates of the last step (None: none measured)
-    interval: float | None = None  # seconds between the last two step() calls
+    whole_interval: float | None = None  # seconds of the last step that waited on whole updates
+    split_interval: float | None = None  # ... on split ones
+    _split_run = 0  # split steps since the last whole one
     _last: tuple[float, int, float] | None = None  # (time, host bytes, host seconds) at the last observe()
 
     def __post_init__(self) -> None:
         if self.mode not in ("auto", "on", "off"):
             raise ValueError(f"split_host_update={self.mode!r}: use 'auto', 'on' or 'off'")
 
-    def observe(self, now: float, host_bytes: int, host_seconds: float) -> None:
+    def observe(self, now: float, host_bytes: int, host_seconds: float, split: bool) -> None:
         """At each step(), once the last step's updates are finished: the optimizer's running totals of host update
-        bytes and seconds, and the time."""
+        bytes and seconds, the time, and whether the updates the ending interval waited on ran split."""
         if self._last is not None:
             t, b, s = self._last
-            self.interval = now - t
+            if split:
+                self.split_interval = now - t
+            else:
+                self.whole_interval = now - t
             if host_seconds > s and host_bytes > b:
                 self.rate = (host_bytes - b) / (host_seconds - s)
         self._last = (now, host_bytes, host_seconds)
 
-    def decide(self, split_bytes: int) -> bool:
-        """Split this step's updates, which would move ``split_bytes`` of host DRAM split?"""
+    def decide(self, split_bytes: int, last_split: bool) -> bool:
+        """Split this step's updates, which would move ``split_bytes`` of host DRAM split? ``last_split``: the
+        updates the last interval waited on ran split."""
         if self.mode != "auto" or split_bytes <= 0:
             return self.mode == "on" and split_bytes > 0
-        if self.rate is None or self.interval is None:
-            return False
-        return split_bytes / self.rate <= self.slack * self.interval
+        split = (self.rate is not None and self.whole_interval is not None and self._split_run < self.refresh
+                 and not (last_split and self.split_interval is not None
+                          and self.split_interval > self.whole_interval)
+                 and split_bytes / self.rate <= self.slack * self.whole_interval)
+        self._split_run = self._split_run + 1 if split else 0
+        return split
 
     def describe(self) -> str:
         if self.mode != "auto":
             return self.mode
-        if self.rate is None or self.interval is None:
+        if self.rate is None or self.whole_interval is None:
             return "auto (not measured yet)"
-        return f"auto (host {self.rate / 1e9:.0f} GB/s, step {self.interval:.3f} s, slack {self.slack:.0%})"
+        return (f"auto (host {self.rate / 1e9:.0f} GB/s, whole step {self.whole_interval:.3f} s, slack "
+                f"{self.slack:.0%})")

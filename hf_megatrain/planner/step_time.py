@@ -36,7 +36,7 @@ import torch
 
 from ..config import MegaTrainConfig
 from ..core import kernels
-from ..core.plan import Plans, StepModes, Stepper, UnitPlan, Where, decide_modes
+from ..core.plan import SPLIT_SLACK, Plans, StepModes, Stepper, UnitPlan, Where, decide_modes
 
 if TYPE_CHECKING:
     from .predict import ModelShape
@@ -151,7 +151,8 @@ def layer_costs(shape: ModelShape, config: MegaTrainConfig, plans: Plans, seq_le
         if up.stepper in (Stepper.HOST, Stepper.LEAN) and up.numel:
             copy = c if (up.compute is Where.HOST and c < 4) else 0
             host_s = up.numel * kernels.host_bytes_per_param(kernel, clipping, copy, g) / host
-            if up.stepper is Stepper.HOST and copy and modes.split != "off":
+            from_plane = up.stepper is Stepper.LEAN and clipping and _plane_used(modes, narrow, up)
+            if (up.stepper is Stepper.HOST or from_plane) and copy and modes.split != "off":
                 split_w, split_s = (up.numel * kernels.host_bytes_per_param(kernel, clipping, copy, g, part) / host
                                     for part in (kernels.UpdatePart.WEIGHTS, kernels.UpdatePart.STATE))
         elif up.numel:
@@ -173,14 +174,15 @@ def _plane_used(modes: StepModes, narrow: bool, up: UnitPlan) -> bool:
 
 
 def simulate(layers: list[LayerCost], head_s: float, gpu_step_s: float, *, num_slots: int = 2, passes: int = 1,
-             overlap: bool = True, overhead_s: float = 0.04, steps: int = 4, split: str = "off",
-             split_slack: float = 0.75) -> tuple[float, float]:
+             overlap: bool = True, overhead_s: float = 0.04, steps: int = 6, split: str = "off",
+             split_slack: float = SPLIT_SLACK) -> tuple[float, float]:
     """(step seconds, the forward's wait for host updates per step) in steady state: ``steps`` steps of the engine's
     overlap, timed between the last two starts of layer 0's forward. Resources: the GPU's compute stream, the H2D
     and D2H copy engines, one host AdamW worker; the Python thread blocks where the engine waits for an update.
     ``split``: the optimizer's ``SplitPolicy`` mode: launched updates of splittable layers run as their weights half
     (the forward waits for it) and, after all of those, their state halves in reverse order (a layer's next gradient
-    lands after its state half), when their work fits ``split_slack`` of the last step's interval."""
+    lands after its state half), when their work fits ``split_slack`` of the last interval that waited on whole
+    updates, and while split intervals stay shorter than that one (optim/split_update.py)."""
     L = len(layers)
     done = [0.0] * L  # when each layer's last update finished (a split one: its weights half)
     state_done = [0.0] * L  # when a split update's state half finished
@@ -189,6 +191,7 @@ def simulate(layers: list[LayerCost], head_s: float, gpu_step_s: float, *, num_s
     ready, free, tick = [0.0] * num_slots, [0.0] * num_slots, [0] * num_slots
     gpu = h2d = d2h = cpu = py = 0.0
     starts, waits, clock = [], [], [0]
+    split_before, whole_interval, split_interval, last_step_call = False, None, None, None
 
     def acquire(i: int, step: int) -> int:
         nonlocal py, h2d
@@ -236,9 +239,17 @@ def simulate(layers: list[LayerCost], head_s: float, gpu_step_s: float, *, num_s
             todo = {i for i in range(L) if layers[i].host_update}
             halves = [i for i in sorted(todo) if layers[i].split_weights and not layers[i].speculative]
             work = sum(layers[i].split_weights + layers[i].split_state for i in halves)
-            interval = starts[-1] - starts[-2] if len(starts) > 1 else None
-            if not (split == "on" or split == "auto" and interval is not None and work <= split_slack * interval):
+            if last_step_call is not None:  # (step() to step(), as the policy measures: waited on the last updates)
+                if split_before:
+                    split_interval = py - last_step_call
+                else:
+                    whole_interval = py - last_step_call
+            last_step_call = py
+            worse = split_before and split_interval is not None and split_interval > (whole_interval or 0.0)
+            if not (split == "on" or split == "auto" and whole_interval is not None and not worse
+                    and work <= split_slack * whole_interval):
                 halves = []
+            split_before = bool(halves)
             t = cpu
             while todo:  # one worker; a speculative update as its gradient lands (smallest landed index first)
                 avail = [i for i in todo if layers[i].speculative and land[i] <= t] or \

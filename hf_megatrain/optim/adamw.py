@@ -143,10 +143,7 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
         # policy that decides per step from the measured host rate and step interval.
         self._kernel = kernel
         self.split_policy = SplitPolicy(modes.split if overlap or modes.split == "on" else "off")
-        self._splittable = frozenset(
-            u.index for u in store.units if modes.split != "off" and u.plan.streamed
-            and u.plan.stepper in (Stepper.HOST, Stepper.LEAN) and u.compute is not None
-            and u.master.device.type == "cpu")  # (a LEAN one: updated from its gradient plane, optim/lean.py)
+        self._splittable = self._split_candidates(modes, Stepper.HOST)
         self.last_step_split = False
         self._split_before = False  # (whether the updates the current interval waits on ran split)
         self._init_speculation(modes, exact_take_back)  # (speculative_step.py: on or off, chosen there once)
@@ -323,6 +320,11 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
             self.host_update_bytes += (hi - lo) * kernels.host_bytes_per_param(
                 self.host_kernel, grad_scale is not None, compute.element_size() if compute is not None else 0,
                 flats[1].element_size(), part)
+
+    def _split_candidates(self, modes: StepModes, stepper: Stepper) -> frozenset[int]:
+        """Streamed layers of ``stepper``'s kind whose updates may run split: a host compute copy to write first."""
+        return frozenset(u.index for u in self.store.units if modes.split != "off" and u.plan.streamed
+                         and u.plan.stepper is stepper and u.compute is not None and u.master.device.type == "cpu")
 
     def _split_bytes(self, u: Unit, g: int) -> int:
         """Host DRAM bytes per parameter of ``u``'s update run split (both passes), its gradient ``g`` bytes wide."""

@@ -91,6 +91,8 @@ class LeanAdamW(UnitAdamW):
             logger.info("hf_megatrain: lean_grad_plane: no clipping (max_grad_norm=%s): the gradient plane is not "
                         "allocated", self.max_grad_norm)
         self.plane_steps = 0  # steps settled from the plane (clipped, skipped or taken back, without a re-run)
+        # Lean layers updated from the plane may run split too (``_replay``; optim/split_update.py).
+        self._splittable = self._splittable | self._split_candidates(modes, Stepper.LEAN)
         self._warned_plane = False
 
     @property

@@ -157,7 +157,7 @@ def test_split_needs_what_it_says():
     engine = MegaTrainEngine(tiny("llama", num_hidden_layers=2),
                              MegaTrainConfig(compute_dtype="float32", split_host_update="auto"))
     opt = engine.create_optimizer()
-    assert opt.split_policy.mode == "off"  # (fp32 compute: no compute copy to write first)
+    assert opt.splits.policy.mode == "off"  # (fp32 compute: no compute copy to write first)
     with pytest.raises(ValueError, match="split_host_update='on' needs host_kernel 'native'"):
         MegaTrainEngine(tiny("llama", num_hidden_layers=2),
                         MegaTrainConfig(compute_dtype="bfloat16", host_kernel="fused", split_host_update="on"))

@@ -56,7 +56,7 @@ from .gradient_path import GradientPath
 from .jobs import Jobs
 from .ranks import Alone, Ranks
 from .speculative_step import SpeculativeStep
-from .split_update import SplitPolicy
+from .split_update import SplitPolicy, SplitUpdates
 from .step_counts import StepCounts
 from .steppers import KernelStepper, UnitStepper
 
@@ -136,16 +136,13 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
         self.host_update_params = 0
         self.host_update_bytes = 0  # host DRAM bytes those updates moved (kernels.host_bytes_per_param)
         self.last_grad_norm: float | None = None
-        self._split_steps: dict[int, list[tuple[int, kernels.Groups]]] = {}  # a split update's steps, for STATE
         # The launch's workers: the HOST and DEVICE units on one, the DEVICE_STREAMED ones on another (optim/jobs.py).
         self._workers = [Jobs("megatrain-adamw", overlap) for _ in range(1 + (self.device_stepper is not None))]
-        # Host layers whose launched update may run split (new weights first; optim/split_update.py), and the
-        # policy that decides per step from the measured host rate and step interval.
+        # Host layers whose launched update may run split (new weights first; optim/split_update.py), the policy
+        # deciding per step from the measured host rate and step interval.
         self._kernel = kernel
-        self.split_policy = SplitPolicy(modes.split if overlap or modes.split == "on" else "off")
-        self._splittable = self._split_candidates(modes, Stepper.HOST)
-        self.last_step_split = False
-        self._split_before = False  # (whether the updates the current interval waits on ran split)
+        self.splits = SplitUpdates(SplitPolicy(modes.split if overlap or modes.split == "on" else "off"),
+                                   self._split_candidates(modes, Stepper.HOST))
         self._init_speculation(modes, exact_take_back)  # (speculative_step.py: on or off, chosen there once)
 
     # -- phases ------------------------------------------------------------------------------------------------------
@@ -153,10 +150,7 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         loss = closure() if closure is not None else None
         self._join_before_step()
-        self.split_policy.observe(time.perf_counter(), self.host_update_bytes, self.host_update_seconds,
-                                  self.last_step_split)
-        # (this step's launch, or a lean replay, sets it again)
-        self._split_before, self.last_step_split = self.last_step_split, False
+        self.splits.begin_step(time.perf_counter(), self.host_update_bytes, self.host_update_seconds)
         self.grads.land()  # (may hand the last units to the speculative worker)
         # Every update but this step's speculative ones is finished; those may still run: the norm needs only their
         # landed gradients, which the updates leave untouched, and step() returns without waiting for them.
@@ -256,12 +250,8 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
             self.step_state.begin_update(i)
             taken = self.grad_reach.take(i) if self.grad_reach is not None else None
             self._reached[i] = self.ranks.reached(i, taken)
-        split = [i for i in workers[0] if i in self._splittable]
-        halves = bool(split) and self.split_policy.decide(sum(
-            self.store.units[i].numel * self._split_bytes(self.store.units[i], self.grad_of(self.store.units[i])
-                                                          .element_size()) for i in split), self._split_before)
-        self.last_step_split = self.last_step_split or halves
-        self._kernel.split = frozenset(split) if halves else frozenset()
+        self._kernel.split = frozenset(self.splits.choose(workers[0], lambda i: self._split_bytes(
+            self.store.units[i], self.grad_of(self.store.units[i]).element_size())))
         jobs = [(w, ids) for w, ids in zip(self._workers, workers) if w is self._workers[0] or ids]
         for _, ids in jobs:  # (on the main thread: everything the backward queued comes before the streamed kernels)
             if ids:
@@ -305,13 +295,13 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
         t0 = time.perf_counter()
         lo, hi = self.own(unit)
         if part is kernels.UpdatePart.STATE:
-            by_step = self._split_steps.pop(unit.index)
+            by_step = self.splits.take(unit.index)
         else:
             self.counts.add(unit.index)
             by_step = [(step, self.owned(unit, groups)) for step, groups
                        in self.counts.by_step(unit.index, hyper, self._reached.pop(unit.index, None))]
             if part is kernels.UpdatePart.WEIGHTS:
-                self._split_steps[unit.index] = by_step
+                self.splits.remember(unit.index, by_step)
         for step, groups in by_step:
             kernels.adamw_(*flats, groups, step, grad_scale, compute, self.host_kernel, part)
         if flats[0].device.type == "cpu":  # (GPU updates are asynchronous launches: not timed here)
@@ -327,10 +317,15 @@ class UnitAdamW(SpeculativeStep, torch.optim.Optimizer):
                          and u.plan.stepper is stepper and u.compute is not None and u.master.device.type == "cpu")
 
     def _split_bytes(self, u: Unit, g: int) -> int:
-        """Host DRAM bytes per parameter of ``u``'s update run split (both passes), its gradient ``g`` bytes wide."""
+        """Host DRAM bytes of ``u``'s update run split (both passes), its gradient ``g`` bytes wide."""
         c = u.compute.element_size() if u.compute is not None else 0
-        return sum(kernels.host_bytes_per_param(self.host_kernel, True, c, g, part)
-                   for part in (kernels.UpdatePart.WEIGHTS, kernels.UpdatePart.STATE))
+        return u.numel * sum(kernels.host_bytes_per_param(self.host_kernel, True, c, g, part)
+                             for part in (kernels.UpdatePart.WEIGHTS, kernels.UpdatePart.STATE))
+
+    @property
+    def last_step_split(self) -> bool:
+        """Whether updates launched by the last ``step()`` ran split (optim/split_update.py)."""
+        return self.splits.last_step
 
     def groups_of(self, unit: Unit, hyper: list[kernels.Hyper]) -> kernels.Groups:
         """``unit``'s spans per param group, with that group's hyper-parameters."""

@@ -92,7 +92,7 @@ class LeanAdamW(UnitAdamW):
                         "allocated", self.max_grad_norm)
         self.plane_steps = 0  # steps settled from the plane (clipped, skipped or taken back, without a re-run)
         # Lean layers updated from the plane may run split too (``_replay``; optim/split_update.py).
-        self._splittable = self._splittable | self._split_candidates(modes, Stepper.LEAN)
+        self.splits.candidates = self.splits.candidates | self._split_candidates(modes, Stepper.LEAN)
         self._warned_plane = False
 
     @property
@@ -286,11 +286,8 @@ class LeanAdamW(UnitAdamW):
             self.policy.rerun = None
         # Split where the host has time to spare (optim/split_update.py): new weights first, in this order, then
         # master and moments in the backward's order; the next landing on the plane waits for a layer's second pass.
-        split = [i for i in todo if i in self._splittable]
-        self.last_step_split = bool(split) and self.split_policy.decide(sum(
-            self.store.units[i].numel * self._split_bytes(self.store.units[i], self.plane.of(i).element_size())
-            for i in split), self._split_before)
-        halves = split if self.last_step_split else []
+        halves = self.splits.choose(todo, lambda i: self._split_bytes(self.store.units[i],
+                                                                        self.plane.of(i).element_size()))
         for i in todo:
             self.step_state.begin_update(i)
             part = kernels.UpdatePart.WEIGHTS if i in halves else kernels.UpdatePart.WHOLE

@@ -27,6 +27,7 @@ step-time model (planner/step_time.py) plays the same rule. Measured: integratio
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from ..core.plan import SPLIT_SLACK
 
@@ -86,3 +87,36 @@ class SplitPolicy:
             return "auto (not measured yet)"
         return (f"auto (host {self.rate / 1e9:.0f} GB/s, whole step {self.whole_interval:.3f} s, slack "
                 f"{self.slack:.0%})")
+
+
+class SplitUpdates:
+    """The optimizer's split updates, one owner for their state: which units may split (``candidates``), the policy,
+    whether this step's updates run split (``last_step``) and each split update's step counts and spans between its
+    two passes (``remember`` / ``take``)."""
+
+    def __init__(self, policy: SplitPolicy, candidates: frozenset[int]) -> None:
+        self.policy = policy
+        self.candidates = candidates
+        self.last_step = False  # some update launched by the current step runs split
+        self._before = False  # the updates the current interval waited on ran split
+        self._steps: dict[int, list] = {}  # unit -> the (step, groups) of its split update, until the second pass
+
+    def begin_step(self, now: float, host_bytes: int, host_seconds: float) -> None:
+        """At ``step()``, once the last step's updates are joined: the policy measures the interval that ended."""
+        self.policy.observe(now, host_bytes, host_seconds, self.last_step)
+        self._before, self.last_step = self.last_step, False
+
+    def choose(self, ids: list[int], split_bytes: Callable[[int], int]) -> list[int]:
+        """The units of ``ids`` (in order) whose updates run split this step: its candidates, when the policy says
+        their split work (``split_bytes(unit)`` host bytes each) fits; else none."""
+        split = [i for i in ids if i in self.candidates]
+        if not split or not self.policy.decide(sum(split_bytes(i) for i in split), self._before):
+            return []
+        self.last_step = True
+        return split
+
+    def remember(self, unit: int, steps: list) -> None:
+        self._steps[unit] = steps
+
+    def take(self, unit: int) -> list:
+        return self._steps.pop(unit)

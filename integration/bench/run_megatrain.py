@@ -95,6 +95,35 @@ def _host_adamw(opt: Any, snaps: list[dict | None], warm: int, steps: int) -> di
             "clipped_steps": sum(clips), "timed_steps": steps}
 
 
+class _StepCounters:
+    """Per-step counters that explain an outlier step: the CUDA caching allocator's retries (a failed cudaMalloc
+    frees every cached block and synchronises) and device allocations, and the seconds spent in Python's GC."""
+
+    def __init__(self) -> None:
+        import gc
+
+        self.gc_s, self._t0 = 0.0, 0.0
+
+        def on_gc(phase: str, info: dict) -> None:
+            if phase == "start":
+                self._t0 = time.perf_counter()
+            else:
+                self.gc_s += time.perf_counter() - self._t0
+        gc.callbacks.append(on_gc)
+        self.last = self._read()
+
+    def _read(self) -> dict[str, float]:
+        stats = torch.cuda.memory_stats() if torch.cuda.is_available() else {}
+        return {"alloc_retries": stats.get("num_alloc_retries", 0), "device_allocs": stats.get("num_device_alloc", 0),
+                "gc_s": self.gc_s}
+
+    def delta(self) -> dict[str, float]:
+        now = self._read()
+        out = {k: now[k] - self.last[k] for k in now}
+        self.last = now
+        return out
+
+
 def run_engine(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str, Any]:
     from hf_megatrain import MegaTrainEngine
     from hf_megatrain.config import resolve_config
@@ -120,6 +149,7 @@ def run_engine(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str,
         items_of = [items] * total
     clock, losses, per_step, phases, prof = StepClock(spec.get("clock_sync") == "stream"), [], [], {}, None
     snaps: list[dict | None] = []
+    counters, raw = _StepCounters(), []
     clock.mark()
     for i in range(total):
         if n_prof and i == warm + steps:
@@ -139,13 +169,14 @@ def run_engine(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str,
         clock.mark()
         w1 = getattr(ex, "wait_optimizer_s", None)
         losses.append(float(loss.detach()))
+        raw.append({"shape": list(batches[i]["input_ids"].shape), "step_s": clock.periods[-1], **counters.delta()})
         per_step.append({"optimizer_step_call_s": call_s,
                          "optimizer_norm_s": getattr(opt, "last_norm_seconds", None),
                          "optimizer_worker_s": getattr(opt, "last_step_seconds", None),
                          "split_host_update": getattr(opt, "last_step_split", None),
                          "forward_wait_for_optimizer_s": (w1 - w0) if w0 is not None else None})
     opt.wait()
-    out = {"mode": "engine", "setup_s": setup_s, "losses": losses,
+    out = {"mode": "engine", "setup_s": setup_s, "losses": losses, "per_step": raw,
            "grad_norm_last": getattr(opt, "last_grad_norm", None),
            "skipped_steps": getattr(opt, "skipped_steps", None), "periods": clock.periods,
            "cpu_optimizer": _host_phases(per_step[:warm + steps], warm), "phases": phases,
@@ -212,6 +243,7 @@ def run_trainer(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str
     n_prof = _profile_steps(spec)
     total = warm + steps + n_prof
     clock, per_step, state = StepClock(spec.get("clock_sync") == "stream"), [], {"phases": {}}
+    raw: list[dict[str, Any]] = []
     snaps: list[dict | None] = []
     cuda = torch.cuda.is_available()
     timeline = _timeline(model) if spec.get("timeline") else None
@@ -221,6 +253,7 @@ def run_trainer(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str
             opt = kw.get("optimizer")
             state["opt"] = getattr(opt, "optimizer", opt)
             state["ex"] = _find_executor(kw.get("model") or model)
+            state["counters"] = _StepCounters()
             clock.mark()
 
         def on_step_begin(self, args, st, control, **kw):
@@ -236,6 +269,7 @@ def run_trainer(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str
                 prof.stop()
                 state["phases"] = prof.phases
             clock.mark()
+            raw.append({"step_s": clock.periods[-1], **state["counters"].delta()})
             if timeline is not None:
                 timeline.cut()
             opt, ex = state.get("opt"), state.get("ex")
@@ -268,7 +302,7 @@ def run_trainer(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str
     if timeline is not None:
         timeline.restore()
         extra["timeline"] = timeline.summary(keep=3 if not n_prof else n_prof + 2)
-    return {**extra, "mode": "trainer", "setup_s": setup_s, "train_loss": result.training_loss,
+    return {**extra, "mode": "trainer", "setup_s": setup_s, "per_step": raw, "train_loss": result.training_loss,
             "grad_norm_last": getattr(opt, "last_grad_norm", None), "periods": clock.periods,
             "cpu_optimizer": _host_phases(per_step[:warm + steps], warm), "phases": state["phases"],
             "host_adamw": _host_adamw(opt, snaps, warm, steps),

@@ -28,6 +28,7 @@ from ..core.memory import alloc_host, gpu_budget
 from ..core.plan import Plans, Where
 from ..core.store import UnitStore
 from ..model.cross_layer import drop_unread_kv_stores
+from ..model import attention
 from ..model.families import check_supported
 from ..model.head_config import head_module_params
 from ..model.layers import LayerStack, find_layer_stack, group_layers, unit_layouts
@@ -98,6 +99,7 @@ class Converted:
     frozen_resident: dict[str, nn.Parameter]  # frozen ones (device, compute dtype)
     peer_cells: torch.Tensor | None = None  # data parallel: [ranks, units] update counts in shared memory
     shared: list[SharedParams] | None = None  # per layer: the parameters it shares with others (resident)
+    attention: attention.AttentionChoice | None = None  # masked batches' attention kernel (model/attention.py)
 
 
 def convert(model: nn.Module, config: MegaTrainConfig, device: torch.device, decay_names: set[str] | None,
@@ -122,6 +124,11 @@ def convert(model: nn.Module, config: MegaTrainConfig, device: torch.device, dec
     planner.check_fits(shape, config, device_type=device.type, gpu_available=gpu_budget(device),
                        baseline_paid=True, plans=plans, host_available=host_available)
     chunk = planner.seq_chunk(shape, config)  # sequence tiling of the position-wise modules (0: off)
+    # Before the templates copy the layers (and the config their attention reads the implementation from).
+    attn = attention.choose(model, config.masked_attention, config.compiles(device.type), device.type,
+                            config.micro_batch_size)
+    attention.apply(model, attn)
+    logger.info("hf_megatrain: masked batches' attention: %s", attn.reason)
     store = UnitStore(plans, ul.layouts, ul.frozen, compute_dtype=compute_dtype, device=device,
                       pin=config.pin_memory and device.type == "cuda", state_dir=config.optimizer_state_dir,
                       host_alloc=host_alloc)
@@ -180,7 +187,7 @@ def convert(model: nn.Module, config: MegaTrainConfig, device: torch.device, dec
             if b is not None and not b.is_meta:
                 mod._buffers[bname] = b.to(device)
     return Converted(stack, plans, store, kinds, [templates[k] for k in range(len(templates))], buffers, persistent,
-                     originals, resident_params, frozen_resident, shared=shared)
+                     originals, resident_params, frozen_resident, shared=shared, attention=attn)
 
 
 def install_proxies(conv: Converted, executor: StreamingExecutor) -> None:

@@ -1,0 +1,143 @@
+"""Masked batches' attention: SDPA where the mask is plain causal, FlexAttention where it is not.
+
+A fine-tune's batches are padded (``attention_mask`` with zeros) or packed (``position_ids`` restarting at each
+sequence: ``DataCollatorWithFlattening``, TRL ``padding_free``). transformers' default, ``attn_implementation=
+"sdpa"``, then hands SDPA a dense ``[rows, 1, T, T]`` boolean mask, which costs twice over on a GPU (measured on an
+H200 at 14B width, integration/results/packed_attention and attention_shapes):
+
+- no kernel can skip what the mask removes: the causal half, the padding, every other sequence of a packed row
+  (one layer over 8 packed 4,096-token rows, forward + backward: 30.7 ms with the mask, 6.7 ms with FlexAttention);
+- with a mask SDPA picks cuDNN attention, which builds an execution graph for every new shape, and a padded
+  batch's width is new almost every step: 0.1-5 s for the first call of a shape against 10-50 ms for the next.
+
+FlexAttention with a ``BlockMask`` skips the fully masked blocks and runs one kernel for every width. Where there is
+no mask (fixed-length rows), SDPA's flash kernel is faster than FlexAttention (5.8 vs 8.0 ms at 16 x 2,048), so
+this implementation keeps it there. The math is the model's attention either way (the same mask, softmax and
+values); only the kernel's rounding differs.
+
+``MASKED_FLEX`` is registered with transformers under that name, as an attention function
+(``AttentionInterface``) and a mask builder (``AttentionMaskInterface``): the model's own mask code
+(``create_causal_mask`` and its siblings) asks the builder, which answers ``None`` for a plain causal / full batch
+(SDPA's ``is_causal`` path, as ``sdpa`` would), transformers' ``BlockMask`` for a masked one, and ``sdpa``'s mask
+whenever a cache offsets the queries (generation: not what this is for). The attention function runs
+FlexAttention for a ``BlockMask`` and SDPA for anything else.
+
+Which models get it is decided once, in ``choose`` (``masked_attention`` in the config); ``apply`` sets it on the
+model config before the layer templates copy the layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+MASKED_FLEX = "hf_megatrain_masked_flex"
+
+
+@dataclass(frozen=True)
+class AttentionChoice:
+    """What runs masked batches' attention: ``flex`` (``MASKED_FLEX``) or the model's own implementation."""
+
+    flex: bool
+    reason: str
+
+
+def _block_mask_type() -> type | None:
+    try:
+        from torch.nn.attention.flex_attention import BlockMask
+    except ImportError:  # (a torch without FlexAttention)
+        return None
+    return BlockMask
+
+
+def _masked_flex_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                      attention_mask: torch.Tensor | None = None, allow_is_causal_skip: bool = True,
+                      **kwargs: Any) -> Any:
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    sdpa, flex = ALL_MASK_ATTENTION_FUNCTIONS["sdpa"], ALL_MASK_ATTENTION_FUNCTIONS["flex_attention"]
+    args = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                kv_offset=kv_offset, attention_mask=attention_mask, allow_is_causal_skip=allow_is_causal_skip,
+                **kwargs)
+    if q_offset or kv_offset or q_length != kv_length:  # a cache: generation's prefill / decode steps
+        return sdpa(**args)
+    unpadded = attention_mask is None or bool(attention_mask.all())
+    if unpadded and (allow_is_causal_skip or kwargs.get("allow_is_bidirectional_skip")):
+        mask = sdpa(**args)
+        if mask is None:  # plain causal (or full) attention: SDPA's own flag, its fastest kernel
+            return None
+    return flex(**args)
+
+
+def _masked_flex_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           attention_mask: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    block_mask = _block_mask_type()
+    name = "flex_attention" if block_mask is not None and isinstance(attention_mask, block_mask) else "sdpa"
+    return ALL_ATTENTION_FUNCTIONS[name](module, query, key, value, attention_mask, **kwargs)
+
+
+def register() -> None:
+    """Make ``MASKED_FLEX`` a transformers attention implementation (idempotent)."""
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    AttentionInterface.register(MASKED_FLEX, _masked_flex_attention)
+    AttentionMaskInterface.register(MASKED_FLEX, _masked_flex_mask)
+
+
+def _attention_dropout(config: Any) -> float:
+    for name in ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob"):
+        v = getattr(config, name, None)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return float(v)
+    return 0.0
+
+
+def choose(model: nn.Module, setting: str, compiled: bool, device_type: str, micro_batch_size: int) -> AttentionChoice:
+    """Decide once whether masked batches run FlexAttention. ``setting``: the config's ``masked_attention``
+    ("auto" / "flex" / "model"); "flex" refuses, saying why, where "auto" would quietly keep the model's."""
+    if setting == "model":
+        return AttentionChoice(False, "masked_attention='model': the model's attn_implementation")
+    config = getattr(model, "config", None)
+    impl = getattr(config, "_attn_implementation", None)
+    why_not = None
+    if _block_mask_type() is None:
+        why_not = f"torch {torch.__version__} has no FlexAttention"
+    elif config is None or not hasattr(model, "_supports_flex_attn"):
+        why_not = "not a transformers model"
+    elif impl not in ("sdpa", MASKED_FLEX) and setting == "auto":
+        why_not = f"the model was loaded with attn_implementation={impl!r} (kept as chosen)"
+    elif not getattr(model, "_supports_flex_attn", False):
+        why_not = f"{type(model).__name__} does not support flex_attention in transformers"
+    elif getattr(config, "sub_configs", None):
+        why_not = "a composite (multimodal) config: its towers keep their attention"
+    elif _attention_dropout(config) > 0:
+        why_not = f"attention dropout {_attention_dropout(config)} (FlexAttention has none)"
+    elif micro_batch_size:
+        why_not = (f"micro_batch_size={micro_batch_size} splits a layer's rows, and a BlockMask's mask function "
+                   "indexes the whole batch's rows")
+    elif device_type != "cuda":
+        why_not = f"training on {device_type} (FlexAttention trains on a GPU: no backward elsewhere)"
+    elif setting == "auto" and not compiled:
+        why_not = ("layers run eagerly (FlexAttention is fast inside the compiled layers; eagerly transformers "
+                   "compiles it again for every new shape)")
+    if why_not is None:
+        return AttentionChoice(True, "masked batches (padding, packed sequences) run FlexAttention with a "
+                                     "BlockMask; unmasked ones SDPA")
+    if setting == "flex":
+        raise ValueError(f"masked_attention='flex' cannot run here: {why_not}. Use masked_attention='auto' "
+                         "(or 'model') to keep the model's attention implementation.")
+    return AttentionChoice(False, f"the model's {impl!r}: {why_not}")
+
+
+def apply(model: nn.Module, choice: AttentionChoice) -> None:
+    """Set ``MASKED_FLEX`` on the model's config (before the layer templates copy the layers and their config).
+    A saved config does not carry it (transformers leaves ``_attn_implementation`` out of ``config.json``)."""
+    if choice.flex:
+        register()
+        model.config._attn_implementation = MASKED_FLEX

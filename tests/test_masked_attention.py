@@ -1,0 +1,169 @@
+"""Masked batches' attention (model/attention.py): which models get FlexAttention for padded / packed batches
+(``masked_attention``: decided once, tested with made-up models), what the registered mask builder answers for
+each kind of batch, and that a masked batch through it computes what plain HF's SDPA does."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+from transformers import DataCollatorWithFlattening
+from transformers.masking_utils import create_causal_mask
+
+from hf_megatrain import MegaTrainConfig, MegaTrainEngine
+from hf_megatrain.model import attention
+from hf_megatrain.model.attention import MASKED_FLEX
+
+from .models import tiny
+
+BlockMask = pytest.importorskip("torch.nn.attention.flex_attention").BlockMask
+
+
+class _Fake(nn.Module):
+    _supports_flex_attn = True
+
+    def __init__(self, impl: str = "sdpa", **config) -> None:
+        super().__init__()
+        self.config = SimpleNamespace(**{"_attn_implementation": impl, "sub_configs": {}, "attention_dropout": 0.0,
+                                         **config})
+
+
+def _choose(model: nn.Module, setting: str = "auto", compiled: bool = True, device: str = "cuda", mbs: int = 0):
+    return attention.choose(model, setting, compiled, device, mbs)
+
+
+def test_auto_chooses_flex_for_a_compiled_gpu_run_of_an_sdpa_model():
+    c = _choose(_Fake())
+    assert c.flex and "FlexAttention" in c.reason
+
+
+@pytest.mark.parametrize("model, kw, why", [
+    (_Fake(), dict(device="cpu", compiled=False), "training on cpu"),
+    (_Fake(), dict(compiled=False), "layers run eagerly"),
+    (_Fake(), dict(mbs=2), "micro_batch_size=2"),
+    (_Fake(impl="eager"), {}, "attn_implementation='eager'"),
+    (_Fake(attention_dropout=0.1), {}, "attention dropout 0.1"),
+    (_Fake(sub_configs={"vision_config": None}), {}, "composite"),
+])
+def test_auto_keeps_the_models_attention_and_says_why(model, kw, why):
+    c = _choose(model, **kw)
+    assert not c.flex and why in c.reason
+
+
+def test_a_family_without_flex_support_keeps_its_attention():
+    m = _Fake()
+    m._supports_flex_attn = False
+    assert not _choose(m).flex
+
+
+def test_flex_refuses_where_it_cannot_run_and_says_what_to_change():
+    with pytest.raises(ValueError, match="micro_batch_size=2.*masked_attention='auto'"):
+        _choose(_Fake(), "flex", mbs=2)
+    assert _choose(_Fake(impl="eager"), "flex").flex  # forced: the user's choice over the loaded implementation
+    assert not _choose(_Fake(), "model").flex
+
+
+def test_masked_attention_is_validated():
+    with pytest.raises(ValueError, match="masked_attention='flash'.*'auto', 'flex' or 'model'"):
+        MegaTrainConfig(masked_attention="flash")
+
+
+def _mask(model, **batch):
+    embeds = torch.zeros(*batch["input_ids"].shape, model.config.hidden_size)
+    return create_causal_mask(config=model.config, inputs_embeds=embeds, attention_mask=batch.get("attention_mask"),
+                              cache=None, position_ids=batch.get("position_ids"))
+
+
+@pytest.mark.slow
+def test_the_mask_builder_answers_none_for_causal_and_a_block_mask_for_padded_or_packed_batches():
+    model = tiny("llama")
+    attention.apply(model, attention.AttentionChoice(True, "test"))
+    assert model.config._attn_implementation == MASKED_FLEX
+    ids = torch.randint(4, 96, (2, 8))
+    assert _mask(model, input_ids=ids) is None  # plain causal: SDPA's is_causal (its flash kernel on a GPU)
+    assert _mask(model, input_ids=ids, attention_mask=torch.ones(2, 8, dtype=torch.long)) is None
+    padded = torch.ones(2, 8, dtype=torch.long)
+    padded[1, 5:] = 0
+    assert isinstance(_mask(model, input_ids=ids, attention_mask=padded), BlockMask)
+    packed = DataCollatorWithFlattening()([{"input_ids": list(range(4, 9))}, {"input_ids": list(range(4, 7))}])
+    assert isinstance(_mask(model, input_ids=packed["input_ids"], position_ids=packed["position_ids"]), BlockMask)
+    assert "hf_megatrain_masked_flex" not in model.config.to_json_string()  # a saved config keeps plain HF's
+
+
+def test_the_engine_on_a_cpu_keeps_the_models_attention_and_refuses_a_forced_flex():
+    eng = MegaTrainEngine(tiny("llama"), MegaTrainConfig(compute_dtype="float32"), device="cpu")
+    assert not eng.attention.flex and "training on cpu" in eng.attention.reason
+    with pytest.raises(ValueError, match="masked_attention='flex' cannot run here: training on cpu"):
+        MegaTrainEngine(tiny("llama"), MegaTrainConfig(compute_dtype="float32", masked_attention="flex"),
+                        device="cpu")
+
+
+@pytest.mark.slow
+def test_a_padded_batch_through_flex_computes_what_sdpa_does():
+    """Forward only: FlexAttention has no CPU backward (the GPU test trains through it, tests/test_gpu.py)."""
+    ref = tiny("llama")
+    ours = copy.deepcopy(ref)
+    attention.apply(ours, attention.AttentionChoice(True, "test"))
+    ids = torch.randint(4, 96, (3, 16))
+    mask = torch.ones(3, 16, dtype=torch.long)
+    mask[0, 9:] = 0
+    mask[2, 4:] = 0
+    with torch.no_grad():
+        a = ref(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        b = ours(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    keep = mask.bool()
+    torch.testing.assert_close(b[keep], a[keep], rtol=1e-4, atol=1e-5)
+
+
+def _padded(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, 96, (3, 16), generator=g)
+    mask = torch.ones(3, 16, dtype=torch.long)
+    mask[0, 9:] = 0
+    mask[2, 4 + seed:] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def _packed(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(4, 96, (n,), generator=g).tolist() for n in (5, 9, 7 + seed)]
+    return DataCollatorWithFlattening()([{"input_ids": s, "labels": s} for s in seqs])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batches", [_padded, _packed])
+def test_gpu_masked_batches_train_through_flex_like_plain_hf(batches):
+    """Padded and packed batches through FlexAttention in the compiled streamed layers (float32 compute: the
+    comparison is the kernels' rounding, not bf16's) against plain HF with SDPA and torch AdamW: loss, and every
+    updated weight after each step."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from .parity import reference_optimizer, rel
+
+    model = tiny("llama")
+    ref, ours = copy.deepcopy(model).cuda(), copy.deepcopy(model)
+    cfg = MegaTrainConfig(compute_dtype="float32", torch_compile=True, masked_attention="flex", device_layers=0,
+                          device_step_layers=0)
+    engine = MegaTrainEngine(ours, cfg, device="cuda")
+    assert engine.attention.flex
+    opt = engine.create_optimizer(lr=1e-3, weight_decay=0.1, max_grad_norm=1.0)
+    ropt = reference_optimizer(ref, 1e-3, 0.1)
+    for step in range(2):
+        batch = batches(step)
+        out = ref(**{k: v.cuda() for k, v in batch.items()}, use_cache=False)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        ropt.step()
+        ropt.zero_grad()
+        loss = engine(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.wait()
+        opt.zero_grad()
+        assert rel(loss.detach().cpu(), out.loss.detach().cpu()) < 1e-5
+        for n, p in ref.named_parameters():
+            assert rel(engine.store.master_tensor(n).cpu(), p.detach().cpu()) < 1e-4, n
+    assert all(t.compiled is not None for t in engine.executor.templates)

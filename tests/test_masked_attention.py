@@ -47,6 +47,7 @@ def test_auto_chooses_flex_for_a_compiled_gpu_run_of_an_sdpa_model():
     (_Fake(impl="eager"), {}, "attn_implementation='eager'"),
     (_Fake(attention_dropout=0.1), {}, "attention dropout 0.1"),
     (_Fake(sub_configs={"vision_config": None}), {}, "composite"),
+    (_Fake(hidden_size=32, num_attention_heads=4), {}, "head_dim 8"),
 ])
 def test_auto_keeps_the_models_attention_and_says_why(model, kw, why):
     c = _choose(model, **kw)
@@ -90,6 +91,8 @@ def test_the_mask_builder_answers_none_for_causal_and_a_block_mask_for_padded_or
     assert isinstance(_mask(model, input_ids=ids, attention_mask=padded), BlockMask)
     packed = DataCollatorWithFlattening()([{"input_ids": list(range(4, 9))}, {"input_ids": list(range(4, 7))}])
     assert isinstance(_mask(model, input_ids=packed["input_ids"], position_ids=packed["position_ids"]), BlockMask)
+    with torch.no_grad():  # evaluation / generation: sdpa's mask, as the model would build it
+        assert isinstance(_mask(model, input_ids=ids, attention_mask=padded), torch.Tensor)
     assert "hf_megatrain_masked_flex" not in model.config.to_json_string()  # a saved config keeps plain HF's
 
 
@@ -103,9 +106,9 @@ def test_the_engine_on_a_cpu_keeps_the_models_attention_and_refuses_a_forced_fle
 
 @pytest.mark.slow
 def test_a_padded_batch_through_flex_computes_what_sdpa_does():
-    """Forward only: FlexAttention has no CPU backward (the GPU test trains through it, tests/test_gpu.py)."""
+    """Forward only: FlexAttention has no CPU backward (the GPU test below trains through it)."""
     ref = tiny("llama")
-    ours = copy.deepcopy(ref)
+    ours = copy.deepcopy(ref).requires_grad_(False)  # grad mode on (the training path), nothing to differentiate
     attention.apply(ours, attention.AttentionChoice(True, "test"))
     ids = torch.randint(4, 96, (3, 16))
     mask = torch.ones(3, 16, dtype=torch.long)
@@ -113,7 +116,7 @@ def test_a_padded_batch_through_flex_computes_what_sdpa_does():
     mask[2, 4:] = 0
     with torch.no_grad():
         a = ref(input_ids=ids, attention_mask=mask, use_cache=False).logits
-        b = ours(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    b = ours(input_ids=ids, attention_mask=mask, use_cache=False).logits.detach()  # (grad on: the training path)
     keep = mask.bool()
     torch.testing.assert_close(b[keep], a[keep], rtol=1e-4, atol=1e-5)
 
@@ -143,7 +146,7 @@ def test_gpu_masked_batches_train_through_flex_like_plain_hf(batches):
         pytest.skip("needs CUDA")
     from .parity import reference_optimizer, rel
 
-    model = tiny("llama")
+    model = tiny("llama", hidden_size=64)  # head_dim 16: FlexAttention's smallest
     ref, ours = copy.deepcopy(model).cuda(), copy.deepcopy(model)
     cfg = MegaTrainConfig(compute_dtype="float32", torch_compile=True, masked_attention="flex", device_layers=0,
                           device_step_layers=0)

@@ -49,6 +49,7 @@ from trl.trainer.utils import add_fused_lm_head, create_model_from_path, disable
     get_config_model_id
 
 from ..export.peft_support import is_peft_model
+from ..model import attention
 from .compose import megatrain_args_class, megatrain_trainer_class
 from .trl_ports import TRLPort, check_one_process, frozen_reference
 
@@ -114,7 +115,7 @@ class GRPOPort(TRLPort):
         init_kwargs.pop("device_map", None)  # (on the CPU: the engine streams it)
         init_kwargs.setdefault("trust_remote_code", args.trust_remote_code)
         init_kwargs.setdefault("dtype", self._mt_model_dtype or self.model.dtype)
-        init_kwargs.setdefault("attn_implementation", self.model.config._attn_implementation)
+        init_kwargs.setdefault("attn_implementation", attention.loaded_implementation(self.model.config))
         ref = create_model_from_path(model_id, **init_kwargs)
         if args.disable_dropout:
             disable_dropout_in_model(ref)  # (the resident modules; frozen_reference the streamed layers')

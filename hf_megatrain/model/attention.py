@@ -18,8 +18,8 @@ values); only the kernel's rounding differs.
 ``MASKED_FLEX`` is registered with transformers under that name, as an attention function
 (``AttentionInterface``) and a mask builder (``AttentionMaskInterface``): the model's own mask code
 (``create_causal_mask`` and its siblings) asks the builder, which answers ``None`` for a plain causal / full batch
-(SDPA's ``is_causal`` path, as ``sdpa`` would), transformers' ``BlockMask`` for a masked one, and ``sdpa``'s mask
-whenever a cache offsets the queries (generation: not what this is for). The attention function runs
+(SDPA's ``is_causal`` path, as ``sdpa`` would) and transformers' ``BlockMask`` for a masked one in a training
+forward (grad enabled); evaluation and generation get ``sdpa``'s answer unchanged. The attention function runs
 FlexAttention for a ``BlockMask`` and SDPA for anything else.
 
 Which models get it is decided once, in ``choose`` (``masked_attention`` in the config); ``apply`` sets it on the
@@ -62,7 +62,9 @@ def _masked_flex_mask(batch_size: int, q_length: int, kv_length: int, q_offset: 
     args = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                 kv_offset=kv_offset, attention_mask=attention_mask, allow_is_causal_skip=allow_is_causal_skip,
                 **kwargs)
-    if q_offset or kv_offset or q_length != kv_length:  # a cache: generation's prefill / decode steps
+    if not torch.is_grad_enabled() or q_offset or kv_offset or q_length != kv_length:
+        # Not a training forward (evaluation, generation's prefill and decode steps): what "sdpa" would do, so a
+        # new prompt width compiles nothing.
         return sdpa(**args)
     unpadded = attention_mask is None or bool(attention_mask.all())
     if unpadded and (allow_is_causal_skip or kwargs.get("allow_is_bidirectional_skip")):
@@ -98,6 +100,17 @@ def _attention_dropout(config: Any) -> float:
     return 0.0
 
 
+def _head_dim(config: Any) -> int | None:
+    hd = getattr(config, "head_dim", None)
+    if isinstance(hd, int):
+        return hd
+    hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+    return hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None
+
+
+FLEX_MIN_HEAD_DIM = 16  # FlexAttention's kernels refuse smaller heads (inductor: "must be at least 16")
+
+
 def choose(model: nn.Module, setting: str, compiled: bool, device_type: str, micro_batch_size: int) -> AttentionChoice:
     """Decide once whether masked batches run FlexAttention. ``setting``: the config's ``masked_attention``
     ("auto" / "flex" / "model"); "flex" refuses, saying why, where "auto" would quietly keep the model's."""
@@ -110,19 +123,21 @@ def choose(model: nn.Module, setting: str, compiled: bool, device_type: str, mic
         why_not = f"torch {torch.__version__} has no FlexAttention"
     elif config is None or not hasattr(model, "_supports_flex_attn"):
         why_not = "not a transformers model"
+    elif device_type != "cuda":
+        why_not = f"training on {device_type} (FlexAttention trains on a GPU: no backward elsewhere)"
     elif impl not in ("sdpa", MASKED_FLEX) and setting == "auto":
         why_not = f"the model was loaded with attn_implementation={impl!r} (kept as chosen)"
     elif not getattr(model, "_supports_flex_attn", False):
         why_not = f"{type(model).__name__} does not support flex_attention in transformers"
     elif getattr(config, "sub_configs", None):
         why_not = "a composite (multimodal) config: its towers keep their attention"
+    elif (_head_dim(config) or FLEX_MIN_HEAD_DIM) < FLEX_MIN_HEAD_DIM:
+        why_not = f"head_dim {_head_dim(config)} (FlexAttention needs at least {FLEX_MIN_HEAD_DIM})"
     elif _attention_dropout(config) > 0:
         why_not = f"attention dropout {_attention_dropout(config)} (FlexAttention has none)"
     elif micro_batch_size:
         why_not = (f"micro_batch_size={micro_batch_size} splits a layer's rows, and a BlockMask's mask function "
                    "indexes the whole batch's rows")
-    elif device_type != "cuda":
-        why_not = f"training on {device_type} (FlexAttention trains on a GPU: no backward elsewhere)"
     elif setting == "auto" and not compiled:
         why_not = ("layers run eagerly (FlexAttention is fast inside the compiled layers; eagerly transformers "
                    "compiles it again for every new shape)")
@@ -133,6 +148,14 @@ def choose(model: nn.Module, setting: str, compiled: bool, device_type: str, mic
         raise ValueError(f"masked_attention='flex' cannot run here: {why_not}. Use masked_attention='auto' "
                          "(or 'model') to keep the model's attention implementation.")
     return AttentionChoice(False, f"the model's {impl!r}: {why_not}")
+
+
+def loaded_implementation(config: Any) -> str | None:
+    """The ``attn_implementation`` to load another copy of this model with: ``MASKED_FLEX`` is set by the engine
+    on transformers' default ("sdpa"), which is what a plain load asks for (a reference model then gets its own
+    engine and its own choice)."""
+    impl = getattr(config, "_attn_implementation", None)
+    return "sdpa" if impl == MASKED_FLEX else impl
 
 
 def apply(model: nn.Module, choice: AttentionChoice) -> None:

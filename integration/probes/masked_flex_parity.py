@@ -68,8 +68,51 @@ def run(batches, compile_layers: bool, attn: str):
     return rows
 
 
+def standalone(lengths) -> dict[str, float]:
+    """transformers' packed BlockMask through torch.compile(flex_attention) outside the engine, against SDPA with
+    the dense mask: is a wrong answer torch's (compiled flex with this mask_mod) or the engine's?"""
+    from torch.nn.attention.flex_attention import flex_attention
+    from transformers.masking_utils import create_causal_mask
+
+    model = tiny("llama", hidden_size=64).cuda()
+    batch = packed(lengths, 0)
+    pos = batch["position_ids"].cuda()
+    embeds = torch.zeros(1, pos.shape[1], 64, device="cuda")
+    out = {}
+    model.config._attn_implementation = "flex_attention"
+    with torch.enable_grad():
+        bm = create_causal_mask(config=model.config, inputs_embeds=embeds, attention_mask=None, cache=None,
+                                position_ids=pos)
+    model.config._attn_implementation = "sdpa"
+    dense = create_causal_mask(config=model.config, inputs_embeds=embeds, attention_mask=None, cache=None,
+                               position_ids=pos)
+    q, k, v = (torch.randn(1, 4, pos.shape[1], 16, device="cuda") for _ in range(3))
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+    out["eager_flex"] = rel(flex_attention(q, k, v, block_mask=bm).cpu(), ref.cpu())
+    out["compiled_static"] = rel(torch.compile(flex_attention, dynamic=False)(q, k, v, block_mask=bm).cpu(), ref.cpu())
+    torch._dynamo.reset()
+    out["compiled_dynamic"] = rel(torch.compile(flex_attention, dynamic=True)(q, k, v, block_mask=bm).cpu(), ref.cpu())
+    return out
+
+
 def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    if "--diagnose" in sys.argv:
+        from hf_megatrain.core import compiling
+
+        sys.argv.remove("--diagnose")
+        print("standalone", standalone((5, 9, 7)), flush=True)
+        batches = [packed(l, i) for i, l in enumerate(CASES["packed_moving_total"])]
+        compiling.DYNAMIC_SHAPES = False
+        torch._dynamo.reset()
+        print("static_shapes", run(batches, True, "flex")[0], flush=True)
+        compiling.DYNAMIC_SHAPES = True
+        from torch._inductor import ir
+
+        ir.is_aligned_realized_tensor._megatrain_no_guard = True  # (keeps compile_fn from patching it)
+        torch._dynamo.reset()
+        print("dynamic_no_alignment_patch", run(batches, True, "flex")[0], flush=True)
+        return
     res = {}
     for name, lens in CASES.items():
         batches = [packed(l, i) for i, l in enumerate(lens)]

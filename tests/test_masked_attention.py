@@ -74,8 +74,9 @@ def test_masked_attention_is_validated():
 
 def _mask(model, **batch):
     embeds = torch.zeros(*batch["input_ids"].shape, model.config.hidden_size)
-    return create_causal_mask(config=model.config, inputs_embeds=embeds, attention_mask=batch.get("attention_mask"),
-                              cache=None, position_ids=batch.get("position_ids"))
+    # (the cache positionally: transformers renamed the keyword, past_key_values -> cache, in 5.2x)
+    return create_causal_mask(model.config, embeds, batch.get("attention_mask"), None,
+                              position_ids=batch.get("position_ids"))
 
 
 @pytest.mark.slow

@@ -81,11 +81,9 @@ def standalone(lengths) -> dict[str, float]:
     out = {}
     model.config._attn_implementation = "flex_attention"
     with torch.enable_grad():
-        bm = create_causal_mask(config=model.config, inputs_embeds=embeds, attention_mask=None, cache=None,
-                                position_ids=pos)
+        bm = create_causal_mask(model.config, embeds, None, None, position_ids=pos)
     model.config._attn_implementation = "sdpa"
-    dense = create_causal_mask(config=model.config, inputs_embeds=embeds, attention_mask=None, cache=None,
-                               position_ids=pos)
+    dense = create_causal_mask(model.config, embeds, None, None, position_ids=pos)
     q, k, v = (torch.randn(1, 4, pos.shape[1], 16, device="cuda") for _ in range(3))
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)
     out["eager_flex"] = rel(flex_attention(q, k, v, block_mask=bm).cpu(), ref.cpu())

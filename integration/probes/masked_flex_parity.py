@@ -41,9 +41,11 @@ def padded(step):
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
-def run(batches, compile_layers: bool, attn: str):
+def run(batches, compile_layers: bool, attn: str, load_as: str | None = None):
     torch.manual_seed(0)
     model = tiny("llama", hidden_size=64)
+    if load_as:
+        model.config._attn_implementation = load_as
     ref, ours = copy.deepcopy(model).cuda(), copy.deepcopy(model)
     cfg = MegaTrainConfig(compute_dtype="float32", torch_compile=compile_layers, masked_attention=attn,
                           device_layers=0, device_step_layers=0)
@@ -99,8 +101,15 @@ def main() -> None:
         from hf_megatrain.core import compiling
 
         sys.argv.remove("--diagnose")
-        print("standalone", standalone((5, 9, 7)), flush=True)
         batches = [packed(l, i) for i, l in enumerate(CASES["packed_moving_total"])]
+        print("hf_flex_attention_model_compiled", run(batches, True, "model", "flex_attention")[0], flush=True)
+        from transformers import masking_utils
+
+        orig = masking_utils.remap_positions_for_packed_sequence
+        masking_utils.remap_positions_for_packed_sequence = lambda f, pos: orig(f, pos.clone())
+        print("closure_position_ids_cloned", run(batches, True, "flex")[0], flush=True)
+        masking_utils.remap_positions_for_packed_sequence = orig
+        return
         compiling.DYNAMIC_SHAPES = False
         torch._dynamo.reset()
         print("static_shapes", run(batches, True, "flex")[0], flush=True)

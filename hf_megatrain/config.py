@@ -181,16 +181,16 @@ class MegaTrainConfig:
             compute dtype's rounding dwarfs the fused kernels' other fp32 rounding), off with float32 compute (kept
             bit-comparable to the eager model) and on a CPU (compilation costs more than it saves); true / false
             force it.
-        masked_attention: what runs the attention of batches with a mask that is not plain causal -- padded rows
-            (``attention_mask`` with zeros) and packed sequences (``position_ids`` restarting: HF
-            ``DataCollatorWithFlattening``, TRL ``padding_free``). "auto" (default): FlexAttention with a
-            ``BlockMask`` (skips the masked blocks; one kernel for every width), SDPA's flash kernel for unmasked
-            batches (model/attention.py), where the layers run compiled on a GPU and the model was loaded with
-            transformers' default ``"sdpa"`` and supports flex_attention (no attention dropout, no
-            ``micro_batch_size`` split, a text-only config); else the model's own. Measured on an H200 at 14B width:
-            SDPA with a dense mask computes every masked block (packed rows 4.6x FlexAttention's attention time)
-            and rebuilds a cuDNN graph for every new padded width (0.1-5 s). "flex": the same, refused (saying why)
-            where it cannot run; "model": the model's ``attn_implementation`` always.
+        masked_attention: what runs the attention of padded batches (``attention_mask`` with zeros: one row per
+            sequence, padded to the batch's longest). "auto" (default): FlexAttention with a ``BlockMask`` (skips
+            the masked blocks; one kernel for every width) in training forwards, SDPA for everything else --
+            unmasked and packed batches, evaluation, generation (model/attention.py) -- where the layers run
+            compiled on a GPU and the model was loaded with transformers' default ``"sdpa"`` (or
+            ``"flex_attention"``, whose packed batches compiled layers compute wrong: they go to SDPA) and supports
+            flex_attention (head_dim >= 16, no attention dropout, no ``micro_batch_size`` split, a text-only config);
+            else the model's own. Measured on an H200 at 14B width: SDPA with a padding mask computes every masked
+            block and rebuilds a cuDNN graph for every new width (0.1-5 s per new shape). "flex": the same, refused
+            (saying why) where it cannot run; "model": the model's ``attn_implementation`` always.
         speculative_step: in the step's last backward (Trainer tells the engine which one that is), update each
             CPU-stepped layer as soon as its gradient lands instead of after the backward, overlapping the CPU AdamW
             with the GPU's backward; when the step turns out to clip (or the norm is non-finite) those updates are

@@ -1,6 +1,7 @@
-"""Masked batches' attention (model/attention.py): which models get FlexAttention for padded / packed batches
+"""Padded batches' attention (model/attention.py): which models get FlexAttention for padded batches
 (``masked_attention``: decided once, tested with made-up models), what the registered mask builder answers for
-each kind of batch, and that a masked batch through it computes what plain HF's SDPA does."""
+each kind of batch (packed rows stay on SDPA), and that padded and packed batches through it train as plain HF's
+SDPA does."""
 
 from __future__ import annotations
 
@@ -60,6 +61,14 @@ def test_a_family_without_flex_support_keeps_its_attention():
     assert not _choose(m).flex
 
 
+def test_a_flex_attention_model_with_compiled_layers_gets_sdpa_for_packed_batches_or_a_refusal():
+    c = _choose(_Fake(impl="flex_attention"))
+    assert c.flex and "packed" in c.reason
+    assert not _choose(_Fake(impl="flex_attention"), compiled=False).flex  # eager flex: right, kept
+    with pytest.raises(ValueError, match="packed batches wrong.*masked_attention='auto'.*torch_compile=False"):
+        _choose(_Fake(impl="flex_attention"), "model")
+
+
 def test_flex_refuses_where_it_cannot_run_and_says_what_to_change():
     with pytest.raises(ValueError, match="micro_batch_size=2.*masked_attention='auto'"):
         _choose(_Fake(), "flex", mbs=2)
@@ -80,7 +89,7 @@ def _mask(model, **batch):
 
 
 @pytest.mark.slow
-def test_the_mask_builder_answers_none_for_causal_and_a_block_mask_for_padded_or_packed_batches():
+def test_the_mask_builder_answers_none_for_causal_a_block_mask_for_padded_and_sdpas_mask_for_packed_batches():
     model = tiny("llama")
     attention.apply(model, attention.AttentionChoice(True, "test"))
     assert model.config._attn_implementation == MASKED_FLEX
@@ -91,7 +100,9 @@ def test_the_mask_builder_answers_none_for_causal_and_a_block_mask_for_padded_or
     padded[1, 5:] = 0
     assert isinstance(_mask(model, input_ids=ids, attention_mask=padded), BlockMask)
     packed = DataCollatorWithFlattening()([{"input_ids": list(range(4, 9))}, {"input_ids": list(range(4, 7))}])
-    assert isinstance(_mask(model, input_ids=packed["input_ids"], position_ids=packed["position_ids"]), BlockMask)
+    # Packed rows: SDPA's dense block-causal mask (compiled FlexAttention computed them wrong: module docstring)
+    dense = _mask(model, input_ids=packed["input_ids"], position_ids=packed["position_ids"])
+    assert isinstance(dense, torch.Tensor) and not dense.all()
     with torch.no_grad():  # evaluation / generation: sdpa's mask, as the model would build it
         assert isinstance(_mask(model, input_ids=ids, attention_mask=padded), torch.Tensor)
     assert "hf_megatrain_masked_flex" not in model.config.to_json_string()  # a saved config keeps plain HF's
@@ -140,9 +151,9 @@ def _packed(seed: int) -> dict[str, torch.Tensor]:
 @pytest.mark.gpu
 @pytest.mark.parametrize("batches", [_padded, _packed])
 def test_gpu_masked_batches_train_through_flex_like_plain_hf(batches):
-    """Padded and packed batches through FlexAttention in the compiled streamed layers (float32 compute: the
-    comparison is the kernels' rounding, not bf16's) against plain HF with SDPA and torch AdamW: loss, and every
-    updated weight after each step."""
+    """Padded batches through FlexAttention, packed ones through SDPA, in the compiled streamed layers (float32
+    compute: the comparison is the kernels' rounding, not bf16's) against plain HF with SDPA and torch AdamW: loss,
+    and every updated weight after each step."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from .parity import reference_optimizer, rel

@@ -1,26 +1,32 @@
-"""Masked batches' attention: SDPA where the mask is plain causal, FlexAttention where it is not.
+"""Padded batches' attention: FlexAttention where the mask is causal + padding, SDPA everywhere else.
 
-A fine-tune's batches are padded (``attention_mask`` with zeros) or packed (``position_ids`` restarting at each
-sequence: ``DataCollatorWithFlattening``, TRL ``padding_free``). transformers' default, ``attn_implementation=
-"sdpa"``, then hands SDPA a dense ``[rows, 1, T, T]`` boolean mask, which costs twice over on a GPU (measured on an
-H200 at 14B width, integration/results/packed_attention and attention_shapes):
+A fine-tune's padded batches (``attention_mask`` with zeros, one row per sequence padded to the batch's longest)
+hand SDPA a dense ``[rows, 1, T, T]`` boolean mask under transformers' default ``attn_implementation="sdpa"``,
+which costs twice over on a GPU (H200, 14B width: integration/results/attention_shapes):
 
-- no kernel can skip what the mask removes: the causal half, the padding, every other sequence of a packed row
-  (one layer over 8 packed 4,096-token rows, forward + backward: 30.7 ms with the mask, 6.7 ms with FlexAttention);
+- no kernel can skip what the mask removes (the causal half, the padding): the dense-mask kernel computes it all;
 - with a mask SDPA picks cuDNN attention, which builds an execution graph for every new shape, and a padded
-  batch's width is new almost every step: 0.1-5 s for the first call of a shape against 10-50 ms for the next.
+  batch's width is new almost every step: 0.1-5 s for the first call of a shape against 10-50 ms for the next
+  (the fine-tune's occasional 2-5 s step).
 
-FlexAttention with a ``BlockMask`` skips the fully masked blocks and runs one kernel for every width. Where there is
-no mask (fixed-length rows), SDPA's flash kernel is faster than FlexAttention (5.8 vs 8.0 ms at 16 x 2,048), so
-this implementation keeps it there. The math is the model's attention either way (the same mask, softmax and
-values); only the kernel's rounding differs.
+FlexAttention with a ``BlockMask`` skips the fully masked blocks and runs one kernel for every width (fine-tune
+regime, 32k real tokens per step: median step 1.75-2.06 s -> 1.60-1.65 s, no outlier step). Where there is no
+mask (fixed-length rows), SDPA's flash kernel is faster than FlexAttention (5.8 vs 8.0 ms at 16 x 2,048), so this
+implementation keeps it there. The math is the model's attention either way; only the kernel's rounding differs
+(tests/test_masked_attention.py: float32, against plain HF with SDPA, 1e-7 on the loss).
+
+Packed sequences (``position_ids`` restarting: ``DataCollatorWithFlattening``, TRL ``padding_free``) stay on SDPA's
+dense block-causal mask: compiled into the layers, FlexAttention with transformers' packed mask computed wrong
+values on torch 2.11 (integration/probes/masked_flex_parity.py: eager right, compiled off by 2e-4 on the loss),
+so a model loaded with ``attn_implementation="flex_attention"`` whose layers compile gets this implementation too
+(its padded batches still run FlexAttention) rather than a silently wrong packed batch.
 
 ``MASKED_FLEX`` is registered with transformers under that name, as an attention function
 (``AttentionInterface``) and a mask builder (``AttentionMaskInterface``): the model's own mask code
-(``create_causal_mask`` and its siblings) asks the builder, which answers ``None`` for a plain causal / full batch
-(SDPA's ``is_causal`` path, as ``sdpa`` would) and transformers' ``BlockMask`` for a masked one in a training
-forward (grad enabled); evaluation and generation get ``sdpa``'s answer unchanged. The attention function runs
-FlexAttention for a ``BlockMask`` and SDPA for anything else.
+(``create_causal_mask`` and its siblings) asks the builder, which answers transformers' ``BlockMask`` for a padded
+causal batch in a training forward (grad enabled) and ``sdpa``'s answer for everything else (plain causal: ``None``,
+SDPA's ``is_causal``; evaluation and generation; packed rows, sliding windows, overlays). The attention function
+runs FlexAttention for a ``BlockMask`` and SDPA for anything else.
 
 Which models get it is decided once, in ``choose`` (``masked_attention`` in the config); ``apply`` sets it on the
 model config before the layer templates copy the layers.
@@ -54,24 +60,24 @@ def _block_mask_type() -> type | None:
 
 
 def _masked_flex_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
-                      attention_mask: torch.Tensor | None = None, allow_is_causal_skip: bool = True,
-                      **kwargs: Any) -> Any:
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+                      mask_function: Any = None, attention_mask: torch.Tensor | None = None,
+                      allow_is_causal_skip: bool = True, **kwargs: Any) -> Any:
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, causal_mask_function
 
     sdpa, flex = ALL_MASK_ATTENTION_FUNCTIONS["sdpa"], ALL_MASK_ATTENTION_FUNCTIONS["flex_attention"]
     args = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-                kv_offset=kv_offset, attention_mask=attention_mask, allow_is_causal_skip=allow_is_causal_skip,
-                **kwargs)
-    if not torch.is_grad_enabled() or q_offset or kv_offset or q_length != kv_length:
-        # Not a training forward (evaluation, generation's prefill and decode steps): what "sdpa" would do, so a
-        # new prompt width compiles nothing.
-        return sdpa(**args)
-    unpadded = attention_mask is None or bool(attention_mask.all())
-    if unpadded and (allow_is_causal_skip or kwargs.get("allow_is_bidirectional_skip")):
-        mask = sdpa(**args)
-        if mask is None:  # plain causal (or full) attention: SDPA's own flag, its fastest kernel
-            return None
-    return flex(**args)
+                kv_offset=kv_offset, mask_function=mask_function or causal_mask_function,
+                attention_mask=attention_mask, allow_is_causal_skip=allow_is_causal_skip, **kwargs)
+    padded_causal = (attention_mask is not None and mask_function in (None, causal_mask_function)
+                     and allow_is_causal_skip and not bool(attention_mask.all()))
+    if padded_causal and torch.is_grad_enabled() and not (q_offset or kv_offset or q_length != kv_length):
+        return flex(**args)
+    # Everything else is what "sdpa" does: plain causal batches (None: SDPA's is_causal, its flash kernel);
+    # evaluation and generation (no grad, or a cache offsetting the queries: a new prompt width compiles
+    # nothing); and masks whose pattern looks tokens up by their query index (packed sequences, sliding windows,
+    # overlays) -- compiled into the layers, FlexAttention computed packed rows wrong on torch 2.11
+    # (integration/probes/masked_flex_parity.py: loss off by 2e-4, weights by 1 % after one step).
+    return sdpa(**args)
 
 
 def _masked_flex_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -114,10 +120,15 @@ FLEX_MIN_HEAD_DIM = 16  # FlexAttention's kernels refuse smaller heads (inductor
 def choose(model: nn.Module, setting: str, compiled: bool, device_type: str, micro_batch_size: int) -> AttentionChoice:
     """Decide once whether masked batches run FlexAttention. ``setting``: the config's ``masked_attention``
     ("auto" / "flex" / "model"); "flex" refuses, saying why, where "auto" would quietly keep the model's."""
-    if setting == "model":
-        return AttentionChoice(False, "masked_attention='model': the model's attn_implementation")
     config = getattr(model, "config", None)
     impl = getattr(config, "_attn_implementation", None)
+    if setting == "model":
+        if impl == "flex_attention" and compiled:
+            raise ValueError(
+                "attn_implementation='flex_attention' with compiled layers computes packed batches wrong (torch "
+                "2.11, integration/probes/masked_flex_parity.py). Use masked_attention='auto' (FlexAttention for "
+                "padded batches, SDPA for packed ones) or torch_compile=False.")
+        return AttentionChoice(False, "masked_attention='model': the model's attn_implementation")
     why_not = None
     if _block_mask_type() is None:
         why_not = f"torch {torch.__version__} has no FlexAttention"
@@ -125,7 +136,7 @@ def choose(model: nn.Module, setting: str, compiled: bool, device_type: str, mic
         why_not = "not a transformers model"
     elif device_type != "cuda":
         why_not = f"training on {device_type} (FlexAttention trains on a GPU: no backward elsewhere)"
-    elif impl not in ("sdpa", MASKED_FLEX) and setting == "auto":
+    elif impl not in ("sdpa", "flex_attention", MASKED_FLEX) and setting == "auto":
         why_not = f"the model was loaded with attn_implementation={impl!r} (kept as chosen)"
     elif not getattr(model, "_supports_flex_attn", False):
         why_not = f"{type(model).__name__} does not support flex_attention in transformers"
@@ -138,12 +149,13 @@ def choose(model: nn.Module, setting: str, compiled: bool, device_type: str, mic
     elif micro_batch_size:
         why_not = (f"micro_batch_size={micro_batch_size} splits a layer's rows, and a BlockMask's mask function "
                    "indexes the whole batch's rows")
-    elif setting == "auto" and not compiled:
+    elif setting == "auto" and not compiled:  # (a flex_attention model keeps its own here: eager flex is right)
         why_not = ("layers run eagerly (FlexAttention is fast inside the compiled layers; eagerly transformers "
                    "compiles it again for every new shape)")
     if why_not is None:
-        return AttentionChoice(True, "masked batches (padding, packed sequences) run FlexAttention with a "
-                                     "BlockMask; unmasked ones SDPA")
+        return AttentionChoice(True, "padded batches run FlexAttention with a BlockMask; unmasked and packed ones "
+                                     "SDPA" + (" (the model's flex_attention computes packed batches wrong in "
+                                               "compiled layers)" if impl == "flex_attention" else ""))
     if setting == "flex":
         raise ValueError(f"masked_attention='flex' cannot run here: {why_not}. Use masked_attention='auto' "
                          "(or 'model') to keep the model's attention implementation.")

@@ -95,20 +95,62 @@ def standalone(lengths) -> dict[str, float]:
     return out
 
 
+def standalone_variants(lengths) -> dict[str, float]:
+    """Narrowing the packed-flex error down outside the engine: GQA, transformers' flex_attention_forward, and a
+    compiled function that projects q/k/v itself (as a layer does), each against SDPA with the dense mask."""
+    from transformers.integrations.flex_attention import flex_attention_forward
+    from transformers.masking_utils import create_causal_mask
+    from torch.nn.attention.flex_attention import flex_attention
+
+    torch.manual_seed(0)
+    model = tiny("llama", hidden_size=64).cuda()
+    pos = packed(lengths, 0)["position_ids"].cuda()
+    t = pos.shape[1]
+    embeds = torch.zeros(1, t, 64, device="cuda")
+    model.config._attn_implementation = "flex_attention"
+    with torch.enable_grad():
+        bm = create_causal_mask(model.config, embeds, None, None, position_ids=pos)
+    model.config._attn_implementation = "sdpa"
+    dense = create_causal_mask(model.config, embeds, None, None, position_ids=pos)
+    q = torch.randn(1, 4, t, 16, device="cuda")
+    k, v = (torch.randn(1, 2, t, 16, device="cuda") for _ in range(2))
+    kr, vr = (x.repeat_interleave(2, dim=1) for x in (k, v))
+    ref = torch.nn.functional.scaled_dot_product_attention(q, kr, vr, attn_mask=dense).cpu()
+    out = {"gqa_compiled": rel(torch.compile(flex_attention)(q, k, v, block_mask=bm, enable_gqa=True).cpu(), ref)}
+
+    class M(torch.nn.Module):
+        training = False
+    hf = lambda q, k, v, m: flex_attention_forward(M(), q, k, v, m, scaling=16 ** -0.5)[0]  # noqa: E731
+    out["hf_forward_eager"] = rel(hf(q, k, v, bm).transpose(1, 2).cpu(), ref)
+    torch._dynamo.reset()
+    out["hf_forward_compiled"] = rel(torch.compile(hf)(q, k, v, bm).transpose(1, 2).cpu(), ref)
+    x = torch.randn(1, t, 64, device="cuda")
+    wq, wk, wv = torch.randn(64, 64, device="cuda") / 8, torch.randn(32, 64, device="cuda") / 8, \
+        torch.randn(32, 64, device="cuda") / 8
+
+    def layer(x, m, pos_in):
+        qq = (x @ wq.T).view(1, t, 4, 16).transpose(1, 2)
+        kk = (x @ wk.T).view(1, t, 2, 16).transpose(1, 2)
+        vv = (x @ wv.T).view(1, t, 2, 16).transpose(1, 2)
+        return hf(qq, kk, vv, m), pos_in + 0
+    with torch.no_grad():
+        want = hf(*(z for z in (
+            (x @ wq.T).view(1, t, 4, 16).transpose(1, 2), (x @ wk.T).view(1, t, 2, 16).transpose(1, 2),
+            (x @ wv.T).view(1, t, 2, 16).transpose(1, 2))), bm)
+        torch._dynamo.reset()
+        out["layer_like_compiled_nograd"] = rel(torch.compile(layer)(x, bm, pos)[0].cpu(), want.cpu())
+    return out
+
+
 def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     if "--diagnose" in sys.argv:
         from hf_megatrain.core import compiling
 
         sys.argv.remove("--diagnose")
+        print("variants", standalone_variants((5, 9, 7)), flush=True)
         batches = [packed(l, i) for i, l in enumerate(CASES["packed_moving_total"])]
         print("hf_flex_attention_model_compiled", run(batches, True, "model", "flex_attention")[0], flush=True)
-        from transformers import masking_utils
-
-        orig = masking_utils.remap_positions_for_packed_sequence
-        masking_utils.remap_positions_for_packed_sequence = lambda f, pos: orig(f, pos.clone())
-        print("closure_position_ids_cloned", run(batches, True, "flex")[0], flush=True)
-        masking_utils.remap_positions_for_packed_sequence = orig
         return
         compiling.DYNAMIC_SHAPES = False
         torch._dynamo.reset()

@@ -170,9 +170,17 @@ def loaded_implementation(config: Any) -> str | None:
     return "sdpa" if impl == MASKED_FLEX else impl
 
 
-def apply(model: nn.Module, choice: AttentionChoice) -> None:
-    """Set ``MASKED_FLEX`` on the model's config (before the layer templates copy the layers and their config).
-    A saved config does not carry it (transformers leaves ``_attn_implementation`` out of ``config.json``)."""
-    if choice.flex:
-        register()
-        model.config._attn_implementation = MASKED_FLEX
+def apply(model: nn.Module, choice: AttentionChoice) -> AttentionChoice:
+    """Switch the model to ``MASKED_FLEX`` (before the layer templates copy the layers and their config), through
+    transformers' own ``set_attn_implementation``; returns the choice in force (the model's own where transformers
+    declined the switch). A saved config does not carry it (``attn_implementation`` is not written to
+    ``config.json``)."""
+    if not choice.flex:
+        return choice
+    register()
+    model.set_attn_implementation(MASKED_FLEX)
+    now = getattr(model.config, "_attn_implementation", None)
+    if now != MASKED_FLEX:
+        return AttentionChoice(False, f"the model's {now!r}: transformers did not switch {type(model).__name__} "
+                                      "to another attention implementation")
+    return choice

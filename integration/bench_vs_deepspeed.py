@@ -422,7 +422,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "longest length with position_ids restarting per sequence (DataCollatorWithFlattening)")
     ap.add_argument("--attn", default="sdpa", choices=("sdpa", "flex_attention", "eager"),
                     help="the model's attn_implementation, for every system (packed rows: transformers builds a "
-                         "block-causal mask from the positions; flex_attention skips the blocks it masks out)")
+                         "block-causal mask from the positions; flex_attention skips the blocks it masks out, and "
+                         "hf_megatrain's compiled layers route its packed rows to SDPA: model/attention.py)")
     ap.add_argument("--tokens", default=None,
                     help="finetune: real tokens per optimizer step, comma list (default 32768; 512 with --tiny); "
                          "a multiple of the longest length (4096; 64 with --tiny) for --layout packed")

@@ -67,6 +67,8 @@ def test_a_flex_attention_model_with_compiled_layers_gets_sdpa_for_packed_batche
     assert not _choose(_Fake(impl="flex_attention"), compiled=False).flex  # eager flex: right, kept
     with pytest.raises(ValueError, match="packed batches wrong.*masked_attention='auto'.*torch_compile=False"):
         _choose(_Fake(impl="flex_attention"), "model")
+    with pytest.raises(ValueError, match="cannot be routed to SDPA here: micro_batch_size=2.*torch_compile=False"):
+        _choose(_Fake(impl="flex_attention"), mbs=2)
 
 
 def test_flex_refuses_where_it_cannot_run_and_says_what_to_change():

@@ -159,6 +159,11 @@ def choose(model: nn.Module, setting: str, compiled: bool, device_type: str, mic
     if setting == "flex":
         raise ValueError(f"masked_attention='flex' cannot run here: {why_not}. Use masked_attention='auto' "
                          "(or 'model') to keep the model's attention implementation.")
+    if impl == "flex_attention" and compiled and device_type == "cuda":
+        raise ValueError(
+            f"attn_implementation='flex_attention' with compiled layers computes packed batches wrong (torch 2.11, "
+            f"integration/probes/masked_flex_parity.py), and it cannot be routed to SDPA here: {why_not}. Load the "
+            "model with attn_implementation='sdpa' or set torch_compile=False.")
     return AttentionChoice(False, f"the model's {impl!r}: {why_not}")
 
 

@@ -190,7 +190,8 @@ class MegaTrainConfig:
             flex_attention (head_dim >= 16, no attention dropout, no ``micro_batch_size`` split, a text-only config);
             else the model's own. Measured on an H200 at 14B width: SDPA with a padding mask computes every masked
             block and rebuilds a cuDNN graph for every new width (0.1-5 s per new shape). "flex": the same, refused
-            (saying why) where it cannot run; "model": the model's ``attn_implementation`` always.
+            (saying why) where it cannot run; "model": the model's ``attn_implementation`` always (refused for a
+            ``"flex_attention"`` model with compiled layers, as is one "auto" cannot route).
         speculative_step: in the step's last backward (Trainer tells the engine which one that is), update each
             CPU-stepped layer as soon as its gradient lands instead of after the backward, overlapping the CPU AdamW
             with the GPU's backward; when the step turns out to clip (or the norm is non-finite) those updates are

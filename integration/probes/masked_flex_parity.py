@@ -142,12 +142,36 @@ def standalone_variants(lengths) -> dict[str, float]:
     return out
 
 
+def plain_hf_compiled_layers(lengths) -> dict[str, float]:
+    """Plain HF (no engine) with each decoder layer ``torch.compile``d, flex_attention, one packed batch: the logits
+    against the same model with SDPA. Wrong here = torch / transformers, right here = the engine's compiled call."""
+    torch.manual_seed(0)
+    base = tiny("llama", hidden_size=64).cuda()
+    batch = {k: v.cuda() for k, v in packed(lengths, 0).items()}
+    out = {}
+    with torch.no_grad():
+        ref = base(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+    for training in (False, True):
+        for dyn in (None, False):
+            m = copy.deepcopy(base)
+            m.set_attn_implementation("flex_attention")
+            m.train(training)
+            torch._dynamo.reset()
+            for layer in m.model.layers:
+                layer.compile(dynamic=dyn)
+            with torch.no_grad():
+                got = m(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+            out[f"training={training}/dynamic={dyn}"] = rel(got.cpu(), ref.cpu())
+    return out
+
+
 def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     if "--diagnose" in sys.argv:
         from hf_megatrain.core import compiling
 
         sys.argv.remove("--diagnose")
+        print("plain_hf_compiled_layers", plain_hf_compiled_layers((5, 9, 7)), flush=True)
         print("variants", standalone_variants((5, 9, 7)), flush=True)
         batches = [packed(l, i) for i, l in enumerate(CASES["packed_moving_total"])]
         print("hf_flex_attention_model_compiled", run(batches, True, "model", "flex_attention")[0], flush=True)

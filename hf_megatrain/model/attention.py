@@ -17,7 +17,8 @@ implementation keeps it there. The math is the model's attention either way; onl
 
 Packed sequences (``position_ids`` restarting: ``DataCollatorWithFlattening``, TRL ``padding_free``) stay on SDPA's
 dense block-causal mask: compiled into the layers, FlexAttention with transformers' packed mask computed wrong
-values on torch 2.11 (integration/probes/masked_flex_parity.py: eager right, compiled off by 2e-4 on the loss),
+values on torch 2.11 -- in plain transformers too, with each decoder layer ``torch.compile``d (logits 1.3e-2 off;
+eager right: integration/probes/masked_flex_parity.py ``--diagnose``, an upstream bug, not the engine's) --
 so a model loaded with ``attn_implementation="flex_attention"`` whose layers compile gets this implementation too
 (its padded batches still run FlexAttention) rather than a silently wrong packed batch.
 

@@ -144,3 +144,30 @@ def run_parity(model, *, steps=3, ga=2, batch=2, seq=12, lr=1e-3, wd=0.1, max_gr
     for k, v in worst.items():
         assert v <= tol, f"{k} mismatch {v:.3e} > {tol:.0e} ({worst})"
     return worst, engine, ref
+
+
+def train_batches_against_plain_hf(model, batches, config: MegaTrainConfig, device: str = "cuda",
+                                   lr: float = 1e-3, wd: float = 0.1, max_grad_norm: float = 1.0):
+    """Train a copy of ``model`` through the engine and one as plain HF + torch AdamW (clipping included) on the
+    same collated ``batches`` (dicts: padded, packed...). -> (engine, per step {"loss_rel", "weight_rel"}: the
+    loss's and the worst updated weight's relative error)."""
+    ref, ours = copy.deepcopy(model).to(device), copy.deepcopy(model)
+    engine = MegaTrainEngine(ours, config, device=device)
+    opt = engine.create_optimizer(lr=lr, weight_decay=wd, max_grad_norm=max_grad_norm)
+    ropt = reference_optimizer(ref, lr, wd)
+    rows = []
+    for batch in batches:
+        out = ref(**{k: v.to(device) for k, v in batch.items()}, use_cache=False)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), max_grad_norm)
+        ropt.step()
+        ropt.zero_grad()
+        loss = engine(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.wait()
+        opt.zero_grad()
+        rows.append({"loss_rel": rel(loss.detach().cpu(), out.loss.detach().cpu()),
+                     "weight_rel": max(rel(engine.store.master_tensor(n).cpu(), p.detach().cpu())
+                                       for n, p in ref.named_parameters())})
+    return engine, rows

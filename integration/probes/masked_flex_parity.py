@@ -16,9 +16,9 @@ import torch
 from transformers import DataCollatorWithFlattening
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from hf_megatrain import MegaTrainConfig, MegaTrainEngine  # noqa: E402
+from hf_megatrain import MegaTrainConfig  # noqa: E402
 from tests.models import tiny  # noqa: E402
-from tests.parity import reference_optimizer, rel  # noqa: E402
+from tests.parity import rel, train_batches_against_plain_hf  # noqa: E402
 
 CASES = {
     "packed_moving_total": [(5, 9, 7), (5, 9, 8), (3, 12, 6)],
@@ -46,28 +46,10 @@ def run(batches, compile_layers: bool, attn: str, load_as: str | None = None):
     model = tiny("llama", hidden_size=64)
     if load_as:
         model.config._attn_implementation = load_as
-    ref, ours = copy.deepcopy(model).cuda(), copy.deepcopy(model)
     cfg = MegaTrainConfig(compute_dtype="float32", torch_compile=compile_layers, masked_attention=attn,
                           device_layers=0, device_step_layers=0)
-    engine = MegaTrainEngine(ours, cfg, device="cuda")
-    opt = engine.create_optimizer(lr=1e-3, weight_decay=0.1, max_grad_norm=1.0)
-    ropt = reference_optimizer(ref, 1e-3, 0.1)
-    rows = []
-    for step, batch in enumerate(batches):
-        out = ref(**{k: v.cuda() for k, v in batch.items()}, use_cache=False)
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-        ropt.step()
-        ropt.zero_grad()
-        loss = engine(**batch).loss
-        loss.backward()
-        opt.step()
-        opt.wait()
-        opt.zero_grad()
-        w = max(rel(engine.store.master_tensor(n).cpu(), p.detach().cpu()) for n, p in ref.named_parameters())
-        rows.append({"step": step, "loss_rel": rel(loss.detach().cpu(), out.loss.detach().cpu()), "weight_rel": w,
-                     "flex": engine.attention.flex})
-    return rows
+    engine, rows = train_batches_against_plain_hf(model, batches, cfg)
+    return [{"step": i, **r, "flex": engine.attention.flex} for i, r in enumerate(rows)]
 
 
 def standalone(lengths) -> dict[str, float]:

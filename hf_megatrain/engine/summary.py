@@ -74,7 +74,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"  host memory: {gib:.2f} GiB ({s['host_bytes_per_trainable_parameter']} B per trainable parameter)",
         f"  loss: {s['loss_impl']} ({s['loss_impl_reason']}); torch_compile={s['torch_compile']}, "
         f"micro_batch_size={s['micro_batch_size']}",
-        f"  masked batches' attention: {s['masked_attention_reason']}",
+        f"  padded batches' attention: {s['masked_attention_reason']}",
     ]
     if "host_kernel" in s:
         lines.append(f"  optimizer: host AdamW kernel {s['host_kernel']}, speculative_step={s['speculative_step']}, "

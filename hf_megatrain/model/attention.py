@@ -46,7 +46,7 @@ MASKED_FLEX = "hf_megatrain_masked_flex"
 
 @dataclass(frozen=True)
 class AttentionChoice:
-    """What runs masked batches' attention: ``flex`` (``MASKED_FLEX``) or the model's own implementation."""
+    """What runs padded batches' attention: ``flex`` (``MASKED_FLEX``) or the model's own implementation."""
 
     flex: bool
     reason: str

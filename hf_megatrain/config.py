@@ -187,7 +187,7 @@ class MegaTrainConfig:
             unmasked and packed batches, evaluation, generation (model/attention.py) -- where the layers run
             compiled on a GPU and the model was loaded with transformers' default ``"sdpa"`` (or
             ``"flex_attention"``, whose packed batches compiled layers compute wrong: they go to SDPA) and supports
-            flex_attention (head_dim >= 16, no attention dropout, no ``micro_batch_size`` split, a text-only config);
+            flex_attention (a power-of-two head_dim >= 16, no attention dropout, no ``micro_batch_size`` split, a text-only config);
             else the model's own. Measured on an H200 at 14B width: SDPA with a padding mask computes every masked
             block and rebuilds a cuDNN graph for every new width (0.1-5 s per new shape). "flex": the same, refused
             (saying why) where it cannot run; "model": the model's ``attn_implementation`` always (refused for a

@@ -49,6 +49,7 @@ def test_auto_chooses_flex_for_a_compiled_gpu_run_of_an_sdpa_model():
     (_Fake(attention_dropout=0.1), {}, "attention dropout 0.1"),
     (_Fake(sub_configs={"vision_config": None}), {}, "composite"),
     (_Fake(hidden_size=32, num_attention_heads=4), {}, "head_dim 8"),
+    (_Fake(head_dim=96), {}, "head_dim 96 is not a power of two"),
 ])
 def test_auto_keeps_the_models_attention_and_says_why(model, kw, why):
     c = _choose(model, **kw)

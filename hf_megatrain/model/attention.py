@@ -145,6 +145,9 @@ def choose(model: nn.Module, setting: str, compiled: bool, device_type: str, mic
         why_not = "a composite (multimodal) config: its towers keep their attention"
     elif (_head_dim(config) or FLEX_MIN_HEAD_DIM) < FLEX_MIN_HEAD_DIM:
         why_not = f"head_dim {_head_dim(config)} (FlexAttention needs at least {FLEX_MIN_HEAD_DIM})"
+    elif setting == "auto" and _head_dim(config) and _head_dim(config) & (_head_dim(config) - 1):
+        # (not measured here: the default stays on the head sizes every run of this kind used; "flex" may try it)
+        why_not = f"head_dim {_head_dim(config)} is not a power of two (FlexAttention's kernels are tiled for those)"
     elif _attention_dropout(config) > 0:
         why_not = f"attention dropout {_attention_dropout(config)} (FlexAttention has none)"
     elif micro_batch_size:

@@ -27,8 +27,8 @@ from ..config import MegaTrainConfig
 from ..core.memory import alloc_host, gpu_budget
 from ..core.plan import Plans, Where
 from ..core.store import UnitStore
-from ..model.cross_layer import drop_unread_kv_stores
 from ..model import attention
+from ..model.cross_layer import drop_unread_kv_stores
 from ..model.families import check_supported
 from ..model.head_config import head_module_params
 from ..model.layers import LayerStack, find_layer_stack, group_layers, unit_layouts

@@ -125,11 +125,11 @@ def choose(model: nn.Module, setting: str, compiled: bool, device_type: str, mic
     impl = getattr(config, "_attn_implementation", None)
     if setting == "model":
         if impl == "flex_attention" and compiled:
-            raise ValueError(
-                "attn_implementation='flex_attention' with compiled layers computes packed batches wrong (torch "
-                "2.11, integration/probes/masked_flex_parity.py). Use masked_attention='auto' (FlexAttention for "
-                "padded batches, SDPA for packed ones) or torch_compile=False.")
+            raise _compiled_flex_model("masked_attention='model' keeps it. Use masked_attention='auto' "
+                                       "(FlexAttention for padded batches, SDPA for packed ones) or "
+                                       "torch_compile=False.")
         return AttentionChoice(False, "masked_attention='model': the model's attn_implementation")
+    hd, dropout = _head_dim(config), _attention_dropout(config)
     why_not = None
     if _block_mask_type() is None:
         why_not = f"torch {torch.__version__} has no FlexAttention"
@@ -143,13 +143,13 @@ def choose(model: nn.Module, setting: str, compiled: bool, device_type: str, mic
         why_not = f"{type(model).__name__} does not support flex_attention in transformers"
     elif getattr(config, "sub_configs", None):
         why_not = "a composite (multimodal) config: its towers keep their attention"
-    elif (_head_dim(config) or FLEX_MIN_HEAD_DIM) < FLEX_MIN_HEAD_DIM:
-        why_not = f"head_dim {_head_dim(config)} (FlexAttention needs at least {FLEX_MIN_HEAD_DIM})"
-    elif setting == "auto" and _head_dim(config) and _head_dim(config) & (_head_dim(config) - 1):
+    elif (hd or FLEX_MIN_HEAD_DIM) < FLEX_MIN_HEAD_DIM:
+        why_not = f"head_dim {hd} (FlexAttention needs at least {FLEX_MIN_HEAD_DIM})"
+    elif setting == "auto" and hd and hd & (hd - 1):
         # (not measured here: the default stays on the head sizes every run of this kind used; "flex" may try it)
-        why_not = f"head_dim {_head_dim(config)} is not a power of two (FlexAttention's kernels are tiled for those)"
-    elif _attention_dropout(config) > 0:
-        why_not = f"attention dropout {_attention_dropout(config)} (FlexAttention has none)"
+        why_not = f"head_dim {hd} is not a power of two (FlexAttention's kernels are tiled for those)"
+    elif dropout > 0:
+        why_not = f"attention dropout {dropout} (FlexAttention has none)"
     elif micro_batch_size:
         why_not = (f"micro_batch_size={micro_batch_size} splits a layer's rows, and a BlockMask's mask function "
                    "indexes the whole batch's rows")
@@ -164,11 +164,15 @@ def choose(model: nn.Module, setting: str, compiled: bool, device_type: str, mic
         raise ValueError(f"masked_attention='flex' cannot run here: {why_not}. Use masked_attention='auto' "
                          "(or 'model') to keep the model's attention implementation.")
     if impl == "flex_attention" and compiled and device_type == "cuda":
-        raise ValueError(
-            f"attn_implementation='flex_attention' with compiled layers computes packed batches wrong (torch 2.11, "
-            f"integration/probes/masked_flex_parity.py), and it cannot be routed to SDPA here: {why_not}. Load the "
-            "model with attn_implementation='sdpa' or set torch_compile=False.")
+        raise _compiled_flex_model(f"It cannot be routed to SDPA here: {why_not}. Load the model with "
+                                   "attn_implementation='sdpa' or set torch_compile=False.")
     return AttentionChoice(False, f"the model's {impl!r}: {why_not}")
+
+
+def _compiled_flex_model(what_to_do: str) -> ValueError:
+    return ValueError("attn_implementation='flex_attention' with compiled layers computes packed batches wrong "
+                      "(torch 2.11, also in plain transformers: integration/probes/masked_flex_parity.py). "
+                      + what_to_do)
 
 
 def loaded_implementation(config: Any) -> str | None:

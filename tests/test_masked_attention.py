@@ -79,6 +79,27 @@ def test_flex_refuses_where_it_cannot_run_and_says_what_to_change():
     assert not _choose(_Fake(), "model").flex
 
 
+class _Stubborn(_Fake):
+    """A model whose transformers class declines ``set_attn_implementation`` (it logs and keeps its own)."""
+
+    def set_attn_implementation(self, name: str) -> None:
+        pass
+
+
+@pytest.mark.parametrize("impl, forced, refused", [("sdpa", False, None), ("sdpa", True, "masked_attention='flex'"),
+                                                   ("flex_attention", False, "packed batches wrong")])
+def test_a_declined_switch_keeps_sdpa_or_refuses_never_leaves_compiled_flex_silently(impl, forced, refused):
+    model = _Stubborn(impl=impl)
+    choice = _choose(model)
+    assert choice.flex
+    if refused is None:
+        kept = attention.apply(model, choice, forced=forced)
+        assert not kept.flex and "did not switch" in kept.reason
+        return
+    with pytest.raises(ValueError, match=f"{refused}.*did not switch"):
+        attention.apply(model, choice, forced=forced)
+
+
 def test_masked_attention_is_validated():
     with pytest.raises(ValueError, match="masked_attention='flash'.*'auto', 'flex' or 'model'"):
         MegaTrainConfig(masked_attention="flash")

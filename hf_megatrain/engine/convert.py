@@ -127,7 +127,7 @@ def convert(model: nn.Module, config: MegaTrainConfig, device: torch.device, dec
     # Before the templates copy the layers (and the config their attention reads the implementation from).
     attn = attention.choose(model, config.masked_attention, config.compiles(device.type), device.type,
                             config.micro_batch_size)
-    attn = attention.apply(model, attn)
+    attn = attention.apply(model, attn, forced=config.masked_attention == "flex")
     logger.info("hf_megatrain: padded batches' attention: %s", attn.reason)
     store = UnitStore(plans, ul.layouts, ul.frozen, compute_dtype=compute_dtype, device=device,
                       pin=config.pin_memory and device.type == "cuda", state_dir=config.optimizer_state_dir,

@@ -183,17 +183,24 @@ def loaded_implementation(config: Any) -> str | None:
     return "sdpa" if impl == MASKED_FLEX else impl
 
 
-def apply(model: nn.Module, choice: AttentionChoice) -> AttentionChoice:
+def apply(model: nn.Module, choice: AttentionChoice, forced: bool = False) -> AttentionChoice:
     """Switch the model to ``MASKED_FLEX`` (before the layer templates copy the layers and their config), through
-    transformers' own ``set_attn_implementation``; returns the choice in force (the model's own where transformers
-    declined the switch). A saved config does not carry it (``attn_implementation`` is not written to
-    ``config.json``)."""
+    transformers' own ``set_attn_implementation``; returns the choice in force. Where transformers declines the
+    switch an sdpa model keeps SDPA (said in the reason); a flex_attention model (its packed batches would be
+    computed wrong) or a forced ``masked_attention="flex"`` is refused. A saved config does not carry it
+    (``attn_implementation`` is not written to ``config.json``)."""
     if not choice.flex:
         return choice
     register()
     model.set_attn_implementation(MASKED_FLEX)
     now = getattr(model.config, "_attn_implementation", None)
-    if now != MASKED_FLEX:
-        return AttentionChoice(False, f"the model's {now!r}: transformers did not switch {type(model).__name__} "
-                                      "to another attention implementation")
-    return choice
+    if now == MASKED_FLEX:
+        return choice
+    declined = f"transformers did not switch {type(model).__name__} to another attention implementation"
+    if now == "flex_attention":
+        raise _compiled_flex_model(f"It cannot be routed to SDPA here: {declined}. Load the model with "
+                                   "attn_implementation='sdpa' or set torch_compile=False.")
+    if forced:
+        raise ValueError(f"masked_attention='flex' cannot run here: {declined}. Use masked_attention='auto' "
+                         "(or 'model') to keep the model's attention implementation.")
+    return AttentionChoice(False, f"the model's {now!r}: {declined}")

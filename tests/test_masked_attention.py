@@ -56,6 +56,22 @@ def test_auto_keeps_the_models_attention_and_says_why(model, kw, why):
     assert not c.flex and why in c.reason
 
 
+class _Heterogeneous(_Fake):
+    def __init__(self) -> None:
+        super().__init__()
+
+        class Config(SimpleNamespace):
+            @property
+            def head_dim(self):  # (transformers' heterogeneous configs refuse a global read of per-layer sizes)
+                raise RuntimeError("'head_dim' is a per-layer attribute")
+        self.config = Config(**vars(self.config))
+
+
+def test_a_heterogeneous_config_keeps_its_attention():
+    c = _choose(_Heterogeneous())
+    assert not c.flex and "heterogeneous" in c.reason
+
+
 def test_a_family_without_flex_support_keeps_its_attention():
     m = _Fake()
     m._supports_flex_attn = False

@@ -129,7 +129,10 @@ def choose(model: nn.Module, setting: str, compiled: bool, device_type: str, mic
                                        "(FlexAttention for padded batches, SDPA for packed ones) or "
                                        "torch_compile=False.")
         return AttentionChoice(False, "masked_attention='model': the model's attn_implementation")
-    hd, dropout = _head_dim(config), _attention_dropout(config)
+    try:
+        hd, dropout = _head_dim(config), _attention_dropout(config)
+    except Exception:  # noqa: BLE001 - a heterogeneous config refuses global reads of per-layer attributes
+        hd, dropout = -1, 0.0
     why_not = None
     if _block_mask_type() is None:
         why_not = f"torch {torch.__version__} has no FlexAttention"
@@ -143,6 +146,8 @@ def choose(model: nn.Module, setting: str, compiled: bool, device_type: str, mic
         why_not = f"{type(model).__name__} does not support flex_attention in transformers"
     elif getattr(config, "sub_configs", None):
         why_not = "a composite (multimodal) config: its towers keep their attention"
+    elif hd == -1:
+        why_not = "per-layer attention sizes (a heterogeneous config): not measured with FlexAttention"
     elif (hd or FLEX_MIN_HEAD_DIM) < FLEX_MIN_HEAD_DIM:
         why_not = f"head_dim {hd} (FlexAttention needs at least {FLEX_MIN_HEAD_DIM})"
     elif setting == "auto" and hd and hd & (hd - 1):

@@ -136,7 +136,10 @@ def test_host_prediction_close_to_measured(tmp_path):
         # Under-prediction (a run that does not fit) within 10 %; over-prediction (the safe side: a run refused
         # a little early) within 15 %: the 50M fp32 case measures 1.09-1.11 on the 2-core box, on the code of
         # 2026-11-25 as on today's (its extras, ~0.08 GiB beside a 0.6 GiB store, are predicted ~0.07 GiB high).
-        assert 0.9 <= r["host_ratio"] <= 1.15, (r, proc.stdout)
+        # Or within 64 MiB: RSS growth of a ~0.2 GiB case moves by tens of MiB with what the allocator reuses of
+        # the warm-up's freed pages (the 10M fp32 case: 0.229 GiB here, 0.200 GiB on a loaded CI box, 1.22x).
+        assert r["host_ratio"] >= 0.9, (r, proc.stdout)
+        assert r["host_ratio"] <= 1.15 or r["host_predicted"] - r["host_measured"] <= 64 << 20, (r, proc.stdout)
 
 
 def _alloc_peak(fn) -> int:

@@ -18,7 +18,8 @@ import torch
 import transformers
 
 from hf_megatrain import MegaTrainConfig, planner
-from hf_megatrain.planner.step_time import MachineProfile, layer_costs, predict_step
+from hf_megatrain.planner.finetune_rows import AttentionKernel, BatchRows
+from hf_megatrain.planner.step_time import MachineProfile, layer_costs, predict_step, predict_steps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "integration", "results")
@@ -76,6 +77,30 @@ def step(width: str, layers: int, config: dict, seq: int, batch: int, clipping: 
     return predict_step(sh, cfg, planner.unit_plans(sh, cfg, "cuda", GPU), seq, batch, clipping=clipping).step_s
 
 
+def finetune(path: str, layout: str, config: dict, kernel: AttentionKernel | None = None) -> tuple[float, float]:
+    """(predicted, measured) mean step of a fine-tune benchmark run (integration/bench/finetune_data.py): each timed
+    step's own rows -- the same lengths the run drew, from its seed -- predicted with clipping on every step (the
+    bench's ``--max-grad-norm 1.0`` on a random init) and averaged, as the run's ``step_time_s`` averages."""
+    import sys
+
+    sys.path.insert(0, os.path.join(ROOT, "integration"))
+    from bench.finetune_data import FULL_MAX_LEN, step_lengths
+
+    record = json.load(open(os.path.join(RESULTS, path)))["records"]["megatrain:streamed@32768"]
+    timed = len(json.loads(str(record["step_times_s"])))
+    warmup = len(json.loads(str(record["warmup_times_s"])))
+    sh, cfg = shape("14B", 8), MegaTrainConfig(**{"split_host_update": "off", **config})
+    plans = planner.unit_plans(sh, cfg, "cuda", GPU)
+    steps = step_lengths({"tokens": 32768, "layout": layout}, warmup + timed)[warmup:]
+    rows = [BatchRows.padded(n) if layout == "padded" else BatchRows.packed(n, FULL_MAX_LEN) for n in steps]
+    return predict_steps(sh, cfg, plans, rows, clipping=True, kernel=kernel).step_s, float(record["step_time_s"])
+
+
+def ft_case(label: str, path: str, layout: str, config: dict, kernel: AttentionKernel | None = None) -> tuple:
+    run = functools.lru_cache(maxsize=None)(lambda: finetune(path, layout, config, kernel))
+    return (label, lambda: run()[0], lambda: run()[1])
+
+
 def layer_visit(width: str, config: dict, seq: int, batch: int, clipping: bool) -> float:
     """One interior layer's GPU visits per step (what scale_123b.py's ``gpu_per_layer_s`` measures): forward and
     backward, each paced by its compute or its weight load, twice when a lean step clips (norm first)."""
@@ -113,17 +138,13 @@ CASES = [
      lambda: measured("bench_vs_deepspeed/2026-11-25_c7bb5ea_bench_streamed_clip1_h100.json", "records", "megatrain:streamed@16", "step_time_s")),
     ("7B x8, 8k tokens, compile, clipping every step (issue 31)",
      lambda: step("7B", 8, STREAMED | COMPILE, 2048, 4, True), lambda: issue31(0.643)),
-    ("14B x8 fine-tune packed 8 x 4096, eager, clip 1.0 (session 12)",
-     lambda: step("14B", 8, STREAMED | EAGER, 4096, 8, True),
-     lambda: measured("bench_vs_deepspeed/2026-11-25_788d919_finetune_packed_ds_h100.json", "records", "megatrain:streamed@32768", "step_time_s")),
-    ("14B x8 fine-tune packed 8 x 4096, compile, clip 1.0 (session 12)",
-     lambda: step("14B", 8, STREAMED | COMPILE, 4096, 8, True),
-     lambda: measured("bench_vs_deepspeed/2026-11-25_a14889b_finetune_packed_compile_h100.json", "records", "megatrain:streamed@32768",
-                      "step_time_s")),
-    ("14B x8 fine-tune packed 8 x 4096, compile, clip 1.0 (session 15)",
-     lambda: step("14B", 8, STREAMED | COMPILE, 4096, 8, True),
-     lambda: measured("bench_vs_deepspeed/2026-11-26_f9a8613_finetune_packed_compile_h100.json", "records",
-                      "megatrain:streamed@32768", "step_time_s")),
+    # Fine-tune runs (32,768 real tokens per step, clip 1.0): each timed step's rows (``finetune``).
+    ft_case("14B x8 fine-tune packed, eager, SDPA dense mask (session 12)",
+            "bench_vs_deepspeed/2026-11-25_788d919_finetune_packed_ds_h100.json", "packed", STREAMED | EAGER),
+    ft_case("14B x8 fine-tune packed, compile, SDPA dense mask (session 12)",
+            "bench_vs_deepspeed/2026-11-25_a14889b_finetune_packed_compile_h100.json", "packed", STREAMED | COMPILE),
+    ft_case("14B x8 fine-tune packed, compile, SDPA dense mask (session 15)",
+            "bench_vs_deepspeed/2026-11-26_f9a8613_finetune_packed_compile_h100.json", "packed", STREAMED | COMPILE),
     *[(f"14B x8, 32k tokens, compile, clipping every step, {k} GPU-stepped layers with host state (session 15)",
        functools.partial(step, "14B", 8, GPU_STEPPED(k) | COMPILE, 2048, 16, True),
        functools.partial(measured, f"bench_vs_deepspeed/2026-11-26_7d56ef7_bench_clip1_32k_gpu_step_k{k}_held_copies_h100"
@@ -145,10 +166,17 @@ CASES = [
                       "step_time_s")),
     # (The timing of FlexAttention's block-skipping packed attention; its values were wrong -- session 17,
     # integration/results/masked_flex_parity -- so the run is withdrawn as a fine-tune figure, not as a timing.)
-    ("14B x8 fine-tune packed 8 x 4096, config defaults, flex_attention, clip 1.0 (H200, session 16)",
-     lambda: step("14B", 8, STREAMED | SPLIT | dict(torch_compile="auto"), 4096, 8, True),
-     lambda: measured("bench_vs_deepspeed/2026-11-26_976f21a_finetune_packed_flex_defaults_h200.json", "records",
-                      "megatrain:streamed@32768", "step_time_s")),
+    ft_case("14B x8 fine-tune packed, config defaults, flex_attention (H200, session 16)",
+            "bench_vs_deepspeed/2026-11-26_976f21a_finetune_packed_flex_defaults_h200.json", "packed",
+            STREAMED | SPLIT | dict(torch_compile="auto"), AttentionKernel.FLEX),
+    *[ft_case(f"14B x8 fine-tune {layout}, config defaults ({kernel}) (H200, {run}, {file[11:18]})",
+              f"bench_vs_deepspeed/{file}", layout, STREAMED | SPLIT | dict(torch_compile="auto"))
+      for layout, kernel, run, file in (
+          ("packed", "SDPA dense mask", "session 16", "2026-11-26_976f21a_finetune_packed_defaults_ds_h200.json"),
+          ("packed", "SDPA dense mask", "session 16", "2026-11-26_cd10ebf_finetune_packed_defaults_final_policy_h200.json"),
+          ("packed", "SDPA dense mask", "session 17", "2026-11-26_3978ddb_finetune_packed_sdpa_ds_h200.json"),
+          ("padded", "FlexAttention", "session 17", "2026-11-26_3978ddb_finetune_padded_flex_ds_h200.json"),
+          ("padded", "FlexAttention", "session 17", "2026-11-26_ff454b9_finetune_padded_flex_ds_h200.json"))],
     ("7B x8 kept on the GPU, one 262,144-token sequence, inputs offloaded (the attention rate's calibration run)",
      lambda: step("7B", 8, dict(activation_offload="on"), 262144, 1, False),
      lambda: measured("long_context/2026-11-23_6c2de76_long_context_h100_8layers_262k.json", "runs", "0", "step_time_s")),
@@ -178,13 +206,16 @@ CASES = [
 
 # Measured runs the model does not predict within 15 %, and why.
 OUTSIDE = [
-    ("14B x8 fine-tune packed 8 x 4096, config defaults, SDPA, clip 1.0 (H200, session 16)",
-     lambda: step("14B", 8, STREAMED | SPLIT | dict(torch_compile="auto"), 4096, 8, True),
-     lambda: measured("bench_vs_deepspeed/2026-11-26_976f21a_finetune_packed_defaults_ds_h200.json", "records",
-                      "megatrain:streamed@32768", "step_time_s"),
-     "the model prices causal attention over each 4,096-token row; SDPA gets transformers' dense block-causal mask "
-     "and computes every block: 30.7 ms per layer forward + backward against 9.6 causal "
-     "(packed_attention/2026-11-26_ba4af5d_packed_attention_h200.json). The same run with flex_attention is in CASES"),
+    *[(*ft_case(f"14B x8 fine-tune padded, SDPA dense mask ({run})", f"bench_vs_deepspeed/{file}", "padded",
+                 STREAMED | config, AttentionKernel.DENSE_MASK),
+       "with a mask SDPA runs cuDNN attention, which builds an execution graph for every new shape (0.1-5.2 s on a "
+       "padded width's first call: attention_shapes/2026-11-26_6b17243_attention_shapes_h200.json), and a padded "
+       "run meets a new width nearly every step; the model has no per-shape cost (the steps after a width's first "
+       "are within it: 976f21a's 1.754 s step, predicted 1.77)")
+      for run, file, config in (
+          ("H200, session 16", "2026-11-26_976f21a_finetune_padded_defaults_ds_h200.json",
+           SPLIT | dict(torch_compile="auto")),
+          ("session 15", "2026-11-26_f9a8613_finetune_padded_compile_h100.json", COMPILE))],
     ("14B x8 streamed, 8k tokens, compile, no clip (issue 31 headline: 0.760 s)",
      lambda: step("14B", 8, STREAMED | COMPILE, 2048, 4, False), lambda: issue31(0.760),
      "host-bound (the host AdamW is busy ~80 % of the step): the same config measured 0.567 / 0.661 / 0.760 s on "

@@ -18,7 +18,9 @@ from ..config import MegaTrainConfig, resolve_config
 from ..core.memory import available_host_bytes, format_bytes, gpu_budget
 from .host_layout import Layout, choose, host_layouts, is_planned, layout_lines
 from .predict import GiB, MemoryPlan, ModelShape, estimate, sum_values, unit_plans
-from .step_time import MachineProfile, StepPrediction, predict_step
+from .finetune_rows import Layout as RowLayout
+from .finetune_rows import sample_steps
+from .step_time import MachineProfile, StepPrediction, predict_step, predict_steps
 
 __all__ = ["checkpoint_sizes", "load_shape", "main", "step_time_lines"]
 
@@ -91,6 +93,35 @@ def step_time_lines(preds: dict[str, StepPrediction], machine: MachineProfile) -
     return out
 
 
+def load_lengths(path: str, samples: int = 4096) -> list[int]:
+    """A dataset's sequence lengths (in tokens) from ``path``: a JSON list of lengths, a JSON histogram
+    ``{"bin_edges": [...], "counts": [...]}`` (``samples`` lengths drawn from it, uniform within a bin, fixed seed),
+    or a text file with one length per line."""
+    import random
+
+    with open(path) as f:
+        text = f.read()
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError:
+        doc = [line for line in text.split() if line]
+    if isinstance(doc, dict):
+        edges, counts = doc.get("bin_edges"), doc.get("counts")
+        if not (isinstance(edges, list) and isinstance(counts, list) and len(edges) == len(counts) + 1
+                and sum(counts) > 0):
+            raise ValueError(f"{path}: a histogram needs 'bin_edges' one longer than 'counts' (and some counts)")
+        rng = random.Random(0)
+        bins = rng.choices(range(len(counts)), weights=counts, k=samples)
+        doc = [max(1, int(edges[b] + rng.random() * (edges[b + 1] - edges[b]))) for b in bins]
+    try:
+        lengths = [int(x) for x in doc]
+    except (TypeError, ValueError):
+        raise ValueError(f"{path}: expected a JSON list of lengths, a histogram or one length per line") from None
+    if not lengths or min(lengths) < 1:
+        raise ValueError(f"{path}: no lengths, or a length below 1")
+    return lengths
+
+
 def _duration(s: float) -> str:
     return f"{s:.1f} s" if s < 120 else (f"{s / 60:.1f} min" if s < 7200 else f"{s / 3600:.1f} h")
 
@@ -138,6 +169,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host-adamw-gbps", type=float, default=None,
                    help="host AdamW DRAM traffic in GB/s while the step runs (default 140: the H100 machine's 16 "
                         "threads, measured in-step; integration/host_adamw_rate.py measures yours alone)")
+    p.add_argument("--lengths", default=None,
+                   help="a fine-tune's sequence lengths (JSON list, JSON histogram {bin_edges, counts}, or one per "
+                        "line): the step time is predicted over batches drawn from them, in real tokens/s; with "
+                        "--layout padded, --batch-size sequences per step padded to their longest (at most "
+                        "--seq-len); packed, --batch-size rows of --seq-len tokens")
+    p.add_argument("--layout", default="padded", choices=["padded", "packed"],
+                   help="with --lengths: padded rows (a padding collator) or packed rows (DataCollatorWithFlattening, "
+                        "TRL padding_free / packing)")
+    p.add_argument("--group-by-length", action="store_true",
+                   help="with --lengths --layout padded: Trainer's group_by_length (length-grouped batches)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     a = p.parse_args(argv)
     try:
@@ -152,6 +193,10 @@ def main(argv: list[str] | None = None) -> int:
         if a.seq_len <= 0 or a.batch_size <= 0 or a.gpus <= 0 or not all(r is None or r > 0 for r in rates):
             raise ValueError("--seq-len, --batch-size, --gpus and the rates (--disk-gbps, --tflops, --pcie-gbps, "
                              "--host-adamw-gbps) must be positive")
+        batches = None
+        if a.lengths:
+            batches = sample_steps(load_lengths(a.lengths), RowLayout(a.layout), a.batch_size, a.seq_len,
+                                   group_by_length=a.group_by_length)
         shape = load_shape(a.model, config.layers_path, a.trust_remote_code)
     except (FileNotFoundError, ValueError) as e:
         print(f"megatrain estimate: error: {e}", file=sys.stderr)
@@ -171,12 +216,21 @@ def main(argv: list[str] | None = None) -> int:
     layouts: list[Layout] = []
     if plans is not None and is_planned(config, a.gpus):
         for label, clip in (("no clipping", False), ("clipping on every step", True)):
-            preds[label] = predict_step(shape, config, plans, a.seq_len, a.batch_size, machine, clipping=clip,
-                                        grad_accum=a.grad_accum)
+            if batches is None:
+                preds[label] = predict_step(shape, config, plans, a.seq_len, a.batch_size, machine, clipping=clip,
+                                            grad_accum=a.grad_accum)
+            else:  # (tokens/s: real tokens, padding not counted)
+                preds[label] = predict_steps(shape, config, plans, batches, machine, clipping=clip,
+                                             grad_accum=a.grad_accum)
         layouts = host_layouts(shape, config, a.seq_len, a.batch_size, gpu_plan, host_avail, machine,
                                clipping=not a.no_clip)
     else:
         step_note = "step time: not predicted for float32 compute or several GPUs (the model covers one GPU, bf16)"
+    rows = None
+    if batches is not None:
+        real, total = sum(b.real_tokens for b in batches), sum(b.total_tokens for b in batches)
+        rows = {"layout": a.layout, "group_by_length": a.group_by_length, "steps_drawn": len(batches),
+                "real_tokens_per_step": real / len(batches), "padding_share": 1 - real / total}
     host_need = plan.host_total
     host_ok = host_need <= config.host_memory_fraction * host_avail
     # Against this GPU, or the one --gpu-memory describes (also when this machine has none).
@@ -194,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
                           "seq_chunk_tokens": plan.seq_chunk_tokens, "flops_per_token": plan.flops_per_token,
                           "checkpoint": checkpoint_sizes(plan, a.disk_gbps),
                           "step_time": {k: asdict(v) for k, v in preds.items()}, "machine": asdict(machine),
+                          "fine_tune_rows": rows,
                           "host_layouts": [asdict(x) for x in layouts],
                           "host_layout_choice": getattr(choose(layouts)[0], "name", None) if layouts else None},
                          indent=1))
@@ -201,6 +256,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{a.model}: {shape.trainable / 1e9:.3f}B trainable parameters ({shape.num_layers} streamed layers, "
           f"{shape.resident_numel / 1e6:.1f}M resident), {config.compute_dtype} compute, seq_len={a.seq_len}, "
           f"batch_size={a.batch_size}")
+    if rows is not None:
+        print(f"  fine-tune rows from {a.lengths}: {a.layout}"
+              + (", grouped by length" if a.group_by_length else "")
+              + f", {rows['real_tokens_per_step']:,.0f} real tokens per step on average, "
+              f"{rows['padding_share']:.0%} padding ({len(batches)} steps drawn); step times below are their mean")
     if shape.routed_inactive:  # an MoE: FLOPs (and so time / MFU) follow the experts a token is routed to
         print(f"  {shape.active / 1e9:.3f}B active per token of {(shape.trainable + shape.frozen) / 1e9:.3f}B "
               "(routed experts: top_k / num_experts of theirs)")

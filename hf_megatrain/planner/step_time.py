@@ -25,11 +25,15 @@ clips runs its forward+backward twice (norm first), unless its layers keep a bf1
 (``lean_grad_plane``: then it updates from the plane in ``step()``, as a host layer does). Not modelled: float32
 compute, data-parallel ranks, gradient accumulation beyond repeating the micro-step's GPU+PCIe work, activation
 offload traffic, recompiles.
+
+A fine-tune's rows (``predict_step(rows=...)``: padded or packed, finetune_rows.py) change two things: the layers'
+matmuls, element-wise work and head run over every position of every row (padding included), and the attention is
+what its kernel executes (FlexAttention's kept blocks, a dense mask's full square, or the causal half).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,11 +41,12 @@ import torch
 from ..config import MegaTrainConfig
 from ..core import kernels
 from ..core.plan import SPLIT_SLACK, Plans, StepModes, Stepper, UnitPlan, Where, decide_modes
+from .finetune_rows import AttentionKernel, BatchRows, attention_flops, default_kernel
 
 if TYPE_CHECKING:
     from .predict import ModelShape
 
-__all__ = ["MachineProfile", "LayerCost", "StepPrediction", "layer_costs", "predict_step", "simulate"]
+__all__ = ["MachineProfile", "LayerCost", "StepPrediction", "layer_costs", "predict_step", "predict_steps", "simulate"]
 
 # Element-wise bytes per token per layer forward, in units of the compute dtype's size / 2 (bf16 counted).
 # Eager HF layer (counted op by op): each RMSNorm ~36H (fp32 upcast, pow, mean, scale, cast, weight), two residual
@@ -68,6 +73,11 @@ class MachineProfile:
     # Flash attention (SDPA), causal FLOPs executed per second: long_context_h100_8layers_262k.json, 1.40 s
     # forward / 4.44 s backward per 7B-width layer at 262,144 tokens (attention ~5x the layer's matmuls): 404 / 368.
     attention_tflops: float = 380.0
+    # FlexAttention (padded / packed rows with a BlockMask), FLOPs of the blocks it computes (finetune_rows.py): packed
+    # 8 x 4,096 rows 234, causal 2,048-token rows 273 (H200 probes, packed_attention / attention_shapes results).
+    flex_tflops: float = 255.0
+    # SDPA with a dense mask (nothing skipped): the full square of 8 x 4,096 packed rows in 30.7 ms fwd+bwd: 269.
+    dense_mask_tflops: float = 269.0
     # Element-wise kernels: H100 SXM HBM3 3.35 TB/s spec, ~90 % reached by streaming kernels (not measured here).
     hbm_gbps: float = 3000.0
     # Pinned copies measured one way at a time (h100_limits.json: 45.5 H2D, 55.1 D2H GB/s).
@@ -124,8 +134,10 @@ def _elementwise_bytes(shape: ModelShape, compiled: bool, c: int) -> float:
 
 
 def layer_costs(shape: ModelShape, config: MegaTrainConfig, plans: Plans, seq_len: int, tokens: int,
-                machine: MachineProfile, clipping: bool, grad_accum: int = 1) -> list[LayerCost]:
-    """One ``LayerCost`` per decoder layer (see the module docstring)."""
+                machine: MachineProfile, clipping: bool, grad_accum: int = 1,
+                attention_s: float | None = None) -> list[LayerCost]:
+    """One ``LayerCost`` per decoder layer (see the module docstring). ``attention_s``: one forward's attention
+    seconds where the rows are not ``tokens / seq_len`` causal sequences (``attention_seconds``)."""
     m = machine
     c = _elt(config.torch_compute_dtype)
     gemm, attn = m.tflops * m.gemm_efficiency * 1e12, m.attention_tflops * 1e12
@@ -133,6 +145,7 @@ def layer_costs(shape: ModelShape, config: MegaTrainConfig, plans: Plans, seq_le
     total = sum(shape.layer_numels) + sum(shape.layer_frozen)
     active = 1.0 - shape.routed_inactive / total if total else 1.0  # (MoE: a token runs top_k of the experts)
     A = 2.0 * shape.q_dim * seq_len * tokens  # causal attention FLOPs of one forward
+    attn_s = A / attn if attention_s is None else attention_s
     elem = _elementwise_bytes(shape, config.compiles("cuda"), c) * tokens
     o = _elt(config.torch_grad_offload_dtype)
     modes = decide_modes(config, plans, "cuda", data_parallel=False, probe=False)  # (the engine's own decision)
@@ -143,8 +156,8 @@ def layer_costs(shape: ModelShape, config: MegaTrainConfig, plans: Plans, seq_le
     out = []
     for up in plans.layers:
         n, fz = up.numel * active, up.frozen_numel * active
-        fwd = 2 * (n + fz) * tokens / gemm + A / attn + elem / hbm
-        bwd = (2 * (n + fz) + 2 * (n + fz) + 2 * n) * tokens / gemm + 3 * A / attn + 3 * elem / hbm
+        fwd = 2 * (n + fz) * tokens / gemm + attn_s + elem / hbm
+        bwd = (2 * (n + fz) + 2 * (n + fz) + 2 * n) * tokens / gemm + 3 * attn_s + 3 * elem / hbm
         kept = up.master is Where.DEVICE
         weights = 0 if kept else (c if up.compute is Where.HOST or c == 4 else 4) * up.numel + c * up.frozen_numel
         host_s = gpu_s = split_w = split_s = 0.0
@@ -280,16 +293,47 @@ def head_seconds(shape: ModelShape, config: MegaTrainConfig, tokens: int, machin
     return matmul + _LOSS_BYTES[fused] * tokens * shape.vocab / (m.hbm_gbps * 1e9)
 
 
+def attention_seconds(shape: ModelShape, batch: BatchRows, kernel: AttentionKernel, machine: MachineProfile) -> float:
+    """One layer forward's attention over ``batch`` with ``kernel``, at that kernel's measured rate."""
+    rate = {AttentionKernel.FLASH: machine.attention_tflops, AttentionKernel.FLEX: machine.flex_tflops,
+            AttentionKernel.DENSE_MASK: machine.dense_mask_tflops}[kernel]
+    return attention_flops(shape.q_dim, batch, kernel) / (rate * 1e12)
+
+
+def predict_steps(shape: ModelShape, config: MegaTrainConfig, plans: Plans, batches: list[BatchRows],
+                  machine: MachineProfile | None = None, *, clipping: bool = False, grad_accum: int = 1,
+                  kernel: AttentionKernel | None = None) -> StepPrediction:
+    """The mean of ``predict_step`` over a fine-tune's micro-steps (``finetune_rows.sample_steps``): step seconds
+    averaged, tokens/s and MFU over all of their real tokens; the bottleneck and busy shares of the median step."""
+    preds = [predict_step(shape, config, plans, 0, 0, machine, clipping=clipping, grad_accum=grad_accum, rows=b,
+                          kernel=kernel) for b in batches]
+    total = sum(p.step_s for p in preds)
+    mid = sorted(preds, key=lambda p: p.step_s)[len(preds) // 2]
+    return replace(mid, step_s=total / len(preds),
+                   tokens_per_s=sum(p.tokens_per_s * p.step_s for p in preds) / total,
+                   mfu=sum(p.mfu * p.step_s for p in preds) / total,
+                   mfu_with_attention=sum(p.mfu_with_attention * p.step_s for p in preds) / total,
+                   forward_wait_s=sum(p.forward_wait_s for p in preds) / len(preds))
+
+
 def predict_step(shape: ModelShape, config: MegaTrainConfig, plans: Plans, seq_len: int, batch_size: int,
                  machine: MachineProfile | None = None, *, clipping: bool = False,
-                 grad_accum: int = 1) -> StepPrediction:
+                 grad_accum: int = 1, rows: BatchRows | None = None,
+                 kernel: AttentionKernel | None = None) -> StepPrediction:
     """Predicted steady-state optimizer step for ``batch_size`` sequences of ``seq_len`` tokens per micro-step;
-    ``clipping``: the global-norm clip applies on every step (updates wait for the norm)."""
+    ``clipping``: the global-norm clip applies on every step (updates wait for the norm). ``rows``: a fine-tune's
+    micro-step instead (padded or packed rows: finetune_rows.py; ``seq_len`` and ``batch_size`` are then ignored),
+    its attention run by ``kernel`` (default: what the engine's defaults choose for its layout); tokens per
+    second count its real (non-padding) tokens."""
     if config.torch_compute_dtype == torch.float32:
         raise ValueError("the step-time model covers bf16 compute only (float32 matmul rates are not measured)")
     m = machine or MachineProfile()
-    tokens = batch_size * seq_len
-    layers = layer_costs(shape, config, plans, seq_len, tokens, m, clipping, grad_accum)
+    attention_s = None
+    real = tokens = batch_size * seq_len
+    if rows is not None:
+        seq_len, tokens, real = rows.width, rows.total_tokens, rows.real_tokens
+        attention_s = attention_seconds(shape, rows, kernel or default_kernel(config, rows.layout), m)
+    layers = layer_costs(shape, config, plans, seq_len, tokens, m, clipping, grad_accum, attention_s)
     # A lean layer updated as its gradient lands on a clipping step had no gradient plane: the step re-runs.
     rerun = any(up.stepper is Stepper.LEAN and c.speculative for up, c in zip(plans.layers, layers))
     passes = 2 if rerun and clipping else 1
@@ -324,5 +368,5 @@ def predict_step(shape: ModelShape, config: MegaTrainConfig, plans: Plans, seq_l
         why = f"GPU compute + the forward's wait for the host AdamW ({wait / step:.0%} of the step)"
     elif top != "GPU compute":
         why = f"{top} ({busy[top] / step:.0%} of the step busy; the GPU {busy['GPU compute'] / step:.0%})"
-    tps = tokens * grad_accum / step
+    tps = real * grad_accum / step
     return StepPrediction(step, tps, fpt["dense_6n"] * tps / peak, why, wait, fpt["model"] * tps / peak, busy, passes)

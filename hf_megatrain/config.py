@@ -186,12 +186,15 @@ class MegaTrainConfig:
             the masked blocks; one kernel for every width) in training forwards, SDPA for everything else --
             unmasked and packed batches, evaluation, generation (model/attention.py) -- where the layers run
             compiled on a GPU and the model was loaded with transformers' default ``"sdpa"`` (or
-            ``"flex_attention"``, whose packed batches compiled layers compute wrong: they go to SDPA) and supports
+            ``"flex_attention"``: see "flex") and supports
             flex_attention (a power-of-two head_dim >= 16, no attention dropout, no ``micro_batch_size`` split, a text-only config);
             else the model's own. Measured on an H200 at 14B width: SDPA with a padding mask computes every masked
             block and rebuilds a cuDNN graph for every new width (0.1-5 s per new shape). "flex": the same, refused
-            (saying why) where it cannot run; "model": the model's ``attn_implementation`` always (refused for a
-            ``"flex_attention"`` model with compiled layers, as is one "auto" cannot route).
+            (saying why) where it cannot run, and packed rows (``position_ids`` restarting) through FlexAttention
+            too, run outside the layers' compiled graphs (inside them FlexAttention computes packed rows wrong on
+            torch 2.11); a ``"flex_attention"`` model with compiled layers gets this under "auto" too. "model": the
+            model's ``attn_implementation`` always (refused for a ``"flex_attention"`` model with compiled layers,
+            as is one "auto" cannot route).
         speculative_step: in the step's last backward (Trainer tells the engine which one that is), update each
             CPU-stepped layer as soon as its gradient lands instead of after the backward, overlapping the CPU AdamW
             with the GPU's backward; when the step turns out to clip (or the norm is non-finite) those updates are

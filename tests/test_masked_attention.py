@@ -1,7 +1,7 @@
-"""Padded batches' attention (model/attention.py): which models get FlexAttention for padded batches
-(``masked_attention``: decided once, tested with made-up models), what the registered mask builder answers for
-each kind of batch (packed rows stay on SDPA), and that padded and packed batches through it train as plain HF's
-SDPA does."""
+"""Masked batches' attention (model/attention.py): which models get FlexAttention for padded batches, and for packed
+ones (``masked_attention``: decided once, tested with made-up models), what the registered mask builders answer for
+each kind of batch, and that padded and packed batches through them compute (CPU forward) and train (GPU) as plain
+HF's SDPA does."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from transformers.masking_utils import create_causal_mask
 
 from hf_megatrain import MegaTrainConfig, MegaTrainEngine
 from hf_megatrain.model import attention
-from hf_megatrain.model.attention import MASKED_FLEX
+from hf_megatrain.model.attention import MASKED_FLEX, MASKED_FLEX_PACKED
 
 from .models import tiny
 
@@ -38,7 +38,9 @@ def _choose(model: nn.Module, setting: str = "auto", compiled: bool = True, devi
 
 def test_auto_chooses_flex_for_a_compiled_gpu_run_of_an_sdpa_model():
     c = _choose(_Fake())
-    assert c.flex and "FlexAttention" in c.reason
+    assert c.flex and not c.packed and "FlexAttention" in c.reason and c.implementation == MASKED_FLEX
+    forced = _choose(_Fake(), "flex")  # "flex": packed rows through FlexAttention too
+    assert forced.flex and forced.packed and forced.implementation == MASKED_FLEX_PACKED
 
 
 @pytest.mark.parametrize("model, kw, why", [
@@ -50,6 +52,7 @@ def test_auto_chooses_flex_for_a_compiled_gpu_run_of_an_sdpa_model():
     (_Fake(sub_configs={"vision_config": None}), {}, "composite"),
     (_Fake(hidden_size=32, num_attention_heads=4), {}, "head_dim 8"),
     (_Fake(head_dim=96), {}, "head_dim 96 is not a power of two"),
+    (_Fake(attn_logit_softcapping=50.0), {}, "soft-capping (50.0)"),
 ])
 def test_auto_keeps_the_models_attention_and_says_why(model, kw, why):
     c = _choose(model, **kw)
@@ -78,14 +81,23 @@ def test_a_family_without_flex_support_keeps_its_attention():
     assert not _choose(m).flex
 
 
-def test_a_flex_attention_model_with_compiled_layers_gets_sdpa_for_packed_batches_or_a_refusal():
+def test_a_flex_attention_model_with_compiled_layers_gets_packed_rows_outside_the_graph_or_a_refusal():
     c = _choose(_Fake(impl="flex_attention"))
-    assert c.flex and "packed" in c.reason
+    assert c.flex and c.packed and "outside the layers' compiled graphs" in c.reason
     assert not _choose(_Fake(impl="flex_attention"), compiled=False).flex  # eager flex: right, kept
     with pytest.raises(ValueError, match="packed batches wrong.*masked_attention='auto'.*torch_compile=False"):
         _choose(_Fake(impl="flex_attention"), "model")
     with pytest.raises(ValueError, match="cannot be routed to SDPA here: micro_batch_size=2.*torch_compile=False"):
         _choose(_Fake(impl="flex_attention"), mbs=2)
+
+
+def test_a_layer_asking_for_more_than_plain_attention_is_refused_not_computed_otherwise():
+    q = torch.zeros(1, 2, 4, 16)
+    for extra in (dict(softcap=30.0), dict(s_aux=torch.zeros(2)), dict(dropout=0.1)):
+        with pytest.raises(ValueError, match="masked_attention='model'"):
+            attention._masked_flex_attention(nn.Linear(1, 1), q, q, q, None, **extra)
+    with pytest.raises(ValueError, match="masked_attention='flex' cannot run here: attention logit soft-capping"):
+        _choose(_Fake(impl="eager", attn_logit_softcapping=50.0), "flex")
 
 
 def test_flex_refuses_where_it_cannot_run_and_says_what_to_change():
@@ -146,6 +158,15 @@ def test_the_mask_builder_answers_none_for_causal_a_block_mask_for_padded_and_sd
     with torch.no_grad():  # evaluation / generation: sdpa's mask, as the model would build it
         assert isinstance(_mask(model, input_ids=ids, attention_mask=padded), torch.Tensor)
     assert "hf_megatrain_masked_flex" not in model.config.to_json_string()  # a saved config keeps plain HF's
+    # MASKED_FLEX_PACKED: packed rows get a BlockMask marked to run outside the compiled graph (in training)
+    attention.apply(model, attention.AttentionChoice(True, "test", packed=True))
+    assert model.config._attn_implementation == MASKED_FLEX_PACKED
+    marked = _mask(model, input_ids=packed["input_ids"], position_ids=packed["position_ids"])
+    assert isinstance(marked, attention._PackedBlockMask) and isinstance(marked.block_mask, BlockMask)
+    with torch.no_grad():
+        assert isinstance(_mask(model, input_ids=packed["input_ids"], position_ids=packed["position_ids"]),
+                          torch.Tensor)
+    assert isinstance(_mask(model, input_ids=ids, attention_mask=padded), BlockMask)
 
 
 def test_the_engine_on_a_cpu_keeps_the_models_attention_and_refuses_a_forced_flex():
@@ -154,6 +175,40 @@ def test_the_engine_on_a_cpu_keeps_the_models_attention_and_refuses_a_forced_fle
     with pytest.raises(ValueError, match="masked_attention='flex' cannot run here: training on cpu"):
         MegaTrainEngine(tiny("llama"), MegaTrainConfig(compute_dtype="float32", masked_attention="flex"),
                         device="cpu")
+
+
+def _packed_flex_model(family: str = "llama", **over) -> tuple[nn.Module, nn.Module]:
+    ref = tiny(family, **over)
+    ours = copy.deepcopy(ref).requires_grad_(False)  # grad mode on (the training path), nothing to differentiate
+    attention.apply(ours, attention.AttentionChoice(True, "test", packed=True))
+    return ref, ours
+
+
+@pytest.mark.slow
+def test_a_packed_batch_through_flex_outside_the_graph_computes_what_sdpa_does():
+    ref, ours = _packed_flex_model()
+    batch = DataCollatorWithFlattening()([{"input_ids": list(range(4, 4 + n))} for n in (5, 9, 7)])
+    with torch.no_grad():
+        a = ref(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+    b = ours(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits.detach()
+    torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_fresh_packed_mask_every_step_compiles_no_new_layer_graph():
+    """Each packed batch gets a new ``_PackedBlockMask``: the compiled layers pass it through to the function run
+    outside their graph, so same-width packed steps re-use the layers' graphs (no re-compile per step)."""
+    from torch._dynamo.utils import counters
+
+    _, model = _packed_flex_model()
+    for layer in model.model.layers:
+        layer.compile()
+    graphs = []
+    for lengths in ((10, 12, 10), (5, 20, 7), (16, 8, 8), (3, 3, 26)):  # 32 tokens in every packed row
+        batch = DataCollatorWithFlattening()([{"input_ids": list(range(4, 4 + n))} for n in lengths])
+        model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[1:] == graphs[:1] * 3, graphs
 
 
 @pytest.mark.slow
@@ -191,7 +246,8 @@ def _packed(seed: int) -> dict[str, torch.Tensor]:
 @pytest.mark.gpu
 @pytest.mark.parametrize("batches", [_padded, _packed])
 def test_gpu_masked_batches_train_through_flex_like_plain_hf(batches):
-    """Padded batches through FlexAttention, packed ones through SDPA, in the compiled streamed layers (float32
+    """Padded and packed batches through FlexAttention (``masked_attention="flex"``; packed rows outside the layers'
+    graphs), in the compiled streamed layers (float32
     compute: the comparison is the kernels' rounding, not bf16's) against plain HF with SDPA and torch AdamW: loss,
     and every updated weight after each step."""
     if not torch.cuda.is_available():
@@ -202,7 +258,7 @@ def test_gpu_masked_batches_train_through_flex_like_plain_hf(batches):
                           device_step_layers=0)
     # head_dim 16: FlexAttention's smallest
     engine, rows = train_batches_against_plain_hf(tiny("llama", hidden_size=64), [batches(0), batches(1)], cfg)
-    assert engine.attention.flex
+    assert engine.attention.flex and engine.attention.packed
     for r in rows:
         assert r["loss_rel"] < 1e-5 and r["weight_rel"] < 1e-4, rows
     assert all(t.compiled is not None for t in engine.executor.templates)

@@ -61,6 +61,8 @@ def test_default_kernel_follows_the_engines_choice():
     assert default_kernel(compiled, Layout.PACKED) is AttentionKernel.DENSE_MASK
     for other in (MegaTrainConfig(torch_compile=False), MegaTrainConfig(torch_compile=True, masked_attention="model")):
         assert default_kernel(other, Layout.PADDED) is AttentionKernel.DENSE_MASK
+    forced = MegaTrainConfig(torch_compile=True, masked_attention="flex")
+    assert default_kernel(forced, Layout.PACKED) is AttentionKernel.FLEX
 
 
 def test_sampled_steps_lay_out_a_datasets_lengths_as_trainer_does():

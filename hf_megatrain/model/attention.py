@@ -1,4 +1,5 @@
-"""Padded batches' attention: FlexAttention where the mask is causal + padding, SDPA everywhere else.
+"""Masked batches' attention: FlexAttention where the mask is causal + padding (and, asked for, packed rows), SDPA
+everywhere else.
 
 A fine-tune's padded batches (``attention_mask`` with zeros, one row per sequence padded to the batch's longest)
 hand SDPA a dense ``[rows, 1, T, T]`` boolean mask under transformers' default ``attn_implementation="sdpa"``,
@@ -15,14 +16,18 @@ mask (fixed-length rows), SDPA's flash kernel is faster than FlexAttention (5.8 
 implementation keeps it there. The math is the model's attention either way; only the kernel's rounding differs
 (tests/test_masked_attention.py: float32, against plain HF with SDPA, 1e-7 on the loss).
 
-Packed sequences (``position_ids`` restarting: ``DataCollatorWithFlattening``, TRL ``padding_free``) stay on SDPA's
-dense block-causal mask: compiled into the layers, FlexAttention with transformers' packed mask computed wrong
-values on torch 2.11 -- in plain transformers too, with each decoder layer ``torch.compile``d (logits 1.3e-2 off;
-eager right: integration/probes/masked_flex_parity.py ``--diagnose``, an upstream bug, not the engine's) --
-so a model loaded with ``attn_implementation="flex_attention"`` whose layers compile gets this implementation too
-(its padded batches still run FlexAttention) rather than a silently wrong packed batch.
+Packed sequences (``position_ids`` restarting: ``DataCollatorWithFlattening``, TRL ``padding_free``): compiled into
+the layers, FlexAttention with transformers' packed mask computed wrong values on torch 2.11 -- in plain
+transformers too, with each decoder layer ``torch.compile``d (logits 1.3e-2 off; eager right:
+integration/probes/masked_flex_parity.py ``--diagnose``, an upstream bug, not the engine's). So packed rows either
+stay on SDPA's dense block-causal mask (``MASKED_FLEX``: the "auto" default until the other is measured at speed),
+or (``MASKED_FLEX_PACKED``: ``masked_attention="flex"``, and a model loaded with
+``attn_implementation="flex_attention"`` whose layers compile) run FlexAttention *outside* the layer's compiled
+graph: the builder wraps their ``BlockMask`` (``_PackedBlockMask``) and the attention function hands it to a
+separately compiled ``flex_attention`` behind ``torch.compiler.disable`` -- right on an H200 (loss 1e-7, weights
+2.5e-6 after three steps, masked_flex_parity), and a fresh wrapper per step re-compiles nothing.
 
-``MASKED_FLEX`` is registered with transformers under that name, as an attention function
+Each name is registered with transformers as an attention function
 (``AttentionInterface``) and a mask builder (``AttentionMaskInterface``): the model's own mask code
 (``create_causal_mask`` and its siblings) asks the builder, which answers transformers' ``BlockMask`` for a padded
 causal batch in a training forward (grad enabled) and ``sdpa``'s answer for everything else (plain causal: ``None``,
@@ -41,15 +46,22 @@ from typing import Any
 import torch
 from torch import nn
 
-MASKED_FLEX = "hf_megatrain_masked_flex"
+MASKED_FLEX = "hf_megatrain_masked_flex"  # padded rows through FlexAttention, packed rows through SDPA
+MASKED_FLEX_PACKED = "hf_megatrain_masked_flex_packed"  # both through FlexAttention (packed: outside the graph)
 
 
 @dataclass(frozen=True)
 class AttentionChoice:
-    """What runs padded batches' attention: ``flex`` (``MASKED_FLEX``) or the model's own implementation."""
+    """What runs masked batches' attention: ``flex`` (``MASKED_FLEX``, with ``packed`` ``MASKED_FLEX_PACKED``) or
+    the model's own implementation."""
 
     flex: bool
     reason: str
+    packed: bool = False
+
+    @property
+    def implementation(self) -> str:
+        return MASKED_FLEX_PACKED if self.packed else MASKED_FLEX
 
 
 def _block_mask_type() -> type | None:
@@ -62,17 +74,21 @@ def _block_mask_type() -> type | None:
 
 def _masked_flex_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
                       mask_function: Any = None, attention_mask: torch.Tensor | None = None,
-                      allow_is_causal_skip: bool = True, **kwargs: Any) -> Any:
+                      allow_is_causal_skip: bool = True, *, packed_flex: bool = False, **kwargs: Any) -> Any:
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, causal_mask_function
 
     sdpa, flex = ALL_MASK_ATTENTION_FUNCTIONS["sdpa"], ALL_MASK_ATTENTION_FUNCTIONS["flex_attention"]
     args = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                 kv_offset=kv_offset, mask_function=mask_function or causal_mask_function,
                 attention_mask=attention_mask, allow_is_causal_skip=allow_is_causal_skip, **kwargs)
+    training = torch.is_grad_enabled() and not (q_offset or kv_offset or q_length != kv_length)
     padded_causal = (attention_mask is not None and mask_function in (None, causal_mask_function)
                      and allow_is_causal_skip and not bool(attention_mask.all()))
-    if padded_causal and torch.is_grad_enabled() and not (q_offset or kv_offset or q_length != kv_length):
+    if training and padded_causal:
         return flex(**args)
+    if packed_flex and training and attention_mask is None and not allow_is_causal_skip \
+            and kwargs.get("local_size") is None:  # (transformers turns the causal skip off for packed rows)
+        return _PackedBlockMask(flex(**args))
     # Everything else is what "sdpa" does: plain causal batches (None: SDPA's is_causal, its flash kernel);
     # evaluation and generation (no grad, or a cache offsetting the queries: a new prompt width compiles
     # nothing); and masks whose pattern looks tokens up by their query index (packed sequences, sliding windows,
@@ -81,22 +97,67 @@ def _masked_flex_mask(batch_size: int, q_length: int, kv_length: int, q_offset: 
     return sdpa(**args)
 
 
+def _masked_flex_packed_mask(*args: Any, **kwargs: Any) -> Any:
+    return _masked_flex_mask(*args, packed_flex=True, **kwargs)
+
+
+class _PackedBlockMask:
+    """A packed batch's BlockMask, marked so the attention function runs it outside the layer's compiled graph:
+    inlined into a compiled decoder layer, FlexAttention with transformers' packed mask computes wrong values
+    (module docstring), while the same BlockMask through a separately compiled ``flex_attention`` is right."""
+
+    def __init__(self, block_mask: Any) -> None:
+        self.block_mask = block_mask
+
+
+_FLEX_OUTSIDE: Any = None
+
+
+@torch.compiler.disable
+def _flex_outside_graph(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: Any,
+                        scale: float | None, enable_gqa: bool) -> torch.Tensor:
+    global _FLEX_OUTSIDE
+    if _FLEX_OUTSIDE is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX_OUTSIDE = torch.compile(flex_attention, dynamic=None)
+    return _FLEX_OUTSIDE(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+
+
+def _refuse_beyond_plain_attention(module: nn.Module, kwargs: dict[str, Any]) -> None:
+    """SDPA (this implementation's path for every batch FlexAttention does not take) and the packed path compute
+    plain softmax attention; a layer asking for more is refused rather than computed differently (``choose``
+    declines the configs it can read: soft-capping, dropout)."""
+    extra = [k for k in ("softcap", "s_aux") if kwargs.get(k) is not None] + (["dropout"] if kwargs.get("dropout")
+                                                                            else [])
+    if extra:
+        raise ValueError(f"{type(module).__name__} asks its attention for {', '.join(extra)}, which "
+                         f"hf_megatrain's FlexAttention routing does not compute: set masked_attention='model' (the "
+                         "model's own attention implementation).")
+
+
 def _masked_flex_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                            attention_mask: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    _refuse_beyond_plain_attention(module, kwargs)
+    if isinstance(attention_mask, _PackedBlockMask):
+        out = _flex_outside_graph(query, key, value, attention_mask.block_mask, kwargs.get("scaling"),
+                                  query.shape[1] != key.shape[1])
+        return out.transpose(1, 2).contiguous(), None
     block_mask = _block_mask_type()
     name = "flex_attention" if block_mask is not None and isinstance(attention_mask, block_mask) else "sdpa"
     return ALL_ATTENTION_FUNCTIONS[name](module, query, key, value, attention_mask, **kwargs)
 
 
 def register() -> None:
-    """Make ``MASKED_FLEX`` a transformers attention implementation (idempotent)."""
+    """Make ``MASKED_FLEX`` and ``MASKED_FLEX_PACKED`` transformers attention implementations (idempotent)."""
     from transformers.masking_utils import AttentionMaskInterface
     from transformers.modeling_utils import AttentionInterface
 
-    AttentionInterface.register(MASKED_FLEX, _masked_flex_attention)
-    AttentionMaskInterface.register(MASKED_FLEX, _masked_flex_mask)
+    for name, mask in ((MASKED_FLEX, _masked_flex_mask), (MASKED_FLEX_PACKED, _masked_flex_packed_mask)):
+        AttentionInterface.register(name, _masked_flex_attention)
+        AttentionMaskInterface.register(name, mask)
 
 
 def _attention_dropout(config: Any) -> float:
@@ -120,7 +181,9 @@ FLEX_MIN_HEAD_DIM = 16  # FlexAttention's kernels refuse smaller heads (inductor
 
 def choose(model: nn.Module, setting: str, compiled: bool, device_type: str, micro_batch_size: int) -> AttentionChoice:
     """Decide once whether masked batches run FlexAttention. ``setting``: the config's ``masked_attention``
-    ("auto" / "flex" / "model"); "flex" refuses, saying why, where "auto" would quietly keep the model's."""
+    ("auto" / "flex" / "model"); "flex" refuses, saying why, where "auto" would quietly keep the model's, and runs
+    packed rows through FlexAttention too (outside the compiled graphs), as does a model loaded with
+    ``attn_implementation="flex_attention"``; "auto" keeps packed rows on SDPA."""
     config = getattr(model, "config", None)
     impl = getattr(config, "_attn_implementation", None)
     if setting == "model":
@@ -131,8 +194,9 @@ def choose(model: nn.Module, setting: str, compiled: bool, device_type: str, mic
         return AttentionChoice(False, "masked_attention='model': the model's attn_implementation")
     try:
         hd, dropout = _head_dim(config), _attention_dropout(config)
+        softcap = getattr(config, "attn_logit_softcapping", None)
     except Exception:  # noqa: BLE001 - a heterogeneous config refuses global reads of per-layer attributes
-        hd, dropout = -1, 0.0
+        hd, dropout, softcap = -1, 0.0, None
     why_not = None
     if _block_mask_type() is None:
         why_not = f"torch {torch.__version__} has no FlexAttention"
@@ -140,7 +204,7 @@ def choose(model: nn.Module, setting: str, compiled: bool, device_type: str, mic
         why_not = "not a transformers model"
     elif device_type != "cuda":
         why_not = f"training on {device_type} (FlexAttention trains on a GPU: no backward elsewhere)"
-    elif impl not in ("sdpa", "flex_attention", MASKED_FLEX) and setting == "auto":
+    elif impl not in ("sdpa", "flex_attention", MASKED_FLEX, MASKED_FLEX_PACKED) and setting == "auto":
         why_not = f"the model was loaded with attn_implementation={impl!r} (kept as chosen)"
     elif not getattr(model, "_supports_flex_attn", False):
         why_not = f"{type(model).__name__} does not support flex_attention in transformers"
@@ -155,6 +219,9 @@ def choose(model: nn.Module, setting: str, compiled: bool, device_type: str, mic
         why_not = f"head_dim {hd} is not a power of two (FlexAttention's kernels are tiled for those)"
     elif dropout > 0:
         why_not = f"attention dropout {dropout} (FlexAttention has none)"
+    elif softcap:
+        why_not = (f"attention logit soft-capping ({softcap}): SDPA, which runs the batches FlexAttention does "
+                   "not take, has none")
     elif micro_batch_size:
         why_not = (f"micro_batch_size={micro_batch_size} splits a layer's rows, and a BlockMask's mask function "
                    "indexes the whole batch's rows")
@@ -162,9 +229,11 @@ def choose(model: nn.Module, setting: str, compiled: bool, device_type: str, mic
         why_not = ("layers run eagerly (FlexAttention is fast inside the compiled layers; eagerly transformers "
                    "compiles it again for every new shape)")
     if why_not is None:
+        if setting == "flex" or impl in ("flex_attention", MASKED_FLEX_PACKED):
+            return AttentionChoice(True, "padded and packed batches run FlexAttention with a BlockMask (packed rows "
+                                         "outside the layers' compiled graphs); unmasked ones SDPA", packed=True)
         return AttentionChoice(True, "padded batches run FlexAttention with a BlockMask; unmasked and packed ones "
-                                     "SDPA" + (" (the model's flex_attention computes packed batches wrong in "
-                                               "compiled layers)" if impl == "flex_attention" else ""))
+                                     "SDPA")
     if setting == "flex":
         raise ValueError(f"masked_attention='flex' cannot run here: {why_not}. Use masked_attention='auto' "
                          "(or 'model') to keep the model's attention implementation.")
@@ -185,11 +254,11 @@ def loaded_implementation(config: Any) -> str | None:
     on transformers' default ("sdpa"), which is what a plain load asks for (a reference model then gets its own
     engine and its own choice)."""
     impl = getattr(config, "_attn_implementation", None)
-    return "sdpa" if impl == MASKED_FLEX else impl
+    return "sdpa" if impl in (MASKED_FLEX, MASKED_FLEX_PACKED) else impl
 
 
 def apply(model: nn.Module, choice: AttentionChoice, forced: bool = False) -> AttentionChoice:
-    """Switch the model to ``MASKED_FLEX`` (before the layer templates copy the layers and their config), through
+    """Switch the model to ``choice.implementation`` (before the layer templates copy the layers and their config), through
     transformers' own ``set_attn_implementation``; returns the choice in force. Where transformers declines the
     switch an sdpa model keeps SDPA (said in the reason); a flex_attention model (its packed batches would be
     computed wrong) or a forced ``masked_attention="flex"`` is refused. A saved config does not carry it
@@ -197,9 +266,9 @@ def apply(model: nn.Module, choice: AttentionChoice, forced: bool = False) -> At
     if not choice.flex:
         return choice
     register()
-    model.set_attn_implementation(MASKED_FLEX)
+    model.set_attn_implementation(choice.implementation)
     now = getattr(model.config, "_attn_implementation", None)
-    if now == MASKED_FLEX:
+    if now == choice.implementation:
         return choice
     declined = f"transformers did not switch {type(model).__name__} to another attention implementation"
     if now == "flex_attention":

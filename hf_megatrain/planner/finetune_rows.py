@@ -96,14 +96,14 @@ class BatchRows:
 
 
 def default_kernel(config: MegaTrainConfig, layout: Layout, device_type: str = "cuda") -> AttentionKernel:
-    """The kernel the engine's defaults run for this layout (model/attention.py ``choose``, for an sdpa model whose
-    family supports FlexAttention with a power-of-two head size): unmasked rows SDPA's flash kernel; padded rows
+    """The kernel the engine runs for this layout (model/attention.py ``choose``, for an sdpa model whose family
+    supports FlexAttention with a power-of-two head size): unmasked rows SDPA's flash kernel; padded rows
     FlexAttention where the layers compile and ``masked_attention`` allows it, else SDPA's dense mask; packed rows
-    SDPA's dense block-causal mask."""
+    SDPA's dense block-causal mask, FlexAttention with ``masked_attention="flex"``."""
     if layout is Layout.FIXED:
         return AttentionKernel.FLASH
-    if layout is Layout.PADDED and config.masked_attention != "model" and config.compiles(device_type) \
-            and not config.micro_batch_size:
+    flex = config.masked_attention != "model" and config.compiles(device_type) and not config.micro_batch_size
+    if flex and (layout is Layout.PADDED or config.masked_attention == "flex"):
         return AttentionKernel.FLEX
     return AttentionKernel.DENSE_MASK
 

@@ -135,9 +135,10 @@ def _elementwise_bytes(shape: ModelShape, compiled: bool, c: int) -> float:
 
 def layer_costs(shape: ModelShape, config: MegaTrainConfig, plans: Plans, seq_len: int, tokens: int,
                 machine: MachineProfile, clipping: bool, grad_accum: int = 1,
-                attention_s: float | None = None) -> list[LayerCost]:
+                attention_s: float | None = None, modes: StepModes | None = None) -> list[LayerCost]:
     """One ``LayerCost`` per decoder layer (see the module docstring). ``attention_s``: one forward's attention
-    seconds where the rows are not ``tokens / seq_len`` causal sequences (``attention_seconds``)."""
+    seconds where the rows are not ``tokens / seq_len`` causal sequences (``attention_seconds``); ``modes``: the
+    engine's step modes for these plans (decided here when not given)."""
     m = machine
     c = _elt(config.torch_compute_dtype)
     gemm, attn = m.tflops * m.gemm_efficiency * 1e12, m.attention_tflops * 1e12
@@ -148,7 +149,8 @@ def layer_costs(shape: ModelShape, config: MegaTrainConfig, plans: Plans, seq_le
     attn_s = A / attn if attention_s is None else attention_s
     elem = _elementwise_bytes(shape, config.compiles("cuda"), c) * tokens
     o = _elt(config.torch_grad_offload_dtype)
-    modes = decide_modes(config, plans, "cuda", data_parallel=False, probe=False)  # (the engine's own decision)
+    if modes is None:  # (the engine's own decision)
+        modes = decide_modes(config, plans, "cuda", data_parallel=False, probe=False)
     kernel = modes.host_kernel
     whole = not 0 < config.micro_batch_size < tokens // max(seq_len, 1)
     narrow = modes.narrow is not None and grad_accum == 1 and whole
@@ -333,7 +335,8 @@ def predict_step(shape: ModelShape, config: MegaTrainConfig, plans: Plans, seq_l
     if rows is not None:
         seq_len, tokens, real = rows.width, rows.total_tokens, rows.real_tokens
         attention_s = attention_seconds(shape, rows, kernel or default_kernel(config, rows.layout), m)
-    layers = layer_costs(shape, config, plans, seq_len, tokens, m, clipping, grad_accum, attention_s)
+    modes = decide_modes(config, plans, "cuda", data_parallel=False, probe=False)
+    layers = layer_costs(shape, config, plans, seq_len, tokens, m, clipping, grad_accum, attention_s, modes)
     # A lean layer updated as its gradient lands on a clipping step had no gradient plane: the step re-runs.
     rerun = any(up.stepper is Stepper.LEAN and c.speculative for up, c in zip(plans.layers, layers))
     passes = 2 if rerun and clipping else 1
@@ -347,7 +350,7 @@ def predict_step(shape: ModelShape, config: MegaTrainConfig, plans: Plans, seq_l
             layers[0].split_weights += res.numel * 28 / (m.host_adamw_gbps * 1e9)
     step, wait = simulate(layers, head, res_gpu, num_slots=config.num_slots, passes=passes,
                           overlap=config.overlap_optimizer, overhead_s=m.step_overhead_s,
-                          split=decide_modes(config, plans, "cuda", data_parallel=False, probe=False).split)
+                          split=modes.split)
     if grad_accum > 1:  # the earlier micro-steps: forward + backward and their transfers, no update
         step += (grad_accum - 1) * (sum(max(c.forward, c.load) + max(c.backward, c.load, c.d2h) for c in layers)
                                     + head)

@@ -95,7 +95,7 @@ def test_a_layer_asking_for_more_than_plain_attention_is_refused_not_computed_ot
     q = torch.zeros(1, 2, 4, 16)
     for extra in (dict(softcap=30.0), dict(s_aux=torch.zeros(2)), dict(dropout=0.1)):
         with pytest.raises(ValueError, match="masked_attention='model'"):
-            attention._masked_flex_attention(nn.Linear(1, 1), q, q, q, None, **extra)
+            attention.masked_flex_attention(nn.Linear(1, 1), q, q, q, None, **extra)
     with pytest.raises(ValueError, match="masked_attention='flex' cannot run here: attention logit soft-capping"):
         _choose(_Fake(impl="eager", attn_logit_softcapping=50.0), "flex")
 
@@ -162,7 +162,7 @@ def test_the_mask_builder_answers_none_for_causal_a_block_mask_for_padded_and_sd
     attention.apply(model, attention.AttentionChoice(True, "test", packed=True))
     assert model.config._attn_implementation == MASKED_FLEX_PACKED
     marked = _mask(model, input_ids=packed["input_ids"], position_ids=packed["position_ids"])
-    assert isinstance(marked, attention._PackedBlockMask) and isinstance(marked.block_mask, BlockMask)
+    assert isinstance(marked, attention.PackedBlockMask) and isinstance(marked.block_mask, BlockMask)
     with torch.no_grad():
         assert isinstance(_mask(model, input_ids=packed["input_ids"], position_ids=packed["position_ids"]),
                           torch.Tensor)
@@ -196,7 +196,7 @@ def test_a_packed_batch_through_flex_outside_the_graph_computes_what_sdpa_does()
 
 @pytest.mark.slow
 def test_a_fresh_packed_mask_every_step_compiles_no_new_layer_graph():
-    """Each packed batch gets a new ``_PackedBlockMask``: the compiled layers pass it through to the function run
+    """Each packed batch gets a new ``PackedBlockMask``: the compiled layers pass it through to the function run
     outside their graph, so same-width packed steps re-use the layers' graphs (no re-compile per step)."""
     from torch._dynamo.utils import counters
 

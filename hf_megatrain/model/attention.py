@@ -23,7 +23,7 @@ integration/probes/masked_flex_parity.py ``--diagnose``, an upstream bug, not th
 stay on SDPA's dense block-causal mask (``MASKED_FLEX``: the "auto" default until the other is measured at speed),
 or (``MASKED_FLEX_PACKED``: ``masked_attention="flex"``, and a model loaded with
 ``attn_implementation="flex_attention"`` whose layers compile) run FlexAttention *outside* the layer's compiled
-graph: the builder wraps their ``BlockMask`` (``_PackedBlockMask``) and the attention function hands it to a
+graph: the builder wraps their ``BlockMask`` (``PackedBlockMask``) and the attention function hands it to a
 separately compiled ``flex_attention`` behind ``torch.compiler.disable`` -- right on an H200 (loss 1e-7, weights
 2.5e-6 after three steps, masked_flex_parity), and a fresh wrapper per step re-compiles nothing.
 
@@ -88,7 +88,7 @@ def _masked_flex_mask(batch_size: int, q_length: int, kv_length: int, q_offset: 
         return flex(**args)
     if packed_flex and training and attention_mask is None and not allow_is_causal_skip \
             and kwargs.get("local_size") is None:  # (transformers turns the causal skip off for packed rows)
-        return _PackedBlockMask(flex(**args))
+        return PackedBlockMask(flex(**args))
     # Everything else is what "sdpa" does: plain causal batches (None: SDPA's is_causal, its flash kernel);
     # evaluation and generation (no grad, or a cache offsetting the queries: a new prompt width compiles
     # nothing); and masks whose pattern looks tokens up by their query index (packed sequences, sliding windows,
@@ -101,7 +101,7 @@ def _masked_flex_packed_mask(*args: Any, **kwargs: Any) -> Any:
     return _masked_flex_mask(*args, packed_flex=True, **kwargs)
 
 
-class _PackedBlockMask:
+class PackedBlockMask:
     """A packed batch's BlockMask, marked so the attention function runs it outside the layer's compiled graph:
     inlined into a compiled decoder layer, FlexAttention with transformers' packed mask computes wrong values
     (module docstring), while the same BlockMask through a separately compiled ``flex_attention`` is right."""
@@ -136,12 +136,12 @@ def _refuse_beyond_plain_attention(module: nn.Module, kwargs: dict[str, Any]) ->
                          "model's own attention implementation).")
 
 
-def _masked_flex_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def masked_flex_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                            attention_mask: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     _refuse_beyond_plain_attention(module, kwargs)
-    if isinstance(attention_mask, _PackedBlockMask):
+    if isinstance(attention_mask, PackedBlockMask):
         out = _flex_outside_graph(query, key, value, attention_mask.block_mask, kwargs.get("scaling"),
                                   query.shape[1] != key.shape[1])
         return out.transpose(1, 2).contiguous(), None
@@ -156,7 +156,7 @@ def register() -> None:
     from transformers.modeling_utils import AttentionInterface
 
     for name, mask in ((MASKED_FLEX, _masked_flex_mask), (MASKED_FLEX_PACKED, _masked_flex_packed_mask)):
-        AttentionInterface.register(name, _masked_flex_attention)
+        AttentionInterface.register(name, masked_flex_attention)
         AttentionMaskInterface.register(name, mask)
 
 

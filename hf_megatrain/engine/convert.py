@@ -99,7 +99,7 @@ class Converted:
     frozen_resident: dict[str, nn.Parameter]  # frozen ones (device, compute dtype)
     peer_cells: torch.Tensor | None = None  # data parallel: [ranks, units] update counts in shared memory
     shared: list[SharedParams] | None = None  # per layer: the parameters it shares with others (resident)
-    attention: attention.AttentionChoice | None = None  # padded batches' attention kernel (model/attention.py)
+    attention: attention.AttentionChoice | None = None  # masked batches' attention kernel (model/attention.py)
 
 
 def convert(model: nn.Module, config: MegaTrainConfig, device: torch.device, decay_names: set[str] | None,
@@ -128,7 +128,7 @@ def convert(model: nn.Module, config: MegaTrainConfig, device: torch.device, dec
     attn = attention.choose(model, config.masked_attention, config.compiles(device.type), device.type,
                             config.micro_batch_size)
     attn = attention.apply(model, attn, forced=config.masked_attention == "flex")
-    logger.info("hf_megatrain: padded batches' attention: %s", attn.reason)
+    logger.info("hf_megatrain: masked batches' attention: %s", attn.reason)
     store = UnitStore(plans, ul.layouts, ul.frozen, compute_dtype=compute_dtype, device=device,
                       pin=config.pin_memory and device.type == "cuda", state_dir=config.optimizer_state_dir,
                       host_alloc=host_alloc)

@@ -97,7 +97,7 @@ class MegaTrainEngine:
         self.resident_params = conv.resident_params
         self.frozen_resident = conv.frozen_resident
         self.layer_buffer_names = conv.persistent_buffers
-        self.attention = conv.attention  # padded batches' attention kernel, decided once (model/attention.py)
+        self.attention = conv.attention  # masked batches' attention kernel, decided once (model/attention.py)
         # How the step runs (host kernel, narrow gradients, speculation, lean units): decided once, handed on.
         self.modes = decide_modes(config, self.plans, self.device.type, data_parallel=self.dp is not None)
         # Lean units consume their gradients as they land: each training forward is recorded for a re-run.

@@ -103,8 +103,13 @@ def test_estimate_with_a_datasets_lengths(tmp_path, capsys):
         else:
             assert 0 < rows["padding_share"] < 1
         assert step["tokens_per_s"] == pytest.approx(rows["real_tokens_per_step"] / step["step_s"], rel=0.1)
+    layouts = {c["layout"].split(" (")[0]: c for c in results["lengths.json", "padded"]["fine_tune_layouts"]}
+    assert set(layouts) == {"padded", "padded, group_by_length", "packed"}
+    assert layouts["packed"]["padding_share"] == 0
+    assert layouts["padded, group_by_length"]["padding_share"] < layouts["padded"]["padding_share"]
     assert planner.main(base + ["--lengths", str(as_list)]) == 0
-    assert "real tokens per step" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "real tokens per step" in out and "Layouts of these lengths" in out
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"bin_edges": [1, 2]}))
     assert planner.main(base + ["--lengths", str(bad)]) == 2

@@ -11,15 +11,16 @@ import json
 import os
 import sys
 from dataclasses import asdict
+from typing import Any
 
 import torch
 
 from ..config import MegaTrainConfig, resolve_config
 from ..core.memory import available_host_bytes, format_bytes, gpu_budget
+from .finetune_rows import Layout as RowLayout
+from .finetune_rows import load_lengths, sample_steps
 from .host_layout import Layout, choose, host_layouts, is_planned, layout_lines
 from .predict import GiB, MemoryPlan, ModelShape, estimate, sum_values, unit_plans
-from .finetune_rows import Layout as RowLayout
-from .finetune_rows import sample_steps
 from .step_time import MachineProfile, StepPrediction, predict_step, predict_steps
 
 __all__ = ["checkpoint_sizes", "load_shape", "main", "step_time_lines"]
@@ -93,33 +94,22 @@ def step_time_lines(preds: dict[str, StepPrediction], machine: MachineProfile) -
     return out
 
 
-def load_lengths(path: str, samples: int = 4096) -> list[int]:
-    """A dataset's sequence lengths (in tokens) from ``path``: a JSON list of lengths, a JSON histogram
-    ``{"bin_edges": [...], "counts": [...]}`` (``samples`` lengths drawn from it, uniform within a bin, fixed seed),
-    or a text file with one length per line."""
-    import random
+ROW_LAYOUTS = (("padded", RowLayout.PADDED, False), ("padded, group_by_length", RowLayout.PADDED, True),
+               ("packed (DataCollatorWithFlattening / padding_free)", RowLayout.PACKED, False))
 
-    with open(path) as f:
-        text = f.read()
-    try:
-        doc = json.loads(text)
-    except json.JSONDecodeError:
-        doc = [line for line in text.split() if line]
-    if isinstance(doc, dict):
-        edges, counts = doc.get("bin_edges"), doc.get("counts")
-        if not (isinstance(edges, list) and isinstance(counts, list) and len(edges) == len(counts) + 1
-                and sum(counts) > 0):
-            raise ValueError(f"{path}: a histogram needs 'bin_edges' one longer than 'counts' (and some counts)")
-        rng = random.Random(0)
-        bins = rng.choices(range(len(counts)), weights=counts, k=samples)
-        doc = [max(1, int(edges[b] + rng.random() * (edges[b + 1] - edges[b]))) for b in bins]
-    try:
-        lengths = [int(x) for x in doc]
-    except (TypeError, ValueError):
-        raise ValueError(f"{path}: expected a JSON list of lengths, a histogram or one length per line") from None
-    if not lengths or min(lengths) < 1:
-        raise ValueError(f"{path}: no lengths, or a length below 1")
-    return lengths
+
+def compare_row_layouts(shape: ModelShape, config: MegaTrainConfig, plans: Any, lengths: list[int], batch_size: int,
+                        max_len: int, machine: MachineProfile, grad_accum: int = 1) -> list[dict[str, Any]]:
+    """The same lengths laid out each way Trainer and TRL offer, clipping on every step: what a user could switch to
+    (packed rows never pay for padding; grouping by length pays less)."""
+    out = []
+    for label, layout, grouped in ROW_LAYOUTS:
+        batches = sample_steps(lengths, layout, batch_size, max_len, group_by_length=grouped)
+        p = predict_steps(shape, config, plans, batches, machine, clipping=True, grad_accum=grad_accum)
+        real, total = sum(b.real_tokens for b in batches), sum(b.total_tokens for b in batches)
+        out.append({"layout": label, "step_s": p.step_s, "real_tokens_per_s": p.tokens_per_s,
+                    "real_tokens_per_step": real / len(batches), "padding_share": 1 - real / total})
+    return out
 
 
 def _duration(s: float) -> str:
@@ -193,9 +183,10 @@ def main(argv: list[str] | None = None) -> int:
         if a.seq_len <= 0 or a.batch_size <= 0 or a.gpus <= 0 or not all(r is None or r > 0 for r in rates):
             raise ValueError("--seq-len, --batch-size, --gpus and the rates (--disk-gbps, --tflops, --pcie-gbps, "
                              "--host-adamw-gbps) must be positive")
-        batches = None
+        batches = lengths = None
         if a.lengths:
-            batches = sample_steps(load_lengths(a.lengths), RowLayout(a.layout), a.batch_size, a.seq_len,
+            lengths = load_lengths(a.lengths)
+            batches = sample_steps(lengths, RowLayout(a.layout), a.batch_size, a.seq_len,
                                    group_by_length=a.group_by_length)
         shape = load_shape(a.model, config.layers_path, a.trust_remote_code)
     except (FileNotFoundError, ValueError) as e:
@@ -226,7 +217,9 @@ def main(argv: list[str] | None = None) -> int:
                                clipping=not a.no_clip)
     else:
         step_note = "step time: not predicted for float32 compute or several GPUs (the model covers one GPU, bf16)"
-    rows = None
+    rows, compared = None, []
+    if lengths is not None and plans is not None and is_planned(config, a.gpus):
+        compared = compare_row_layouts(shape, config, plans, lengths, a.batch_size, a.seq_len, machine, a.grad_accum)
     if batches is not None:
         real, total = sum(b.real_tokens for b in batches), sum(b.total_tokens for b in batches)
         rows = {"layout": a.layout, "group_by_length": a.group_by_length, "steps_drawn": len(batches),
@@ -248,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
                           "seq_chunk_tokens": plan.seq_chunk_tokens, "flops_per_token": plan.flops_per_token,
                           "checkpoint": checkpoint_sizes(plan, a.disk_gbps),
                           "step_time": {k: asdict(v) for k, v in preds.items()}, "machine": asdict(machine),
-                          "fine_tune_rows": rows,
+                          "fine_tune_rows": rows, "fine_tune_layouts": compared,
                           "host_layouts": [asdict(x) for x in layouts],
                           "host_layout_choice": getattr(choose(layouts)[0], "name", None) if layouts else None},
                          indent=1))
@@ -281,6 +274,12 @@ def main(argv: list[str] | None = None) -> int:
           f"recompute and a causal kernel ~{f['hardware_with_recompute_causal']:.3g}")
     if preds:
         print("\n".join(step_time_lines(preds, machine)))
+    if compared:
+        print(f"Layouts of these lengths (clipping on every step; --batch-size {a.batch_size} sequences padded, or "
+              f"rows of --seq-len {a.seq_len} packed)")
+        for c in compared:
+            print(f"  {c['layout']:<52} {c['step_s']:7.3f} s/step  {c['real_tokens_per_s']:10,.0f} real tokens/s  "
+                  f"{c['padding_share']:4.0%} padding")
     if layouts:
         print("\n".join(layout_lines(layouts, clipping=not a.no_clip)))
     no_gpu = [] if gpu_here else [f"no GPU here: placement planned for a {format_bytes(gpu_plan)} GPU (--gpu-memory)"]

@@ -25,6 +25,8 @@ One forward's FLOPs are returned; the model charges a backward visit three of th
 from __future__ import annotations
 
 import enum
+import json
+import random
 from dataclasses import dataclass
 
 from ..config import MegaTrainConfig
@@ -143,8 +145,6 @@ def sample_steps(lengths: list[int], layout: Layout, batch_size: int, max_len: i
     them out: padded, ``batch_size`` random sequences per step padded to their longest (with ``group_by_length``,
     megabatches of ``GROUP_BATCHES`` steps sorted longest first, as ``LengthGroupedSampler``); packed,
     ``batch_size`` rows of ``max_len`` tokens filled end to end."""
-    import random
-
     if layout is Layout.FIXED or not lengths or batch_size < 1 or max_len < 1 or min(lengths) < 1:
         raise ValueError("sample_steps: a padded or packed layout, positive lengths, batch_size and max_len")
     rng = random.Random(seed)
@@ -179,3 +179,30 @@ def sample_steps(lengths: list[int], layout: Layout, batch_size: int, max_len: i
             batches += [part[j:j + batch_size] for j in range(0, len(part), batch_size)]
         rng.shuffle(batches)
     return [BatchRows.padded(b) for b in batches[:steps]]
+
+
+def load_lengths(path: str, samples: int = 4096) -> list[int]:
+    """A dataset's sequence lengths (in tokens) from ``path``: a JSON list of lengths, a JSON histogram
+    ``{"bin_edges": [...], "counts": [...]}`` (``samples`` lengths drawn from it, uniform within a bin, fixed seed),
+    or a text file with one length per line."""
+    with open(path) as f:
+        text = f.read()
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError:
+        doc = [line for line in text.split() if line]
+    if isinstance(doc, dict):
+        edges, counts = doc.get("bin_edges"), doc.get("counts")
+        if not (isinstance(edges, list) and isinstance(counts, list) and len(edges) == len(counts) + 1
+                and sum(counts) > 0):
+            raise ValueError(f"{path}: a histogram needs 'bin_edges' one longer than 'counts' (and some counts)")
+        rng = random.Random(0)
+        bins = rng.choices(range(len(counts)), weights=counts, k=samples)
+        doc = [max(1, int(edges[b] + rng.random() * (edges[b + 1] - edges[b]))) for b in bins]
+    try:
+        lengths = [int(x) for x in doc]
+    except (TypeError, ValueError):
+        raise ValueError(f"{path}: expected a JSON list of lengths, a histogram or one length per line") from None
+    if not lengths or min(lengths) < 1:
+        raise ValueError(f"{path}: no lengths, or a length below 1")
+    return lengths

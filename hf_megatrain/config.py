@@ -195,6 +195,13 @@ class MegaTrainConfig:
             torch 2.11); a ``"flex_attention"`` model with compiled layers gets this under "auto" too. "model": the
             model's ``attn_implementation`` always (refused for a ``"flex_attention"`` model with compiled layers,
             as is one "auto" cannot route).
+        padding_free: run a right-padded training batch as one packed row (its real tokens end to end,
+            ``position_ids`` restarting at each sequence, as ``DataCollatorWithFlattening`` gives), so the layers
+            never compute the padding; the same targets, loss and gradients (engine/unpad.py: every padded label
+            must be -100, else the batch runs padded). "auto" (default): where packed rows run FlexAttention
+            (``masked_attention="flex"``), not where they would run SDPA's dense mask over the whole step; "on":
+            also there (refused, saying why, for a multimodal forward, an unshifted loss or a MoE router auxiliary
+            loss, which read the padded rows); "off": never.
         speculative_step: in the step's last backward (Trainer tells the engine which one that is), update each
             CPU-stepped layer as soon as its gradient lands instead of after the backward, overlapping the CPU AdamW
             with the GPU's backward; when the step turns out to clip (or the norm is non-finite) those updates are
@@ -269,6 +276,7 @@ class MegaTrainConfig:
     lean_grad_plane: str = "auto"
     torch_compile: bool | str = "auto"
     masked_attention: str = "auto"
+    padding_free: str = "auto"
     speculative_step: bool = True
     exact_take_back: bool = False
     host_kernel: str = "auto"
@@ -345,6 +353,8 @@ class MegaTrainConfig:
             raise ValueError(f"seq_chunk_tokens={self.seq_chunk_tokens}: use 0 (off), -1 (auto) or a number of tokens")
         if self.masked_attention not in ("auto", "flex", "model"):
             raise ValueError(f"masked_attention={self.masked_attention!r}; use 'auto', 'flex' or 'model'")
+        if self.padding_free not in ("auto", "on", "off"):
+            raise ValueError(f"padding_free={self.padding_free!r}; use 'auto', 'on' or 'off'")
         if self.split_host_update not in ("auto", "on", "off"):
             raise ValueError(f"split_host_update={self.split_host_update!r}; use 'auto', 'on' or 'off'")
         if self.activation_offload not in ("auto", "on", "off"):

@@ -244,21 +244,26 @@ def _packed(seed: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("batches", [_padded, _packed])
-def test_gpu_masked_batches_train_through_flex_like_plain_hf(batches):
-    """Padded and packed batches through FlexAttention (``masked_attention="flex"``; packed rows outside the layers'
-    graphs), in the compiled streamed layers (float32
-    compute: the comparison is the kernels' rounding, not bf16's) against plain HF with SDPA and torch AdamW: loss,
-    and every updated weight after each step."""
+@pytest.mark.parametrize("batches, setting, padding_free", [
+    (_padded, "auto", "auto"),  # padded rows through FlexAttention with a padding BlockMask
+    (_padded, "flex", "auto"),  # padded rows unpadded into one packed row (engine/unpad.py), FlexAttention
+    (_packed, "flex", "auto"),  # packed rows through FlexAttention outside the layers' graphs
+    (_packed, "auto", "auto"),  # packed rows through SDPA's dense mask
+])
+def test_gpu_masked_batches_train_through_flex_like_plain_hf(batches, setting, padding_free):
+    """Masked batches through each path of ``masked_attention`` / ``padding_free``, in the compiled streamed layers
+    (float32 compute: the comparison is the kernels' rounding, not bf16's) against plain HF with SDPA on the same
+    batches and torch AdamW: loss, and every updated weight after each step."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from .parity import train_batches_against_plain_hf
 
-    cfg = MegaTrainConfig(compute_dtype="float32", torch_compile=True, masked_attention="flex", device_layers=0,
-                          device_step_layers=0)
+    cfg = MegaTrainConfig(compute_dtype="float32", torch_compile=True, masked_attention=setting,
+                          padding_free=padding_free, device_layers=0, device_step_layers=0)
     # head_dim 16: FlexAttention's smallest
     engine, rows = train_batches_against_plain_hf(tiny("llama", hidden_size=64), [batches(0), batches(1)], cfg)
-    assert engine.attention.flex and engine.attention.packed
+    assert engine.attention.flex and engine.attention.packed == (setting == "flex")
+    assert engine.unpadding.on == (setting == "flex")
     for r in rows:
         assert r["loss_rel"] < 1e-5 and r["weight_rel"] < 1e-4, rows
     assert all(t.compiled is not None for t in engine.executor.templates)

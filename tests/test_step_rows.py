@@ -10,8 +10,8 @@ import pytest
 import transformers
 
 from hf_megatrain import MegaTrainConfig, planner
-from hf_megatrain.planner.finetune_rows import (FLEX_BLOCK, AttentionKernel, BatchRows, Layout, attention_flops,
-                                             default_kernel, sample_steps)
+from hf_megatrain.planner.finetune_rows import (FLEX_BLOCK, AttentionKernel, BatchRows, Layout, as_the_engine_runs,
+                                                attention_flops, default_kernel, sample_steps)
 
 
 def _kept_blocks_brute(batch: BatchRows) -> int:
@@ -63,6 +63,17 @@ def test_default_kernel_follows_the_engines_choice():
         assert default_kernel(other, Layout.PADDED) is AttentionKernel.DENSE_MASK
     forced = MegaTrainConfig(torch_compile=True, masked_attention="flex")
     assert default_kernel(forced, Layout.PACKED) is AttentionKernel.FLEX
+
+
+def test_padded_batches_run_as_one_packed_row_where_padding_free_applies():
+    padded = BatchRows.padded([100, 300, 200])
+    flex = MegaTrainConfig(torch_compile=True, masked_attention="flex")
+    packed = as_the_engine_runs(flex, padded)
+    assert packed.layout is Layout.PACKED and packed.rows == ((100, 300, 200),) and packed.total_tokens == 600
+    assert as_the_engine_runs(MegaTrainConfig(torch_compile=True), padded) == padded  # (packed rows: dense mask)
+    assert as_the_engine_runs(MegaTrainConfig(torch_compile=True, padding_free="on"), padded).total_tokens == 600
+    assert as_the_engine_runs(MegaTrainConfig(torch_compile=True, masked_attention="flex", padding_free="off"),
+                              padded) == padded
 
 
 def test_sampled_steps_lay_out_a_datasets_lengths_as_trainer_does():

@@ -41,6 +41,7 @@ from ..optim.adamw import UnitAdamW
 from ..optim.lean import optimizer_for
 from ..optim.ranks import ranks_of
 from ..optim.speculation import GA_MESSAGE
+from . import unpad
 from .adapter_switch import follow_adapter_switches
 from .convert import convert, install_proxies
 from .executor import StreamingExecutor
@@ -117,6 +118,11 @@ class MegaTrainEngine:
         # Family extras of the HF head (soft-capping, logit scaling, MoE router aux loss): model/families.py.
         self.head_extras = ModelHead(model, self.stack, self.executor, loss_impl=config.loss_impl, device=self.device,
                                        compute_dtype=config.torch_compute_dtype)
+        # Padded training batches as one packed row (engine/unpad.py), decided once.
+        self.unpadding = unpad.decide(config.padding_free, bool(self.attention is not None and self.attention.packed),
+                                      runs_model=self.head_extras.run.runs_model,
+                                      unshifted=self.head_extras.unshifted,
+                                      router=self.head_extras.router is not None)
         # The one place gradients land (the optimizer's land phase calls it; so do accumulation and parameters()).
         self.landing = GradientLanding(self.state, self.executor, self.resident_unit, self.resident_params)
         self._published = -1  # version of the resident unit last copied into its device working parameters
@@ -290,6 +296,11 @@ class MegaTrainEngine:
         replay = self._record(dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
                                            num_items_in_batch=num_items_in_batch, return_logits=return_logits,
                                            **kwargs))
+        if self.unpadding.on and not return_logits and torch.is_grad_enabled():
+            packed = unpad.packed_from_padded(input_ids, attention_mask, labels, kwargs)
+            if packed is not None:  # (the same targets and loss; the layers skip the padding)
+                input_ids, labels, attention_mask = packed.pop("input_ids"), packed.pop("labels", None), None
+                kwargs = packed
         self.publish_resident()
         if self.landing.unlanded:
             self.landing.land()  # an accumulation step: FP32-accumulate before the next backward adds more

@@ -53,6 +53,8 @@ def run_summary(engine: Any, *, config_source: str | None = None) -> dict[str, A
         "masked_attention": ("model" if engine.attention is None or not engine.attention.flex
                              else "flex (padded and packed)" if engine.attention.packed else "flex (padded)"),
         "masked_attention_reason": engine.attention.reason if engine.attention is not None else "",
+        "padding_free": engine.unpadding.on,
+        "padding_free_reason": engine.unpadding.reason,
         "config_explicit_keys": sorted(config.explicit_keys),
         "config_source": config_source or "given to the engine",
     }
@@ -75,7 +77,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"  host memory: {gib:.2f} GiB ({s['host_bytes_per_trainable_parameter']} B per trainable parameter)",
         f"  loss: {s['loss_impl']} ({s['loss_impl_reason']}); torch_compile={s['torch_compile']}, "
         f"micro_batch_size={s['micro_batch_size']}",
-        f"  masked batches' attention: {s['masked_attention_reason']}",
+        f"  masked batches' attention: {s['masked_attention_reason']}; {s['padding_free_reason']}",
     ]
     if "host_kernel" in s:
         lines.append(f"  optimizer: host AdamW kernel {s['host_kernel']}, speculative_step={s['speculative_step']}, "

@@ -110,6 +110,17 @@ def default_kernel(config: MegaTrainConfig, layout: Layout, device_type: str = "
     return AttentionKernel.DENSE_MASK
 
 
+def as_the_engine_runs(config: MegaTrainConfig, batch: BatchRows, device_type: str = "cuda") -> BatchRows:
+    """``batch`` as the engine's layers see it: a padded batch runs as one packed row of its sequences where
+    ``padding_free`` applies (engine/unpad.py: "on", or "auto" where packed rows run FlexAttention)."""
+    if batch.layout is not Layout.PADDED or config.padding_free == "off":
+        return batch
+    if config.padding_free == "auto" and default_kernel(config, Layout.PACKED, device_type) is not AttentionKernel.FLEX:
+        return batch
+    lengths = [row[0] for row in batch.rows]
+    return BatchRows.packed(lengths, sum(lengths))
+
+
 def _flex_blocks(row: tuple[int, ...], width: int, layout: Layout) -> int:
     """(query block, key block) pairs the BlockMask keeps for one row: at or below the diagonal, holding a causal
     pair of one sequence; in a padded row also the padding's query blocks against the sequence's key blocks

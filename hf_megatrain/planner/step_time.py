@@ -41,7 +41,7 @@ import torch
 from ..config import MegaTrainConfig
 from ..core import kernels
 from ..core.plan import SPLIT_SLACK, Plans, StepModes, Stepper, UnitPlan, Where, decide_modes
-from .finetune_rows import AttentionKernel, BatchRows, attention_flops, default_kernel
+from .finetune_rows import AttentionKernel, BatchRows, as_the_engine_runs, attention_flops, default_kernel
 
 if TYPE_CHECKING:
     from .predict import ModelShape
@@ -333,6 +333,7 @@ def predict_step(shape: ModelShape, config: MegaTrainConfig, plans: Plans, seq_l
     attention_s = None
     real = tokens = batch_size * seq_len
     if rows is not None:
+        rows = as_the_engine_runs(config, rows)
         seq_len, tokens, real = rows.width, rows.total_tokens, rows.real_tokens
         attention_s = attention_seconds(shape, rows, kernel or default_kernel(config, rows.layout), m)
     modes = decide_modes(config, plans, "cuda", data_parallel=False, probe=False)
@@ -357,6 +358,9 @@ def predict_step(shape: ModelShape, config: MegaTrainConfig, plans: Plans, seq_l
     from .long_context import flops_per_token
 
     fpt = flops_per_token(shape, seq_len)
+    if rows is not None:  # (attention per sequence, not per row: 12 x layers x q_dim x sum L^2 over real tokens)
+        fpt["model"] = fpt["dense_6n"] + 12.0 * shape.num_layers * shape.q_dim * sum(
+            n * n for row in rows.rows for n in row) / real
     peak = m.tflops * 1e12
     busy = {"GPU compute": passes * (sum(c.forward + c.backward for c in layers) + head) + res_gpu
             + sum(c.gpu_update for c in layers),

@@ -1,0 +1,91 @@
+"""Padded training batches as one packed row (``padding_free``): the decoder layers never compute padding.
+
+A padded batch (one sequence per row, right-padded to the longest: ``DataCollatorWithPadding``,
+``DataCollatorForSeq2Seq``, SFTTrainer without packing) makes every layer's matmuls run over the padding too -- 18-23 %
+of the positions of a length-grouped 32k-token fine-tune step, ~60 % at batch 8 without ``group_by_length``
+(integration/PERF.md, lever 57). Before the model runs, the engine can lay the batch's real tokens end to end in
+one row with ``position_ids`` restarting at each sequence -- what ``DataCollatorWithFlattening`` would have given --
+and transformers' mask code then keeps every token inside its own sequence.
+
+It is the same math, not an approximation, under the conditions ``packed_from_padded`` checks (else the batch runs
+as it came):
+
+- right padding: each ``attention_mask`` row is ones then zeros, so the real tokens' default positions are
+  ``0..len-1``, the positions a packed row restarts at (given ``position_ids`` must be those);
+- every padded position's label is -100. With HF's shift the target of position ``t`` is label ``t+1``: a row's
+  last real token targets the padding's -100, its first label is never a target. The packed row sets each
+  sequence's first label to -100 (``DataCollatorWithFlattening``'s separator), so the last token of one sequence
+  predicts nothing across the boundary, and the counted targets -- and so the loss, its normaliser with or without
+  ``num_items_in_batch``, and every gradient -- are the padded batch's;
+- a training forward (grad enabled) without ``return_logits`` (its rows would not be the caller's) and with no
+  other model inputs (multimodal, ``token_type_ids``, ...).
+
+Which engines do it is decided once (``decide``): "auto" where packed rows run FlexAttention
+(``masked_attention="flex"``: model/attention.py), where the packed row costs what its sequences cost; not where
+they would run SDPA's dense mask, ``[N, N]`` over the whole step. Decoder-only, shifted-loss models without a MoE
+router auxiliary loss (that loss reads the padding mask).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class Unpadding:
+    on: bool
+    reason: str
+
+
+def decide(setting: str, packed_flex: bool, *, runs_model: bool, unshifted: bool, router: bool) -> Unpadding:
+    """``setting``: the config's ``padding_free`` ("auto" / "on" / "off"); ``packed_flex``: packed rows run
+    FlexAttention (model/attention.py ``AttentionChoice.packed``); the rest: what the model's head does
+    (model/families.py ``ModelHead``). "on" refuses, saying why, where "auto" would quietly stay padded."""
+    if setting == "off":
+        return Unpadding(False, "padding_free='off'")
+    why_not = ("a multimodal forward (its towers read the padded rows)" if runs_model
+               else "the model's own unshifted loss form" if unshifted
+               else "a MoE router auxiliary loss (it reads the padding mask)" if router else None)
+    if why_not is not None:
+        if setting == "on":
+            raise ValueError(f"padding_free='on' cannot run here: {why_not}. Use padding_free='auto' or 'off'.")
+        return Unpadding(False, f"padded batches stay padded: {why_not}")
+    if setting == "auto" and not packed_flex:
+        return Unpadding(False, "padded batches stay padded (packed rows would run SDPA's dense mask; "
+                                "masked_attention='flex' runs them through FlexAttention)")
+    return Unpadding(True, "padded training batches run as one packed row (the layers skip the padding)")
+
+
+def packed_from_padded(input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
+                       labels: torch.Tensor | None, kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """The batch as one packed row -- ``input_ids``, ``position_ids``, ``labels`` ([1, N]) -- or None where it is
+    not a right-padded batch this is exact for (module docstring)."""
+    if input_ids is None or attention_mask is None or input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
+        return None
+    if set(kwargs) - {"position_ids"}:
+        return None
+    keep = attention_mask.bool()
+    lengths = keep.sum(dim=1)
+    width = input_ids.shape[1]
+    columns = torch.arange(width, device=keep.device)
+    right_padded = torch.equal(keep, columns[None, :] < lengths[:, None])
+    if not right_padded or bool(keep.all()) or bool((lengths == 0).any()):
+        return None
+    position_ids = kwargs.get("position_ids")
+    if position_ids is not None and not torch.equal(position_ids.expand_as(keep)[keep],
+                                                    columns.expand_as(keep)[keep].to(position_ids.dtype)):
+        return None
+    if labels is not None and (labels.shape != keep.shape or bool((labels[~keep] != IGNORE_INDEX).any())):
+        return None
+    positions = columns.expand_as(keep)[keep]  # restarts at 0 with each sequence
+    out: dict[str, Any] = {"input_ids": input_ids[keep][None], "position_ids": positions[None]}
+    if labels is not None:
+        packed_labels = labels[keep].clone()
+        packed_labels[positions == 0] = IGNORE_INDEX  # (never a target in the padded rows either)
+        out["labels"] = packed_labels[None]
+    return out

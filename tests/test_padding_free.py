@@ -101,3 +101,34 @@ def test_the_engine_trains_padded_batches_as_packed_rows_like_plain_hf_on_the_pa
     assert engine.unpadding.on and len(ran) == 2 and all(p is not None for p in ran)
     for r in rows:
         assert r["loss_rel"] < 1e-5 and r["weight_rel"] < 1e-5, rows
+
+
+@pytest.mark.slow
+def test_trl_padded_batches_run_padding_free_like_plain_sfttrainer(tmp_path, monkeypatch):
+    """TRL's own padded batches (SFTTrainer's collator, Trainer's ``num_items_in_batch``) through
+    ``padding_free="on"``: plain SFTTrainer's losses and gradient norms, every batch unpadded."""
+    pytest.importorskip("trl")
+    from trl import SFTConfig, SFTTrainer
+
+    from hf_megatrain.hf.trl_support import MegaTrainSFTConfig, MegaTrainSFTTrainer
+
+    from .test_trl import logs, sft_dataset, sft_kwargs, tokenizer
+
+    ran = []
+    real = unpad.packed_from_padded
+    monkeypatch.setattr(unpad, "packed_from_padded", lambda *a: ran.append(real(*a)) or ran[-1])
+    model = tiny("llama")
+    ref = SFTTrainer(model=copy.deepcopy(model), args=SFTConfig(**sft_kwargs(tmp_path / "r", eval_strategy="no")),
+                     train_dataset=sft_dataset(), processing_class=tokenizer())
+    ref.train()
+    ours = MegaTrainSFTTrainer(model=copy.deepcopy(model), args=MegaTrainSFTConfig(
+        **sft_kwargs(tmp_path / "o", eval_strategy="no"),
+        megatrain_config={"compute_dtype": "float32", "padding_free": "on"}),
+        train_dataset=sft_dataset(), processing_class=tokenizer())
+    ours.train()
+    assert ran and all(p is not None for p in ran), "the padded batches did not run as packed rows"
+    theirs, mine = logs(ref), logs(ours)
+    assert len(theirs) == len(mine) == 4
+    for a, b in zip(theirs, mine):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]), (a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * abs(a["grad_norm"]), (a, b)

@@ -84,6 +84,10 @@ def test_the_decision():
     assert not off.on and "masked_attention='flex'" in off.reason
     assert unpad.decide("on", False, **head).on and not unpad.decide("off", True, **head).on
     assert not unpad.decide("auto", True, **{**head, "router": True}).on
+    assert not unpad.decide("auto", True, **head, windowed=True).on and unpad.decide("on", True, **head, windowed=True).on
+    assert unpad.windowed_attention(tiny("gemma2").config) and unpad.windowed_attention(tiny("mistral").config) \
+        == bool(tiny("mistral").config.sliding_window)
+    assert not unpad.windowed_attention(tiny("llama").config)
     with pytest.raises(ValueError, match="padding_free='on' cannot run here: a MoE router"):
         unpad.decide("on", True, **{**head, "router": True})
     with pytest.raises(ValueError, match="padding_free='packed'.*'auto', 'on' or 'off'"):

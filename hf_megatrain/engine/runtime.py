@@ -122,7 +122,8 @@ class MegaTrainEngine:
         self.unpadding = unpad.decide(config.padding_free, bool(self.attention is not None and self.attention.packed),
                                       runs_model=self.head_extras.run.runs_model,
                                       unshifted=self.head_extras.unshifted,
-                                      router=self.head_extras.router is not None)
+                                      router=self.head_extras.router is not None,
+                                      windowed=unpad.windowed_attention(getattr(model, "config", None)))
         # The one place gradients land (the optimizer's land phase calls it; so do accumulation and parameters()).
         self.landing = GradientLanding(self.state, self.executor, self.resident_unit, self.resident_params)
         self._published = -1  # version of the resident unit last copied into its device working parameters

@@ -42,10 +42,22 @@ class Unpadding:
     reason: str
 
 
-def decide(setting: str, packed_flex: bool, *, runs_model: bool, unshifted: bool, router: bool) -> Unpadding:
+def windowed_attention(config: Any) -> bool:
+    """Some layer attends through a sliding window or in chunks (transformers passes their masks ``local_size``):
+    such a layer's packed row takes SDPA's dense mask (model/attention.py), quadratic in the whole step's tokens."""
+    types = getattr(config, "layer_types", None) or ()
+    return (any(t != "full_attention" for t in types)
+            or bool(getattr(config, "attention_chunk_size", None))
+            or (bool(getattr(config, "sliding_window", None)) and getattr(config, "use_sliding_window", True)
+                is not False and not types))
+
+
+def decide(setting: str, packed_flex: bool, *, runs_model: bool, unshifted: bool, router: bool,
+           windowed: bool = False) -> Unpadding:
     """``setting``: the config's ``padding_free`` ("auto" / "on" / "off"); ``packed_flex``: packed rows run
     FlexAttention (model/attention.py ``AttentionChoice.packed``); the rest: what the model's head does
-    (model/families.py ``ModelHead``). "on" refuses, saying why, where "auto" would quietly stay padded."""
+    (model/families.py ``ModelHead``) and ``windowed_attention``. "on" refuses, saying why, where "auto" would
+    quietly stay padded (a windowed model under "on" is exact, only slow)."""
     if setting == "off":
         return Unpadding(False, "padding_free='off'")
     why_not = ("a multimodal forward (its towers read the padded rows)" if runs_model
@@ -58,6 +70,9 @@ def decide(setting: str, packed_flex: bool, *, runs_model: bool, unshifted: bool
     if setting == "auto" and not packed_flex:
         return Unpadding(False, "padded batches stay padded (packed rows would run SDPA's dense mask; "
                                 "masked_attention='flex' runs them through FlexAttention)")
+    if setting == "auto" and windowed:
+        return Unpadding(False, "padded batches stay padded (sliding-window or chunked layers would run the packed "
+                                "row through SDPA's dense mask)")
     return Unpadding(True, "padded training batches run as one packed row (the layers skip the padding)")
 
 

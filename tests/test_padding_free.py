@@ -40,7 +40,7 @@ def test_a_right_padded_batch_becomes_one_packed_row():
 
 
 @pytest.mark.parametrize("what", ["left padding", "a padded label counted", "no padding", "an extra input",
-                                  "other positions", "an empty row"])
+                                  "other positions", "rope sections", "an empty row"])
 def test_a_batch_it_would_not_compute_exactly_runs_as_it_came(what):
     b = _padded(1)
     ids, mask, labels, kwargs = b["input_ids"], b["attention_mask"], b["labels"], {}
@@ -54,6 +54,8 @@ def test_a_batch_it_would_not_compute_exactly_runs_as_it_came(what):
         kwargs = {"token_type_ids": torch.zeros_like(ids)}
     elif what == "other positions":
         kwargs = {"position_ids": torch.arange(16).expand(3, 16) + 2}
+    elif what == "rope sections":
+        kwargs = {"position_ids": torch.arange(16).expand(3, 3, 16)}
     else:
         mask[2] = 0
     assert unpad.packed_from_padded(ids, mask, labels, kwargs) is None

@@ -84,7 +84,7 @@ def packed_from_padded(input_ids: torch.Tensor | None, attention_mask: torch.Ten
         return None
     if set(kwargs) - {"position_ids"}:
         return None
-    keep = attention_mask.bool()
+    keep = attention_mask.to(input_ids.device).bool()
     lengths = keep.sum(dim=1)
     width = input_ids.shape[1]
     columns = torch.arange(width, device=keep.device)
@@ -92,11 +92,15 @@ def packed_from_padded(input_ids: torch.Tensor | None, attention_mask: torch.Ten
     if not right_padded or bool(keep.all()) or bool((lengths == 0).any()):
         return None
     position_ids = kwargs.get("position_ids")
-    if position_ids is not None and not torch.equal(position_ids.expand_as(keep)[keep],
-                                                    columns.expand_as(keep)[keep].to(position_ids.dtype)):
-        return None
-    if labels is not None and (labels.shape != keep.shape or bool((labels[~keep] != IGNORE_INDEX).any())):
-        return None
+    if position_ids is not None and (position_ids.dim() > 2 or position_ids.shape[-1] != width or not torch.equal(
+            position_ids.to(keep.device).expand_as(keep)[keep], columns.expand_as(keep)[keep].to(position_ids.dtype))):
+        return None  # (positions other than the default ones, or rope sections: [3, B, T])
+    if labels is not None:
+        if labels.shape != keep.shape:
+            return None
+        labels = labels.to(keep.device)
+        if bool((labels[~keep] != IGNORE_INDEX).any()):
+            return None
     positions = columns.expand_as(keep)[keep]  # restarts at 0 with each sequence
     out: dict[str, Any] = {"input_ids": input_ids[keep][None], "position_ids": positions[None]}
     if labels is not None:

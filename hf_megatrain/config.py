@@ -201,7 +201,8 @@ class MegaTrainConfig:
             must be -100, else the batch runs padded). "auto" (default): where packed rows run FlexAttention
             (``masked_attention="flex"``), not where they would run SDPA's dense mask over the whole step; "on":
             also there (refused, saying why, for a multimodal forward, an unshifted loss or a MoE router auxiliary
-            loss, which read the padded rows); "off": never.
+            loss, which read the padded rows, and for a model whose masks are not transformers' -- a model without
+            flex_attention support -- which might not keep the packed sequences apart); "off": never.
         speculative_step: in the step's last backward (Trainer tells the engine which one that is), update each
             CPU-stepped layer as soon as its gradient lands instead of after the backward, overlapping the CPU AdamW
             with the GPU's backward; when the step turns out to clip (or the norm is non-finite) those updates are

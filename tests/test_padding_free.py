@@ -90,6 +90,8 @@ def test_the_decision():
     assert unpad.windowed_attention(tiny("gemma2").config) and unpad.windowed_attention(tiny("mistral").config) \
         == bool(tiny("mistral").config.sliding_window)
     assert not unpad.windowed_attention(tiny("llama").config)
+    with pytest.raises(ValueError, match="padding_free='on' cannot run here: its mask code is not known"):
+        unpad.decide("on", False, **head, masks_packed=False)
     with pytest.raises(ValueError, match="padding_free='on' cannot run here: a MoE router"):
         unpad.decide("on", True, **{**head, "router": True})
     with pytest.raises(ValueError, match="padding_free='packed'.*'auto', 'on' or 'off'"):

@@ -123,7 +123,8 @@ class MegaTrainEngine:
                                       runs_model=self.head_extras.run.runs_model,
                                       unshifted=self.head_extras.unshifted,
                                       router=self.head_extras.router is not None,
-                                      windowed=unpad.windowed_attention(getattr(model, "config", None)))
+                                      windowed=unpad.windowed_attention(getattr(model, "config", None)),
+                                      masks_packed=bool(getattr(model, "_supports_flex_attn", False)))
         # The one place gradients land (the optimizer's land phase calls it; so do accumulation and parameters()).
         self.landing = GradientLanding(self.state, self.executor, self.resident_unit, self.resident_params)
         self._published = -1  # version of the resident unit last copied into its device working parameters

@@ -53,14 +53,18 @@ def windowed_attention(config: Any) -> bool:
 
 
 def decide(setting: str, packed_flex: bool, *, runs_model: bool, unshifted: bool, router: bool,
-           windowed: bool = False) -> Unpadding:
+           windowed: bool = False, masks_packed: bool = True) -> Unpadding:
     """``setting``: the config's ``padding_free`` ("auto" / "on" / "off"); ``packed_flex``: packed rows run
     FlexAttention (model/attention.py ``AttentionChoice.packed``); the rest: what the model's head does
-    (model/families.py ``ModelHead``) and ``windowed_attention``. "on" refuses, saying why, where "auto" would
-    quietly stay padded (a windowed model under "on" is exact, only slow)."""
+    (model/families.py ``ModelHead``) and ``windowed_attention``; ``masks_packed``: the model's mask code keeps
+    packed sequences apart (transformers' masking utilities, which every ``_supports_flex_attn`` model uses, read
+    restarting ``position_ids`` as boundaries; without them a packed row would attend across sequences). "on"
+    refuses, saying why, where "auto" would quietly stay padded (a windowed model under "on" is exact, only slow)."""
     if setting == "off":
         return Unpadding(False, "padding_free='off'")
-    why_not = ("a multimodal forward (its towers read the padded rows)" if runs_model
+    why_not = ("its mask code is not known to keep packed sequences apart (not a transformers model supporting "
+               "flex_attention)" if not masks_packed
+               else "a multimodal forward (its towers read the padded rows)" if runs_model
                else "the model's own unshifted loss form" if unshifted
                else "a MoE router auxiliary loss (it reads the padding mask)" if router else None)
     if why_not is not None:

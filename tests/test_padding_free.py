@@ -25,6 +25,15 @@ def _padded(seed: int, lengths: tuple[int, ...] = (9, 16, 5)) -> dict[str, torch
             "labels": ids.masked_fill(mask == 0, -100)}
 
 
+@pytest.fixture
+def ran(monkeypatch) -> list:
+    """What each of the engine's calls of ``packed_from_padded`` answered (None: the batch ran padded)."""
+    answers: list = []
+    real = unpad.packed_from_padded
+    monkeypatch.setattr(unpad, "packed_from_padded", lambda *a: answers.append(real(*a)) or answers[-1])
+    return answers
+
+
 def test_a_right_padded_batch_becomes_one_packed_row():
     b = _padded(0, (3, 5, 2))
     p = unpad.packed_from_padded(b["input_ids"], b["attention_mask"], b["labels"], {})
@@ -101,15 +110,12 @@ def test_the_decision():
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "phi3", "mistral", "gemma2", "gemma3", "cohere",
                                     "granite", "gptj"])
-def test_the_engine_trains_padded_batches_as_packed_rows_like_plain_hf_on_the_padded_ones(family, monkeypatch):
+def test_the_engine_trains_padded_batches_as_packed_rows_like_plain_hf_on_the_padded_ones(family, ran):
     """Across families (sliding windows and soft-capping included): the engine's packed rows against plain HF on
     the padded batches, loss and every updated weight."""
     model = tiny(family)
     if not getattr(model, "_supports_flex_attn", False):
         pytest.skip(f"{family}: padding_free refuses it (its masks are not transformers')")
-    ran = []
-    real = unpad.packed_from_padded
-    monkeypatch.setattr(unpad, "packed_from_padded", lambda *a: ran.append(real(*a)) or ran[-1])
     cfg = MegaTrainConfig(compute_dtype="float32", padding_free="on", device_layers=0, device_step_layers=0)
     engine, rows = train_batches_against_plain_hf(model, [_padded(3), _padded(4, (7, 2, 12, 12))], cfg,
                                                   device="cpu")
@@ -119,7 +125,7 @@ def test_the_engine_trains_padded_batches_as_packed_rows_like_plain_hf_on_the_pa
 
 
 @pytest.mark.slow
-def test_trl_padded_batches_run_padding_free_like_plain_sfttrainer(tmp_path, monkeypatch):
+def test_trl_padded_batches_run_padding_free_like_plain_sfttrainer(tmp_path, ran):
     """TRL's own padded batches (SFTTrainer's collator, Trainer's ``num_items_in_batch``) through
     ``padding_free="on"``: plain SFTTrainer's losses and gradient norms, every batch unpadded."""
     pytest.importorskip("trl")
@@ -129,9 +135,6 @@ def test_trl_padded_batches_run_padding_free_like_plain_sfttrainer(tmp_path, mon
 
     from .test_trl import logs, sft_dataset, sft_kwargs, tokenizer
 
-    ran = []
-    real = unpad.packed_from_padded
-    monkeypatch.setattr(unpad, "packed_from_padded", lambda *a: ran.append(real(*a)) or ran[-1])
     model = tiny("llama")
     ref = SFTTrainer(model=copy.deepcopy(model), args=SFTConfig(**sft_kwargs(tmp_path / "r", eval_strategy="no")),
                      train_dataset=sft_dataset(), processing_class=tokenizer())

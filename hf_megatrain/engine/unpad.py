@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-IGNORE_INDEX = -100
+from ..model.loss import IGNORE_INDEX
 
 
 @dataclass(frozen=True)
@@ -83,32 +83,34 @@ def decide(setting: str, packed_flex: bool, *, runs_model: bool, unshifted: bool
 def packed_from_padded(input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
                        labels: torch.Tensor | None, kwargs: dict[str, Any]) -> dict[str, Any] | None:
     """The batch as one packed row -- ``input_ids``, ``position_ids``, ``labels`` ([1, N]) -- or None where it is
-    not a right-padded batch this is exact for (module docstring)."""
+    not a right-padded batch this is exact for (module docstring). The mask is read on the host (one copy; it is
+    [rows, width] integers) and the tokens gathered by index, so the step's device work is not waited on more than
+    once for the mask and once for each of the labels' and positions' checks."""
     if input_ids is None or attention_mask is None or input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
         return None
     if set(kwargs) - {"position_ids"}:
         return None
-    keep = attention_mask.to(input_ids.device).bool()
+    keep = attention_mask.detach().cpu().bool()
     lengths = keep.sum(dim=1)
     width = input_ids.shape[1]
-    columns = torch.arange(width, device=keep.device)
-    right_padded = torch.equal(keep, columns[None, :] < lengths[:, None])
-    if not right_padded or bool(keep.all()) or bool((lengths == 0).any()):
-        return None
+    columns = torch.arange(width)
+    if not torch.equal(keep, columns[None, :] < lengths[:, None]) or bool(keep.all()) or bool((lengths == 0).any()):
+        return None  # (not right padding, nothing to remove, or an empty row)
+    positions = columns.expand_as(keep)[keep]  # restarts at 0 with each sequence
+    device = input_ids.device
+    real = keep.flatten().nonzero().squeeze(1).to(device, non_blocking=True)
     position_ids = kwargs.get("position_ids")
     if position_ids is not None and (position_ids.dim() > 2 or position_ids.shape[-1] != width or not torch.equal(
-            position_ids.to(keep.device).expand_as(keep)[keep], columns.expand_as(keep)[keep].to(position_ids.dtype))):
+            position_ids.expand(len(keep), width).flatten()[real.to(position_ids.device)].cpu(),
+            positions.to(position_ids.dtype))):
         return None  # (positions other than the default ones, or rope sections: [3, B, T])
+    out: dict[str, Any] = {"input_ids": input_ids.flatten()[real][None], "position_ids": positions.to(device)[None]}
     if labels is not None:
         if labels.shape != keep.shape:
             return None
-        labels = labels.to(keep.device)
-        if bool((labels[~keep] != IGNORE_INDEX).any()):
+        pad = (~keep).flatten().nonzero().squeeze(1).to(labels.device)
+        if bool((labels.flatten()[pad] != IGNORE_INDEX).any()):
             return None
-    positions = columns.expand_as(keep)[keep]  # restarts at 0 with each sequence
-    out: dict[str, Any] = {"input_ids": input_ids[keep][None], "position_ids": positions[None]}
-    if labels is not None:
-        packed_labels = labels[keep].clone()
-        packed_labels[positions == 0] = IGNORE_INDEX  # (never a target in the padded rows either)
-        out["labels"] = packed_labels[None]
+        firsts = (positions == 0).nonzero().squeeze(1).to(labels.device)  # (never a target in the padded rows)
+        out["labels"] = labels.flatten()[real.to(labels.device)].index_fill_(0, firsts, IGNORE_INDEX)[None]
     return out

@@ -40,6 +40,7 @@ model config before the layer templates copy the layers.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,10 +98,6 @@ def _masked_flex_mask(batch_size: int, q_length: int, kv_length: int, q_offset: 
     return sdpa(**args)
 
 
-def _masked_flex_packed_mask(*args: Any, **kwargs: Any) -> Any:
-    return _masked_flex_mask(*args, packed_flex=True, **kwargs)
-
-
 class PackedBlockMask:
     """A packed batch's BlockMask, marked so the attention function runs it outside the layer's compiled graph:
     inlined into a compiled decoder layer, FlexAttention with transformers' packed mask computes wrong values
@@ -155,7 +152,7 @@ def register() -> None:
     from transformers.masking_utils import AttentionMaskInterface
     from transformers.modeling_utils import AttentionInterface
 
-    for name, mask in ((MASKED_FLEX, _masked_flex_mask), (MASKED_FLEX_PACKED, _masked_flex_packed_mask)):
+    for name, mask in ((MASKED_FLEX, _masked_flex_mask), (MASKED_FLEX_PACKED, functools.partial(_masked_flex_mask, packed_flex=True))):
         AttentionInterface.register(name, masked_flex_attention)
         AttentionMaskInterface.register(name, mask)
 

@@ -18,7 +18,7 @@ import torch
 from ..config import MegaTrainConfig, resolve_config
 from ..core.memory import available_host_bytes, format_bytes, gpu_budget
 from .finetune_rows import Layout as RowLayout
-from .finetune_rows import load_lengths, sample_steps
+from .finetune_rows import load_lengths, padding_summary, sample_steps
 from .host_layout import Layout, choose, host_layouts, is_planned, layout_lines
 from .predict import GiB, MemoryPlan, ModelShape, estimate, sum_values, unit_plans
 from .step_time import MachineProfile, StepPrediction, predict_step, predict_steps
@@ -106,9 +106,8 @@ def compare_row_layouts(shape: ModelShape, config: MegaTrainConfig, plans: Any, 
     for label, layout, grouped in ROW_LAYOUTS:
         batches = sample_steps(lengths, layout, batch_size, max_len, group_by_length=grouped)
         p = predict_steps(shape, config, plans, batches, machine, clipping=True, grad_accum=grad_accum)
-        real, total = sum(b.real_tokens for b in batches), sum(b.total_tokens for b in batches)
         out.append({"layout": label, "step_s": p.step_s, "real_tokens_per_s": p.tokens_per_s,
-                    "real_tokens_per_step": real / len(batches), "padding_share": 1 - real / total})
+                    **padding_summary(batches)})
     return out
 
 
@@ -221,9 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     if lengths is not None and plans is not None and is_planned(config, a.gpus):
         compared = compare_row_layouts(shape, config, plans, lengths, a.batch_size, a.seq_len, machine, a.grad_accum)
     if batches is not None:
-        real, total = sum(b.real_tokens for b in batches), sum(b.total_tokens for b in batches)
         rows = {"layout": a.layout, "group_by_length": a.group_by_length, "steps_drawn": len(batches),
-                "real_tokens_per_step": real / len(batches), "padding_share": 1 - real / total}
+                **padding_summary(batches)}
     host_need = plan.host_total
     host_ok = host_need <= config.host_memory_fraction * host_avail
     # Against this GPU, or the one --gpu-memory describes (also when this machine has none).

@@ -97,6 +97,12 @@ class BatchRows:
         return len(self.rows) * self.width
 
 
+def padding_summary(batches: list[BatchRows]) -> dict[str, float]:
+    """Real tokens per step and the padding's share of the positions, over ``batches``."""
+    real, total = sum(b.real_tokens for b in batches), sum(b.total_tokens for b in batches)
+    return {"real_tokens_per_step": real / len(batches), "padding_share": 1 - real / total}
+
+
 def default_kernel(config: MegaTrainConfig, layout: Layout, device_type: str = "cuda") -> AttentionKernel:
     """The kernel the engine runs for this layout (model/attention.py ``choose``, for an sdpa model whose family
     supports FlexAttention with a power-of-two head size): unmasked rows SDPA's flash kernel; padded rows

@@ -68,6 +68,9 @@ def test_a_batch_it_would_not_compute_exactly_runs_as_it_came(what):
     else:
         mask[2] = 0
     assert unpad.packed_from_padded(ids, mask, labels, kwargs) is None
+    why: list[str] = []
+    unpad.packed_from_padded(ids, mask, labels, kwargs, why)
+    assert bool(why) == (what != "no padding"), why  # (a batch with padding says why it stays padded)
 
 
 @pytest.mark.parametrize("num_items", [None, 17])
@@ -150,3 +153,19 @@ def test_trl_padded_batches_run_padding_free_like_plain_sfttrainer(tmp_path, ran
     for a, b in zip(theirs, mine):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]), (a, b)
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * abs(a["grad_norm"]), (a, b)
+
+
+@pytest.mark.slow
+def test_a_batch_that_stays_padded_is_said_once(caplog):
+    from hf_megatrain import MegaTrainEngine
+
+    engine = MegaTrainEngine(tiny("llama"), MegaTrainConfig(compute_dtype="float32", padding_free="on"), device="cpu")
+    left = _padded(5)
+    left["attention_mask"] = left["attention_mask"].flip(1)
+    left["labels"] = left["input_ids"].masked_fill(left["attention_mask"] == 0, -100)
+    with caplog.at_level("WARNING", logger="hf_megatrain"):
+        for _ in range(2):
+            engine(**left).loss.backward()
+    said = [r.getMessage() for r in caplog.records if "padding_free" in r.getMessage()]
+    assert len(said) == 1 and "padding_side='right'" in said[0], said
+

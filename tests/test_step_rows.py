@@ -121,6 +121,11 @@ def test_estimate_with_a_datasets_lengths(tmp_path, capsys):
     assert planner.main(base + ["--lengths", str(as_list)]) == 0
     out = capsys.readouterr().out
     assert "real tokens per step" in out and "Layouts of these lengths" in out
+    for wrong, says in ((["--layout", "packed"], "give --lengths FILE"), (["--group-by-length"], "give --lengths FILE"),
+                        (["--lengths", str(as_list), "--layout", "packed", "--group-by-length"],
+                         "packed rows have no padding")):
+        assert planner.main(base + wrong) == 2
+        assert says in capsys.readouterr().err
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"bin_edges": [1, 2]}))
     assert planner.main(base + ["--lengths", str(bad)]) == 2

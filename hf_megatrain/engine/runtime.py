@@ -118,7 +118,9 @@ class MegaTrainEngine:
         # Family extras of the HF head (soft-capping, logit scaling, MoE router aux loss): model/families.py.
         self.head_extras = ModelHead(model, self.stack, self.executor, loss_impl=config.loss_impl, device=self.device,
                                        compute_dtype=config.torch_compute_dtype)
-        # Padded training batches as one packed row (engine/unpad.py), decided once.
+        # Padded training batches as one packed row (engine/unpad.py), decided once; the reasons a batch ran
+        # padded anyway, each logged once.
+        self._padded_reasons: set[str] = set()
         self.unpadding = unpad.decide(config.padding_free, bool(self.attention is not None and self.attention.packed),
                                       runs_model=self.head_extras.run.runs_model,
                                       unshifted=self.head_extras.unshifted,
@@ -299,10 +301,15 @@ class MegaTrainEngine:
                                            num_items_in_batch=num_items_in_batch, return_logits=return_logits,
                                            **kwargs))
         if self.unpadding.on and not return_logits and torch.is_grad_enabled():
-            packed = unpad.packed_from_padded(input_ids, attention_mask, labels, kwargs)
+            why: list[str] = []
+            packed = unpad.packed_from_padded(input_ids, attention_mask, labels, kwargs, why)
             if packed is not None:  # (the same targets and loss; the layers skip the padding)
                 input_ids, labels, attention_mask = packed.pop("input_ids"), packed.pop("labels", None), None
                 kwargs = packed
+            elif why and why[0] not in self._padded_reasons:  # (said once per reason: the batch runs padded)
+                self._padded_reasons.add(why[0])
+                logger.warning("hf_megatrain: padding_free: a padded batch runs padded (the layers compute its "
+                               "padding): %s", why[0])
         self.publish_resident()
         if self.landing.unlanded:
             self.landing.land()  # an accumulation step: FP32-accumulate before the next backward adds more

@@ -80,22 +80,33 @@ def decide(setting: str, packed_flex: bool, *, runs_model: bool, unshifted: bool
     return Unpadding(True, "padded training batches run as one packed row (the layers skip the padding)")
 
 
+def _stays(why: list[str] | None, reason: str | None) -> None:
+    if why is not None and reason is not None:
+        why.append(reason)
+
+
 def packed_from_padded(input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
-                       labels: torch.Tensor | None, kwargs: dict[str, Any]) -> dict[str, Any] | None:
+                       labels: torch.Tensor | None, kwargs: dict[str, Any],
+                       why: list[str] | None = None) -> dict[str, Any] | None:
     """The batch as one packed row -- ``input_ids``, ``position_ids``, ``labels`` ([1, N]) -- or None where it is
-    not a right-padded batch this is exact for (module docstring). The mask is read on the host (one copy; it is
-    [rows, width] integers) and the tokens gathered by index, so the step's device work is not waited on more than
-    once for the mask and once for each of the labels' and positions' checks."""
+    not a right-padded batch this is exact for (module docstring); then, for a batch that has padding, the reason is
+    appended to ``why``. The mask is read on the host (one copy; it is [rows, width] integers) and the tokens
+    gathered by index, so the step's device work is waited on once for the mask and once for each of the labels'
+    and positions' checks."""
     if input_ids is None or attention_mask is None or input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
-        return None
-    if set(kwargs) - {"position_ids"}:
-        return None
+        return None  # (no padding mask: nothing to remove)
     keep = attention_mask.detach().cpu().bool()
     lengths = keep.sum(dim=1)
     width = input_ids.shape[1]
     columns = torch.arange(width)
-    if not torch.equal(keep, columns[None, :] < lengths[:, None]) or bool(keep.all()) or bool((lengths == 0).any()):
-        return None  # (not right padding, nothing to remove, or an empty row)
+    if bool(keep.all()):
+        return None  # (nothing to remove)
+    if set(kwargs) - {"position_ids"}:
+        return _stays(why, f"other model inputs ({', '.join(sorted(set(kwargs) - {'position_ids'}))})")
+    if not torch.equal(keep, columns[None, :] < lengths[:, None]):
+        return _stays(why, "not right padding (for training, pad on the right: tokenizer.padding_side='right')")
+    if bool((lengths == 0).any()):
+        return _stays(why, "a row without tokens")
     positions = columns.expand_as(keep)[keep]  # restarts at 0 with each sequence
     device = input_ids.device
     real = keep.flatten().nonzero().squeeze(1).to(device, non_blocking=True)
@@ -103,14 +114,14 @@ def packed_from_padded(input_ids: torch.Tensor | None, attention_mask: torch.Ten
     if position_ids is not None and (position_ids.dim() > 2 or position_ids.shape[-1] != width or not torch.equal(
             position_ids.expand(len(keep), width).flatten()[real.to(position_ids.device)].cpu(),
             positions.to(position_ids.dtype))):
-        return None  # (positions other than the default ones, or rope sections: [3, B, T])
+        return _stays(why, "position_ids other than 0..length-1 in each row")
     out: dict[str, Any] = {"input_ids": input_ids.flatten()[real][None], "position_ids": positions.to(device)[None]}
     if labels is not None:
         if labels.shape != keep.shape:
-            return None
+            return _stays(why, f"labels of shape {tuple(labels.shape)} beside input_ids {tuple(keep.shape)}")
         pad = (~keep).flatten().nonzero().squeeze(1).to(labels.device)
         if bool((labels.flatten()[pad] != IGNORE_INDEX).any()):
-            return None
+            return _stays(why, "labels at padded positions that are not -100 (the padded batch trains on them)")
         firsts = (positions == 0).nonzero().squeeze(1).to(labels.device)  # (never a target in the padded rows)
         out["labels"] = labels.flatten()[real.to(labels.device)].index_fill_(0, firsts, IGNORE_INDEX)[None]
     return out

@@ -163,9 +163,9 @@ def main(argv: list[str] | None = None) -> int:
                         "line): the step time is predicted over batches drawn from them, in real tokens/s; with "
                         "--layout padded, --batch-size sequences per step padded to their longest (at most "
                         "--seq-len); packed, --batch-size rows of --seq-len tokens")
-    p.add_argument("--layout", default="padded", choices=["padded", "packed"],
-                   help="with --lengths: padded rows (a padding collator) or packed rows (DataCollatorWithFlattening, "
-                        "TRL padding_free / packing)")
+    p.add_argument("--layout", default=None, choices=["padded", "packed"],
+                   help="with --lengths: padded rows (a padding collator; the default) or packed rows "
+                        "(DataCollatorWithFlattening, TRL padding_free / packing)")
     p.add_argument("--group-by-length", action="store_true",
                    help="with --lengths --layout padded: Trainer's group_by_length (length-grouped batches)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -182,6 +182,13 @@ def main(argv: list[str] | None = None) -> int:
         if a.seq_len <= 0 or a.batch_size <= 0 or a.gpus <= 0 or not all(r is None or r > 0 for r in rates):
             raise ValueError("--seq-len, --batch-size, --gpus and the rates (--disk-gbps, --tflops, --pcie-gbps, "
                              "--host-adamw-gbps) must be positive")
+        if not a.lengths and (a.layout or a.group_by_length):
+            raise ValueError("--layout and --group-by-length describe the batches drawn from --lengths: give "
+                             "--lengths FILE (your data's sequence lengths) too")
+        a.layout = a.layout or "padded"
+        if a.group_by_length and a.layout == "packed":
+            raise ValueError("--group-by-length groups padded batches; packed rows have no padding to group: drop "
+                             "it or use --layout padded")
         batches = lengths = None
         if a.lengths:
             lengths = load_lengths(a.lengths)

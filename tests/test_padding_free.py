@@ -95,7 +95,7 @@ def test_the_decision():
     head = dict(runs_model=False, unshifted=False, router=False)
     assert unpad.decide("auto", True, **head).on
     off = unpad.decide("auto", False, **head)
-    assert not off.on and "masked_attention='flex'" in off.reason
+    assert not off.on and "dense mask" in off.reason
     assert unpad.decide("on", False, **head).on and not unpad.decide("off", True, **head).on
     assert not unpad.decide("auto", True, **{**head, "router": True}).on
     assert not unpad.decide("auto", True, **head, windowed=True).on and unpad.decide("on", True, **head, windowed=True).on

@@ -58,22 +58,21 @@ def test_default_kernel_follows_the_engines_choice():
     compiled = MegaTrainConfig(torch_compile=True)
     assert default_kernel(compiled, Layout.FIXED) is AttentionKernel.FLASH
     assert default_kernel(compiled, Layout.PADDED) is AttentionKernel.FLEX
-    assert default_kernel(compiled, Layout.PACKED) is AttentionKernel.DENSE_MASK
-    for other in (MegaTrainConfig(torch_compile=False), MegaTrainConfig(torch_compile=True, masked_attention="model")):
+    assert default_kernel(compiled, Layout.PACKED) is AttentionKernel.FLEX
+    for other in (MegaTrainConfig(torch_compile=False), MegaTrainConfig(torch_compile=True, masked_attention="model"),
+                  MegaTrainConfig(torch_compile=True, micro_batch_size=2)):
         assert default_kernel(other, Layout.PADDED) is AttentionKernel.DENSE_MASK
-    forced = MegaTrainConfig(torch_compile=True, masked_attention="flex")
-    assert default_kernel(forced, Layout.PACKED) is AttentionKernel.FLEX
+        assert default_kernel(other, Layout.PACKED) is AttentionKernel.DENSE_MASK
 
 
 def test_padded_batches_run_as_one_packed_row_where_padding_free_applies():
     padded = BatchRows.padded([100, 300, 200])
-    flex = MegaTrainConfig(torch_compile=True, masked_attention="flex")
-    packed = as_the_engine_runs(flex, padded)
+    packed = as_the_engine_runs(MegaTrainConfig(torch_compile=True), padded)  # the defaults, layers compiled
     assert packed.layout is Layout.PACKED and packed.rows == ((100, 300, 200),) and packed.total_tokens == 600
-    assert as_the_engine_runs(MegaTrainConfig(torch_compile=True), padded) == padded  # (packed rows: dense mask)
-    assert as_the_engine_runs(MegaTrainConfig(torch_compile=True, padding_free="on"), padded).total_tokens == 600
-    assert as_the_engine_runs(MegaTrainConfig(torch_compile=True, masked_attention="flex", padding_free="off"),
-                              padded) == padded
+    eager = MegaTrainConfig(torch_compile=False)
+    assert as_the_engine_runs(eager, padded) == padded  # (packed rows would run the dense mask)
+    assert as_the_engine_runs(MegaTrainConfig(torch_compile=False, padding_free="on"), padded).total_tokens == 600
+    assert as_the_engine_runs(MegaTrainConfig(torch_compile=True, padding_free="off"), padded) == padded
 
 
 def test_sampled_steps_lay_out_a_datasets_lengths_as_trainer_does():

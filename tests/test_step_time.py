@@ -140,11 +140,14 @@ CASES = [
      lambda: step("7B", 8, STREAMED | COMPILE, 2048, 4, True), lambda: issue31(0.643)),
     # Fine-tune runs (32,768 real tokens per step, clip 1.0): each timed step's rows (``finetune``).
     ft_case("14B x8 fine-tune packed, eager, SDPA dense mask (session 12)",
-            "bench_vs_deepspeed/2026-11-25_788d919_finetune_packed_ds_h100.json", "packed", STREAMED | EAGER),
+            "bench_vs_deepspeed/2026-11-25_788d919_finetune_packed_ds_h100.json", "packed", STREAMED | EAGER,
+            AttentionKernel.DENSE_MASK),
     ft_case("14B x8 fine-tune packed, compile, SDPA dense mask (session 12)",
-            "bench_vs_deepspeed/2026-11-25_a14889b_finetune_packed_compile_h100.json", "packed", STREAMED | COMPILE),
+            "bench_vs_deepspeed/2026-11-25_a14889b_finetune_packed_compile_h100.json", "packed", STREAMED | COMPILE,
+            AttentionKernel.DENSE_MASK),
     ft_case("14B x8 fine-tune packed, compile, SDPA dense mask (session 15)",
-            "bench_vs_deepspeed/2026-11-26_f9a8613_finetune_packed_compile_h100.json", "packed", STREAMED | COMPILE),
+            "bench_vs_deepspeed/2026-11-26_f9a8613_finetune_packed_compile_h100.json", "packed", STREAMED | COMPILE,
+            AttentionKernel.DENSE_MASK),
     *[(f"14B x8, 32k tokens, compile, clipping every step, {k} GPU-stepped layers with host state (session 15)",
        functools.partial(step, "14B", 8, GPU_STEPPED(k) | COMPILE, 2048, 16, True),
        functools.partial(measured, f"bench_vs_deepspeed/2026-11-26_7d56ef7_bench_clip1_32k_gpu_step_k{k}_held_copies_h100"
@@ -169,8 +172,10 @@ CASES = [
     ft_case("14B x8 fine-tune packed, config defaults, flex_attention (H200, session 16)",
             "bench_vs_deepspeed/2026-11-26_976f21a_finetune_packed_flex_defaults_h200.json", "packed",
             STREAMED | SPLIT | dict(torch_compile="auto"), AttentionKernel.FLEX),
+    # (Their defaults then: packed rows through SDPA's dense mask, padded batches padded through FlexAttention.)
     *[ft_case(f"14B x8 fine-tune {layout}, config defaults ({kernel}) (H200, {run}, {file[11:18]})",
-              f"bench_vs_deepspeed/{file}", layout, STREAMED | SPLIT | dict(torch_compile="auto"))
+              f"bench_vs_deepspeed/{file}", layout, STREAMED | SPLIT | dict(torch_compile="auto", padding_free="off"),
+              AttentionKernel.DENSE_MASK if layout == "packed" else None)
       for layout, kernel, run, file in (
           ("packed", "SDPA dense mask", "session 16", "2026-11-26_976f21a_finetune_packed_defaults_ds_h200.json"),
           ("packed", "SDPA dense mask", "session 16", "2026-11-26_cd10ebf_finetune_packed_defaults_final_policy_h200.json"),

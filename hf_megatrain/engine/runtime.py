@@ -121,7 +121,7 @@ class MegaTrainEngine:
         # Padded training batches as one packed row (engine/unpad.py), decided once; the reasons a batch ran
         # padded anyway, each logged once.
         self._padded_reasons: set[str] = set()
-        self.unpadding = unpad.decide(config.padding_free, bool(self.attention is not None and self.attention.packed),
+        self.unpadding = unpad.decide(config.padding_free, bool(self.attention is not None and self.attention.flex),
                                       runs_model=self.head_extras.run.runs_model,
                                       unshifted=self.head_extras.unshifted,
                                       router=self.head_extras.router is not None,

@@ -50,8 +50,7 @@ def run_summary(engine: Any, *, config_source: str | None = None) -> dict[str, A
         "loss_impl_reason": getattr(engine.head_extras, "loss_impl_reason", ""),
         "torch_compile": config.compiles(engine.device.type),
         "micro_batch_size": config.micro_batch_size,
-        "masked_attention": ("model" if engine.attention is None or not engine.attention.flex
-                             else "flex (padded and packed)" if engine.attention.packed else "flex (padded)"),
+        "masked_attention": ("flex" if engine.attention is not None and engine.attention.flex else "model"),
         "masked_attention_reason": engine.attention.reason if engine.attention is not None else "",
         "padding_free": engine.unpadding.on,
         "padding_free_reason": engine.unpadding.reason,

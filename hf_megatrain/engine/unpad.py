@@ -52,10 +52,10 @@ def windowed_attention(config: Any) -> bool:
                 is not False and not types))
 
 
-def decide(setting: str, packed_flex: bool, *, runs_model: bool, unshifted: bool, router: bool,
+def decide(setting: str, flex: bool, *, runs_model: bool, unshifted: bool, router: bool,
            windowed: bool = False, masks_packed: bool = True) -> Unpadding:
-    """``setting``: the config's ``padding_free`` ("auto" / "on" / "off"); ``packed_flex``: packed rows run
-    FlexAttention (model/attention.py ``AttentionChoice.packed``); the rest: what the model's head does
+    """``setting``: the config's ``padding_free`` ("auto" / "on" / "off"); ``flex``: packed rows run
+    FlexAttention (model/attention.py ``AttentionChoice.flex``); the rest: what the model's head does
     (model/families.py ``ModelHead``) and ``windowed_attention``; ``masks_packed``: the model's mask code keeps
     packed sequences apart (transformers' masking utilities, which every ``_supports_flex_attn`` model uses, read
     restarting ``position_ids`` as boundaries; without them a packed row would attend across sequences). "on"
@@ -71,9 +71,9 @@ def decide(setting: str, packed_flex: bool, *, runs_model: bool, unshifted: bool
         if setting == "on":
             raise ValueError(f"padding_free='on' cannot run here: {why_not}. Use padding_free='auto' or 'off'.")
         return Unpadding(False, f"padded batches stay padded: {why_not}")
-    if setting == "auto" and not packed_flex:
-        return Unpadding(False, "padded batches stay padded (packed rows would run SDPA's dense mask; "
-                                "masked_attention='flex' runs them through FlexAttention)")
+    if setting == "auto" and not flex:
+        return Unpadding(False, "padded batches stay padded (packed rows would run SDPA's dense mask: the model's "
+                                "attention, not FlexAttention)")
     if setting == "auto" and windowed:
         return Unpadding(False, "padded batches stay padded (sliding-window or chunked layers would run the packed "
                                 "row through SDPA's dense mask)")

@@ -1,5 +1,5 @@
-"""Masked batches' attention: FlexAttention where the mask is causal + padding (and, asked for, packed rows), SDPA
-everywhere else.
+"""Masked batches' attention: FlexAttention where the mask is causal + padding or packed sequences, SDPA everywhere
+else.
 
 A fine-tune's padded batches (``attention_mask`` with zeros, one row per sequence padded to the batch's longest)
 hand SDPA a dense ``[rows, 1, T, T]`` boolean mask under transformers' default ``attn_implementation="sdpa"``,
@@ -19,20 +19,20 @@ implementation keeps it there. The math is the model's attention either way; onl
 Packed sequences (``position_ids`` restarting: ``DataCollatorWithFlattening``, TRL ``padding_free``): compiled into
 the layers, FlexAttention with transformers' packed mask computed wrong values on torch 2.11 -- in plain
 transformers too, with each decoder layer ``torch.compile``d (logits 1.3e-2 off; eager right:
-integration/probes/masked_flex_parity.py ``--diagnose``, an upstream bug, not the engine's). So packed rows either
-stay on SDPA's dense block-causal mask (``MASKED_FLEX``: the "auto" default until the other is measured at speed),
-or (``MASKED_FLEX_PACKED``: ``masked_attention="flex"``, and a model loaded with
-``attn_implementation="flex_attention"`` whose layers compile) run FlexAttention *outside* the layer's compiled
-graph: the builder wraps their ``BlockMask`` (``PackedBlockMask``) and the attention function hands it to a
-separately compiled ``flex_attention`` behind ``torch.compiler.disable`` -- right on an H200 (loss 1e-7, weights
-2.5e-6 after three steps, masked_flex_parity), and a fresh wrapper per step re-compiles nothing.
+integration/probes/masked_flex_parity.py ``--diagnose``, an upstream bug, not the engine's). So packed rows run
+FlexAttention *outside* the layer's compiled graph: the builder wraps their ``BlockMask`` (``PackedBlockMask``) and
+the attention function hands it to a separately compiled ``flex_attention`` behind ``torch.compiler.disable`` --
+right on an H200 (loss 1e-7, weights 2.5e-6 after three steps, masked_flex_parity) and an H100 (the GPU tests), a
+fresh wrapper per step re-compiles nothing, and the fine-tune regime's packed step runs at 0.96x the fixed-length
+step (H100: 1.432 s vs SDPA's dense mask ~1.6 s; integration/results/bench_vs_deepspeed, session 19). Padded
+batches mostly never get here: ``padding_free`` (engine/unpad.py) turns them into packed rows first.
 
-Each name is registered with transformers as an attention function
-(``AttentionInterface``) and a mask builder (``AttentionMaskInterface``): the model's own mask code
-(``create_causal_mask`` and its siblings) asks the builder, which answers transformers' ``BlockMask`` for a padded
-causal batch in a training forward (grad enabled) and ``sdpa``'s answer for everything else (plain causal: ``None``,
-SDPA's ``is_causal``; evaluation and generation; packed rows, sliding windows, overlays). The attention function
-runs FlexAttention for a ``BlockMask`` and SDPA for anything else.
+``MASKED_FLEX`` is registered with transformers as an attention function (``AttentionInterface``) and a mask
+builder (``AttentionMaskInterface``): the model's own mask code (``create_causal_mask`` and its siblings) asks the
+builder, which in a training forward (grad enabled) answers transformers' ``BlockMask`` for a padded causal batch and
+a ``PackedBlockMask`` for packed rows, and ``sdpa``'s answer for everything else (plain causal: ``None``, SDPA's
+``is_causal``; evaluation and generation; sliding windows, overlays). The attention function runs FlexAttention for
+those two and SDPA for anything else.
 
 Which models get it is decided once, in ``choose`` (``masked_attention`` in the config); ``apply`` sets it on the
 model config before the layer templates copy the layers.
@@ -40,29 +40,25 @@ model config before the layer templates copy the layers.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-MASKED_FLEX = "hf_megatrain_masked_flex"  # padded rows through FlexAttention, packed rows through SDPA
-MASKED_FLEX_PACKED = "hf_megatrain_masked_flex_packed"  # both through FlexAttention (packed: outside the graph)
+MASKED_FLEX = "hf_megatrain_masked_flex"  # padded and packed rows through FlexAttention (packed: outside the graph)
 
 
 @dataclass(frozen=True)
 class AttentionChoice:
-    """What runs masked batches' attention: ``flex`` (``MASKED_FLEX``, with ``packed`` ``MASKED_FLEX_PACKED``) or
-    the model's own implementation."""
+    """What runs masked batches' attention: FlexAttention (``MASKED_FLEX``) or the model's own implementation."""
 
     flex: bool
     reason: str
-    packed: bool = False
 
     @property
     def implementation(self) -> str:
-        return MASKED_FLEX_PACKED if self.packed else MASKED_FLEX
+        return MASKED_FLEX
 
 
 def _block_mask_type() -> type | None:
@@ -75,7 +71,7 @@ def _block_mask_type() -> type | None:
 
 def _masked_flex_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
                       mask_function: Any = None, attention_mask: torch.Tensor | None = None,
-                      allow_is_causal_skip: bool = True, *, packed_flex: bool = False, **kwargs: Any) -> Any:
+                      allow_is_causal_skip: bool = True, **kwargs: Any) -> Any:
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, causal_mask_function
 
     sdpa, flex = ALL_MASK_ATTENTION_FUNCTIONS["sdpa"], ALL_MASK_ATTENTION_FUNCTIONS["flex_attention"]
@@ -87,14 +83,14 @@ def _masked_flex_mask(batch_size: int, q_length: int, kv_length: int, q_offset: 
                      and allow_is_causal_skip and not bool(attention_mask.all()))
     if training and padded_causal:
         return flex(**args)
-    if packed_flex and training and attention_mask is None and not allow_is_causal_skip \
+    if training and attention_mask is None and not allow_is_causal_skip \
             and kwargs.get("local_size") is None:  # (transformers turns the causal skip off for packed rows)
         return PackedBlockMask(flex(**args))
     # Everything else is what "sdpa" does: plain causal batches (None: SDPA's is_causal, its flash kernel);
     # evaluation and generation (no grad, or a cache offsetting the queries: a new prompt width compiles
-    # nothing); and masks whose pattern looks tokens up by their query index (packed sequences, sliding windows,
-    # overlays) -- compiled into the layers, FlexAttention computed packed rows wrong on torch 2.11
-    # (integration/probes/masked_flex_parity.py: loss off by 2e-4, weights by 1 % after one step).
+    # nothing); and the other masks (sliding windows, overlays), whose FlexAttention inside the compiled layers
+    # was not shown right (packed rows there: loss off by 2e-4, weights by 1 % after one step on torch 2.11,
+    # integration/probes/masked_flex_parity.py).
     return sdpa(**args)
 
 
@@ -148,13 +144,12 @@ def masked_flex_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
 
 
 def register() -> None:
-    """Make ``MASKED_FLEX`` and ``MASKED_FLEX_PACKED`` transformers attention implementations (idempotent)."""
+    """Make ``MASKED_FLEX`` a transformers attention implementation (idempotent)."""
     from transformers.masking_utils import AttentionMaskInterface
     from transformers.modeling_utils import AttentionInterface
 
-    for name, mask in ((MASKED_FLEX, _masked_flex_mask), (MASKED_FLEX_PACKED, functools.partial(_masked_flex_mask, packed_flex=True))):
-        AttentionInterface.register(name, masked_flex_attention)
-        AttentionMaskInterface.register(name, mask)
+    AttentionInterface.register(MASKED_FLEX, masked_flex_attention)
+    AttentionMaskInterface.register(MASKED_FLEX, _masked_flex_mask)
 
 
 def _attention_dropout(config: Any) -> float:
@@ -178,15 +173,14 @@ FLEX_MIN_HEAD_DIM = 16  # FlexAttention's kernels refuse smaller heads (inductor
 
 def choose(model: nn.Module, setting: str, compiled: bool, device_type: str, micro_batch_size: int) -> AttentionChoice:
     """Decide once whether masked batches run FlexAttention. ``setting``: the config's ``masked_attention``
-    ("auto" / "flex" / "model"); "flex" refuses, saying why, where "auto" would quietly keep the model's, and runs
-    packed rows through FlexAttention too (outside the compiled graphs), as does a model loaded with
-    ``attn_implementation="flex_attention"``; "auto" keeps packed rows on SDPA."""
+    ("auto" / "flex" / "model"); "flex" refuses, saying why, where "auto" keeps the model's (and tries head sizes
+    that are not a power of two, and eager layers)."""
     config = getattr(model, "config", None)
     impl = getattr(config, "_attn_implementation", None)
     if setting == "model":
         if impl == "flex_attention" and compiled:
             raise _compiled_flex_model("masked_attention='model' keeps it. Use masked_attention='auto' "
-                                       "(FlexAttention for padded batches, SDPA for packed ones) or "
+                                       "(FlexAttention for padded and packed batches) or "
                                        "torch_compile=False.")
         return AttentionChoice(False, "masked_attention='model': the model's attn_implementation")
     try:
@@ -201,7 +195,7 @@ def choose(model: nn.Module, setting: str, compiled: bool, device_type: str, mic
         why_not = "not a transformers model"
     elif device_type != "cuda":
         why_not = f"training on {device_type} (FlexAttention trains on a GPU: no backward elsewhere)"
-    elif impl not in ("sdpa", "flex_attention", MASKED_FLEX, MASKED_FLEX_PACKED) and setting == "auto":
+    elif impl not in ("sdpa", "flex_attention", MASKED_FLEX) and setting == "auto":
         why_not = f"the model was loaded with attn_implementation={impl!r} (kept as chosen)"
     elif not getattr(model, "_supports_flex_attn", False):
         why_not = f"{type(model).__name__} does not support flex_attention in transformers"
@@ -226,11 +220,8 @@ def choose(model: nn.Module, setting: str, compiled: bool, device_type: str, mic
         why_not = ("layers run eagerly (FlexAttention is fast inside the compiled layers; eagerly transformers "
                    "compiles it again for every new shape)")
     if why_not is None:
-        if setting == "flex" or impl in ("flex_attention", MASKED_FLEX_PACKED):
-            return AttentionChoice(True, "padded and packed batches run FlexAttention with a BlockMask (packed rows "
-                                         "outside the layers' compiled graphs); unmasked ones SDPA", packed=True)
-        return AttentionChoice(True, "padded batches run FlexAttention with a BlockMask; unmasked and packed ones "
-                                     "SDPA")
+        return AttentionChoice(True, "padded and packed batches run FlexAttention with a BlockMask (packed rows "
+                                     "outside the layers' compiled graphs); unmasked ones SDPA")
     if setting == "flex":
         raise ValueError(f"masked_attention='flex' cannot run here: {why_not}. Use masked_attention='auto' "
                          "(or 'model') to keep the model's attention implementation.")
@@ -251,7 +242,7 @@ def loaded_implementation(config: Any) -> str | None:
     on transformers' default ("sdpa"), which is what a plain load asks for (a reference model then gets its own
     engine and its own choice)."""
     impl = getattr(config, "_attn_implementation", None)
-    return "sdpa" if impl in (MASKED_FLEX, MASKED_FLEX_PACKED) else impl
+    return "sdpa" if impl == MASKED_FLEX else impl
 
 
 def apply(model: nn.Module, choice: AttentionChoice, forced: bool = False) -> AttentionChoice:

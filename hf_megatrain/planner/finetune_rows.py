@@ -106,14 +106,12 @@ def padding_summary(batches: list[BatchRows]) -> dict[str, float]:
 def default_kernel(config: MegaTrainConfig, layout: Layout, device_type: str = "cuda") -> AttentionKernel:
     """The kernel the engine runs for this layout (model/attention.py ``choose``, for an sdpa model whose family
     supports FlexAttention with a power-of-two head size): unmasked rows SDPA's flash kernel; padded rows
-    FlexAttention where the layers compile and ``masked_attention`` allows it, else SDPA's dense mask; packed rows
-    SDPA's dense block-causal mask, FlexAttention with ``masked_attention="flex"``."""
+    and packed rows FlexAttention where the layers compile and ``masked_attention`` allows it, else SDPA's dense
+    (padding or block-causal) mask."""
     if layout is Layout.FIXED:
         return AttentionKernel.FLASH
     flex = config.masked_attention != "model" and config.compiles(device_type) and not config.micro_batch_size
-    if flex and (layout is Layout.PADDED or config.masked_attention == "flex"):
-        return AttentionKernel.FLEX
-    return AttentionKernel.DENSE_MASK
+    return AttentionKernel.FLEX if flex else AttentionKernel.DENSE_MASK
 
 
 def as_the_engine_runs(config: MegaTrainConfig, batch: BatchRows, device_type: str = "cuda") -> BatchRows:

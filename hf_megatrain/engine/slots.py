@@ -13,6 +13,11 @@ optimizer thread), unless its updater published the new weights on the GPU (``St
 stepped on the GPU with its state in host memory), which are then copied device to device; a slot is reused only
 while it holds the unit's current version, so nobody has to tell the slots that weights changed. Slots are
 filled least-recently-used first, the ones the pass needs next protected.
+
+The next layers of a pass are prefetched in ``release``, once the current layer's compute is queued, not in
+``acquire`` before it: after a clipping step the forward meets layers whose updates are still running on the host,
+and a prefetch that waits for layer i+1's update before layer i's compute is queued leaves the GPU idle for that
+wait although layer i's weights are in. Prefetched after the queueing, the wait runs beside layer i's compute.
 """
 
 from __future__ import annotations
@@ -46,25 +51,31 @@ class WeightSlots:
                            if cast_numel and device.type == "cuda" else None)
         self.h2d_bytes = 0
         self.wait_optimizer_s = 0.0  # host time the passes spent waiting for optimizer updates
+        self._next: tuple[int, int] | None = None  # (layer, pass direction) whose successors release() prefetches
 
     def acquire(self, index: int, step: int) -> int:
-        """Make layer ``index`` resident and prefetch the next ones in pass direction ``step`` (+1 / -1); the
-        compute stream waits for the slot's load. Returns the slot."""
+        """Make layer ``index`` resident (the compute stream waits for its load) and have ``release`` prefetch the
+        next ones in pass direction ``step`` (+1 / -1). Returns the slot."""
         s = self._load(index, protect=set())
         self._tick += 1
         self.tick[s] = self._tick
+        self._next = (index, step)
+        self.streams.wait(self.streams.compute, self.ready[s])
+        return s
+
+    def release(self, s: int) -> None:
+        """The compute stream's work on slot ``s`` is queued: the slot may be refilled once it has run. Then the
+        layers after it in the pass are loaded (waiting for their updates while that work runs)."""
+        self.free[s] = self.streams.record(self.streams.compute)
+        if self._next is None:
+            return
+        (index, step), self._next = self._next, None
         protect = {s}
         for k in range(1, len(self.slots)):
             j = index + k * step
             if not 0 <= j < len(self.units):
                 break
             protect.add(self._load(j, protect))
-        self.streams.wait(self.streams.compute, self.ready[s])
-        return s
-
-    def release(self, s: int) -> None:
-        """The compute stream's work on slot ``s`` is queued: the slot may be refilled once it has run."""
-        self.free[s] = self.streams.record(self.streams.compute)
 
     def _load(self, index: int, protect: set[int]) -> int:
         unit = self.units[index]

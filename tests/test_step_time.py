@@ -182,6 +182,17 @@ CASES = [
           ("packed", "SDPA dense mask", "session 17", "2026-11-26_3978ddb_finetune_packed_sdpa_ds_h200.json"),
           ("padded", "FlexAttention", "session 17", "2026-11-26_3978ddb_finetune_padded_flex_ds_h200.json"),
           ("padded", "FlexAttention", "session 17", "2026-11-26_ff454b9_finetune_padded_flex_ds_h200.json"))],
+    # Session 19, an H100: the defaults after the flip (packed rows through FlexAttention outside the compiled
+    # layers, padded batches unpadded into one packed row), and the padded defaults before it.
+    ft_case("14B x8 fine-tune padded, defaults of 9661d41 (FlexAttention over the padding) (H100, session 19)",
+            "bench_vs_deepspeed/2026-11-26_9661d41_finetune_padded_defaults_h100.json", "padded",
+            STREAMED | SPLIT | dict(torch_compile="auto", padding_free="off")),
+    *[ft_case(f"14B x8 fine-tune {layout}, config defaults (FlexAttention{', unpadded' if layout == 'padded' else ''})"
+              f" (H100, session 19, {file[11:18]})", f"bench_vs_deepspeed/{file}", layout,
+              STREAMED | SPLIT | dict(torch_compile="auto"))
+      for layout, file in (("packed", "2026-11-26_bd56a20_finetune_packed_defaults_h100.json"),
+                           ("padded", "2026-11-26_bd56a20_finetune_padded_defaults_h100.json"),
+                           ("packed", "2026-11-26_99bf080_finetune_packed_defaults_h100.json"))],
     ("7B x8 kept on the GPU, one 262,144-token sequence, inputs offloaded (the attention rate's calibration run)",
      lambda: step("7B", 8, dict(activation_offload="on"), 262144, 1, False),
      lambda: measured("long_context/2026-11-23_6c2de76_long_context_h100_8layers_262k.json", "runs", "0", "step_time_s")),

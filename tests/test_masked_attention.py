@@ -52,6 +52,7 @@ def test_auto_chooses_flex_for_a_compiled_gpu_run_of_an_sdpa_model():
     (_Fake(sub_configs={"vision_config": None}), {}, "composite"),
     (_Fake(hidden_size=32, num_attention_heads=4), {}, "head_dim 8"),
     (_Fake(head_dim=96), {}, "head_dim 96 is not a power of two"),
+    (_Fake(head_dim=256), {}, "head_dim 256 (FlexAttention under 'auto' up to 128"),
     (_Fake(attn_logit_softcapping=50.0), {}, "soft-capping (50.0)"),
 ])
 def test_auto_keeps_the_models_attention_and_says_why(model, kw, why):
@@ -262,6 +263,31 @@ def test_gpu_masked_batches_train_through_flex_like_plain_hf(batches, setting, p
     engine, rows = train_batches_against_plain_hf(tiny("llama", hidden_size=64), [batches(0), batches(1)], cfg)
     assert engine.attention.flex == (setting == "auto")
     assert engine.unpadding.on == (setting == "auto" and padding_free == "auto")
+    for r in rows:
+        assert r["loss_rel"] < 1e-5 and r["weight_rel"] < 1e-4, rows
+    assert all(t.compiled is not None for t in engine.executor.templates)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batches", [_padded, _packed])
+@pytest.mark.parametrize("family, over", [
+    ("qwen3", dict(hidden_size=64, head_dim=128)),  # GQA, the head size of most 7-70B models
+    ("mistral", dict(hidden_size=256, sliding_window=None)),  # head_dim 64, GQA (v0.3: no window)
+], ids=["qwen3-hd128", "mistral-hd64"])
+def test_gpu_the_default_masked_paths_train_real_head_sizes_like_plain_hf(family, over, batches):
+    """The defaults on a GPU (compiled layers, FlexAttention for masked batches, padded batches unpadded where the
+    model has no sliding windows) at the head sizes Hub models use -- FlexAttention's kernels are tiled per head
+    size -- against plain HF with SDPA and torch AdamW (float32 compute). Cold, these cases compile for minutes.
+    (Head size 256 stays on SDPA under "auto": model/attention.py ``FLEX_MAX_AUTO_HEAD_DIM``.)"""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from .parity import train_batches_against_plain_hf
+
+    torch._dynamo.reset()  # (a fresh compile state, as in a user's process: see the test above)
+    cfg = MegaTrainConfig(compute_dtype="float32", torch_compile=True, device_layers=0, device_step_layers=0)
+    engine, rows = train_batches_against_plain_hf(tiny(family, **over), [batches(0), batches(1)], cfg)
+    assert engine.attention.flex, engine.attention.reason
+    assert engine.unpadding.on, engine.unpadding.reason
     for r in rows:
         assert r["loss_rel"] < 1e-5 and r["weight_rel"] < 1e-4, rows
     assert all(t.compiled is not None for t in engine.executor.templates)

@@ -105,7 +105,7 @@ def padding_summary(batches: list[BatchRows]) -> dict[str, float]:
 
 def default_kernel(config: MegaTrainConfig, layout: Layout, device_type: str = "cuda") -> AttentionKernel:
     """The kernel the engine runs for this layout (model/attention.py ``choose``, for an sdpa model whose family
-    supports FlexAttention with a power-of-two head size): unmasked rows SDPA's flash kernel; padded rows
+    supports FlexAttention with a power-of-two head size up to 128): unmasked rows SDPA's flash kernel; padded rows
     and packed rows FlexAttention where the layers compile and ``masked_attention`` allows it, else SDPA's dense
     (padding or block-causal) mask."""
     if layout is Layout.FIXED:

@@ -178,7 +178,7 @@ FLEX_MAX_AUTO_HEAD_DIM = 128
 def choose(model: nn.Module, setting: str, compiled: bool, device_type: str, micro_batch_size: int) -> AttentionChoice:
     """Decide once whether masked batches run FlexAttention. ``setting``: the config's ``masked_attention``
     ("auto" / "flex" / "model"); "flex" refuses, saying why, where "auto" keeps the model's (and tries head sizes
-    that are not a power of two, and eager layers)."""
+    that are not a power of two or over 128, and eager layers)."""
     config = getattr(model, "config", None)
     impl = getattr(config, "_attn_implementation", None)
     if setting == "model":

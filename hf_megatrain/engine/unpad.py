@@ -21,7 +21,7 @@ as it came):
   other model inputs (multimodal, ``token_type_ids``, ...).
 
 Which engines do it is decided once (``decide``): "auto" where packed rows run FlexAttention
-(``masked_attention="flex"``: model/attention.py), where the packed row costs what its sequences cost; not where
+(``masked_attention``: model/attention.py), where the packed row costs what its sequences cost; not where
 they would run SDPA's dense mask, ``[N, N]`` over the whole step. Decoder-only, shifted-loss models without a MoE
 router auxiliary loss (that loss reads the padding mask).
 """

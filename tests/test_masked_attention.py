@@ -207,6 +207,28 @@ def test_a_fresh_packed_mask_every_step_compiles_no_new_layer_graph():
 
 
 @pytest.mark.slow
+def test_packed_rows_of_a_new_width_every_step_compile_once_more_not_every_step():
+    """A Trainer's padded batches hold a different number of real tokens every step, so their packed row
+    (``padding_free``) has a new width every step: after the second width (dynamo's automatic dynamic shapes: the
+    layers' graph and the FlexAttention run outside it become symbolic in it) no width compiles anything."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    ref, model = _packed_flex_model()
+    for layer in model.model.layers:
+        layer.compile()
+    graphs = []
+    for lengths in ((10, 12, 10), (5, 20, 9, 6), (16, 8), (3, 3, 26, 11, 4), (7, 30, 1)):
+        batch = DataCollatorWithFlattening()([{"input_ids": list(range(4, 4 + n))} for n in lengths])
+        out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        graphs.append(counters["stats"]["unique_graphs"])
+        with torch.no_grad():
+            want = ref(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        torch.testing.assert_close(out.detach(), want, rtol=1e-4, atol=1e-5)
+    assert graphs[2:] == graphs[1:2] * 3, graphs
+
+
+@pytest.mark.slow
 def test_a_padded_batch_through_flex_computes_what_sdpa_does():
     """Forward only: FlexAttention has no CPU backward (the GPU test below trains through it)."""
     ref = tiny("llama")

@@ -88,6 +88,10 @@ class StreamingExecutor:
     def wait_optimizer_s(self) -> float:
         return self.weights.wait_optimizer_s
 
+    @property
+    def gpu_wait_optimizer_s(self) -> float | None:
+        return self.weights.gpu_wait_optimizer_s
+
     def finish(self) -> None:
         """Land every in-flight gradient and let the host touch weights again."""
         self.grads.finish()

@@ -18,6 +18,11 @@ The next layers of a pass are prefetched in ``release``, once the current layer'
 ``acquire`` before it: after a clipping step the forward meets layers whose updates are still running on the host,
 and a prefetch that waits for layer i+1's update before layer i's compute is queued leaves the GPU idle for that
 wait although layer i's weights are in. Prefetched after the queueing, the wait runs beside layer i's compute.
+
+So the host's wait (``wait_optimizer_s``) overstates what the GPU loses: ``gpu_wait_optimizer_s`` is the GPU's own
+idle across each wait -- an event on the compute stream before the wait and one after it; the time between the GPU
+reaching the two is the time it had nothing queued because the host was waiting (zero when the queued work outlasted
+the wait).
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from ..core.plan import CAST_STAGING_BYTES, Where
 from ..core.step_state import StepState
 from ..core.store import Unit
 from ..core.streams import StreamSet
+
+NOTED_WAIT_S = 50e-6  # host waits shorter than this are not timed on the GPU (a ready update's bookkeeping)
 
 
 class WeightSlots:
@@ -51,6 +58,8 @@ class WeightSlots:
                            if cast_numel and device.type == "cuda" else None)
         self.h2d_bytes = 0
         self.wait_optimizer_s = 0.0  # host time the passes spent waiting for optimizer updates
+        self._gpu_wait_s = 0.0
+        self._gpu_waits: list[tuple[Any, Any]] = []  # (compute-stream events before, after) a wait of the host
         self._next: tuple[int, int] | None = None  # (layer, pass direction) whose successors release() prefetches
 
     def acquire(self, index: int, step: int) -> int:
@@ -80,9 +89,13 @@ class WeightSlots:
     def _load(self, index: int, protect: set[int]) -> int:
         unit = self.units[index]
         t0 = time.perf_counter()
+        before = self._timing_event()
         with torch.profiler.record_function("megatrain.wait_optimizer"):
             early = self.state.wait_loadable(unit.index)
-        self.wait_optimizer_s += time.perf_counter() - t0
+        waited = time.perf_counter() - t0
+        self.wait_optimizer_s += waited
+        if before is not None and waited > NOTED_WAIT_S:
+            self._gpu_waits.append((before, self._timing_event()))
         # ``early``: updated on the GPU, its new weights are there already (the copies to the host may still run)
         held = (index, self.state.version[unit.index] if early is None else early[2])
         if held in self.held:
@@ -110,6 +123,28 @@ class WeightSlots:
             self.ready[s] = st.record(st.h2d)
         self.h2d_bytes += unit.numel * unit.source.element_size() + unit.frozen_numel * slot.element_size()
         return s
+
+    def _timing_event(self) -> Any:
+        if self.streams.compute is None:
+            return None
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(self.streams.compute)
+        return ev
+
+    @property
+    def gpu_wait_optimizer_s(self) -> float | None:
+        """Seconds the GPU sat idle while the host waited for optimizer updates (waits whose events have run);
+        None without a GPU (nothing measured, not zero)."""
+        if self.streams.compute is None:
+            return None
+        pending = []
+        for before, after in self._gpu_waits:
+            if after.query():
+                self._gpu_wait_s += before.elapsed_time(after) / 1e3
+            else:
+                pending.append((before, after))
+        self._gpu_waits = pending
+        return self._gpu_wait_s
 
     def _copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Host -> slot on the current (H2D) stream; an FP32 master cast through the staging buffer chunk by chunk

@@ -155,7 +155,7 @@ def run_engine(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str,
         if n_prof and i == warm + steps:
             prof = Profiled(_trace_path(spec), keep=bool(spec.get("keep_trace")), steps=n_prof)
             prof.start()
-        w0 = getattr(ex, "wait_optimizer_s", None)
+        w0, g0 = getattr(ex, "wait_optimizer_s", None), getattr(ex, "gpu_wait_optimizer_s", None)
         loss = engine(**batches[i], num_items_in_batch=items_of[i]).loss
         loss.backward()
         t0 = time.perf_counter()
@@ -167,14 +167,15 @@ def run_engine(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str,
             prof.stop()
             phases = prof.phases
         clock.mark()
-        w1 = getattr(ex, "wait_optimizer_s", None)
+        w1, g1 = getattr(ex, "wait_optimizer_s", None), getattr(ex, "gpu_wait_optimizer_s", None)
         losses.append(float(loss.detach()))
         raw.append({"shape": list(batches[i]["input_ids"].shape), "step_s": clock.periods[-1], **counters.delta()})
         per_step.append({"optimizer_step_call_s": call_s,
                          "optimizer_norm_s": getattr(opt, "last_norm_seconds", None),
                          "optimizer_worker_s": getattr(opt, "last_step_seconds", None),
                          "split_host_update": getattr(opt, "last_step_split", None),
-                         "forward_wait_for_optimizer_s": (w1 - w0) if w0 is not None else None})
+                         "forward_wait_for_optimizer_s": (w1 - w0) if w0 is not None else None,
+                         "forward_gpu_wait_for_optimizer_s": (g1 - g0) if g0 is not None else None})
     opt.wait()
     out = {"mode": "engine", "setup_s": setup_s, "losses": losses, "per_step": raw,
            "grad_norm_last": getattr(opt, "last_grad_norm", None),
@@ -259,6 +260,7 @@ def run_trainer(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str
         def on_step_begin(self, args, st, control, **kw):
             ex = state.get("ex")
             state["w0"] = getattr(ex, "wait_optimizer_s", None)
+            state["g0"] = getattr(ex, "gpu_wait_optimizer_s", None)
             if n_prof and st.global_step == warm + steps:
                 state["prof"] = Profiled(_trace_path(spec), keep=bool(spec.get("keep_trace")), steps=n_prof)
                 state["prof"].start()
@@ -274,12 +276,14 @@ def run_trainer(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str
                 timeline.cut()
             opt, ex = state.get("opt"), state.get("ex")
             snaps.append(_host_adamw_snapshot(opt))
-            w1 = getattr(ex, "wait_optimizer_s", None)
+            w1, g1 = getattr(ex, "wait_optimizer_s", None), getattr(ex, "gpu_wait_optimizer_s", None)
             per_step.append({"optimizer_norm_s": getattr(opt, "last_norm_seconds", None),
                              "optimizer_worker_s": getattr(opt, "last_step_seconds", None),
                              "split_host_update": getattr(opt, "last_step_split", None),
                              "forward_wait_for_optimizer_s": (w1 - state["w0"]) if w1 is not None
-                             and state.get("w0") is not None else None})
+                             and state.get("w0") is not None else None,
+                             "forward_gpu_wait_for_optimizer_s": (g1 - state["g0"]) if g1 is not None
+                             and state.get("g0") is not None else None})
 
     out_dir = tempfile.mkdtemp(prefix="bench_mt_")
     data, data_args = trainer_data(spec, total, batch, 1)

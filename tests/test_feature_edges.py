@@ -254,7 +254,7 @@ def _lora_trained(name: str, targets: list[str], tmp_path) -> tuple[transformers
 
 @pytest.mark.parametrize("name, targets", [
     pytest.param("zamba2", LORA_TARGETS["zamba2"], id="zamba2-shared"),
-    pytest.param("zamba2", ["in_proj", "linear"], id="zamba2"),
+    pytest.param("zamba2", ["in_proj", "linear"], id="zamba2", marks=pytest.mark.slow),
     pytest.param("gemma3n", LORA_TARGETS["gemma3n"], id="gemma3n", marks=pytest.mark.slow)])
 def test_lora_exports_load_in_plain_peft(name, targets, tmp_path):
     """The adapter folder loads with ``PeftModel.from_pretrained`` (every adapter weight the trained one); the

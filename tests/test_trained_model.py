@@ -138,7 +138,7 @@ def test_peft_model_save_pretrained_writes_every_adapter(tmp_path):
 
 
 # -- 2. generate() ---------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("micro_batch_size", [0, 1])
+@pytest.mark.parametrize("micro_batch_size", [0, pytest.param(1, marks=pytest.mark.slow)])  # (fast tier: one)
 def test_generate_matches_plain_transformers(tmp_path, micro_batch_size):
     config = {"compute_dtype": "float32", "micro_batch_size": micro_batch_size}
     trainer = _trained(tmp_path, config=config)

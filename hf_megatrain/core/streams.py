@@ -25,10 +25,10 @@ class StreamSet:
         # The compute stream is whatever stream autograd runs this op on (forward and backward share it).
         return torch.cuda.current_stream(self.device) if self.is_cuda else None
 
-    def record(self, stream: "torch.cuda.Stream | None") -> "torch.cuda.Event | None":
+    def record(self, stream: "torch.cuda.Stream | None", timing: bool = False) -> "torch.cuda.Event | None":
         if stream is None:
             return None
-        ev = torch.cuda.Event()
+        ev = torch.cuda.Event(enable_timing=timing)
         ev.record(stream)
         return ev
 

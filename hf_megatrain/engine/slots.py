@@ -89,13 +89,15 @@ class WeightSlots:
     def _load(self, index: int, protect: set[int]) -> int:
         unit = self.units[index]
         t0 = time.perf_counter()
-        before = self._timing_event()
+        before = self.streams.record(self.streams.compute, timing=True)
         with torch.profiler.record_function("megatrain.wait_optimizer"):
             early = self.state.wait_loadable(unit.index)
         waited = time.perf_counter() - t0
         self.wait_optimizer_s += waited
         if before is not None and waited > NOTED_WAIT_S:
-            self._gpu_waits.append((before, self._timing_event()))
+            self._gpu_waits.append((before, self.streams.record(self.streams.compute, timing=True)))
+            if len(self._gpu_waits) > 64:  # (folded as they complete, so a run nobody reads stays bounded)
+                self._fold_gpu_waits()
         # ``early``: updated on the GPU, its new weights are there already (the copies to the host may still run)
         held = (index, self.state.version[unit.index] if early is None else early[2])
         if held in self.held:
@@ -124,19 +126,7 @@ class WeightSlots:
         self.h2d_bytes += unit.numel * unit.source.element_size() + unit.frozen_numel * slot.element_size()
         return s
 
-    def _timing_event(self) -> Any:
-        if self.streams.compute is None:
-            return None
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record(self.streams.compute)
-        return ev
-
-    @property
-    def gpu_wait_optimizer_s(self) -> float | None:
-        """Seconds the GPU sat idle while the host waited for optimizer updates (waits whose events have run);
-        None without a GPU (nothing measured, not zero)."""
-        if self.streams.compute is None:
-            return None
+    def _fold_gpu_waits(self) -> None:
         pending = []
         for before, after in self._gpu_waits:
             if after.query():
@@ -144,6 +134,14 @@ class WeightSlots:
             else:
                 pending.append((before, after))
         self._gpu_waits = pending
+
+    @property
+    def gpu_wait_optimizer_s(self) -> float | None:
+        """Seconds the GPU sat idle while the host waited for optimizer updates (waits whose events have run);
+        None without a GPU (nothing measured, not zero)."""
+        if self.streams.compute is None:
+            return None
+        self._fold_gpu_waits()
         return self._gpu_wait_s
 
     def _copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -313,3 +313,18 @@ def test_last_layer_gradient_lands_at_the_end_of_the_final_backward():
         engine.optimizer.step()
         engine.optimizer.zero_grad()
     engine.state.wait_all()
+
+
+def test_the_next_layer_is_loaded_after_the_current_ones_compute_is_queued():
+    """A pass prefetches layer i+1 in ``release(i)`` -- after layer i's compute is queued -- not in ``acquire(i)``:
+    a wait there for layer i+1's update (after a clipping step) runs beside layer i's compute on a GPU."""
+    engine = MegaTrainEngine(tiny("llama", num_hidden_layers=4), MegaTrainConfig(compute_dtype="float32",
+                             device_layers=0, device_step_layers=0), device="cpu")
+    slots = engine.executor.weights
+    s = slots.acquire(1, +1)
+    assert [h[0] for h in slots.held if h is not None] == [1]  # (only the layer itself before its compute)
+    slots.release(s)
+    assert sorted(h[0] for h in slots.held if h is not None) == [1, 2]
+    slots.release(slots.acquire(2, -1))  # the backward's direction: layer 1 next, held already
+    assert sorted(h[0] for h in slots.held if h is not None) == [1, 2]
+    assert slots.gpu_wait_optimizer_s is None  # (no GPU: nothing measured, not zero)

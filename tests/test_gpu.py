@@ -39,7 +39,8 @@ def test_gpu_parity_streams_and_device_stepper(family, tie, kept, stepped):
     for i in place.kept:
         assert engine.layer_units[i].master.is_cuda and engine.layer_units[i].compute is None
     assert sum(u.grad.is_cuda for u in engine.layer_units) == len(place.kept) + len(place.device_stepped)
-    # The GPU's idle across the host's waits for updates: measured, and never more than the waits themselves
+    # The GPU's idle for loads that waited for updates: measured, and at most those waits plus their copies (tiny
+    # layers here: the copies take microseconds)
     idle, waited = engine.executor.gpu_wait_optimizer_s, engine.executor.wait_optimizer_s
     assert idle is not None and 0 <= idle <= waited + 0.05, (idle, waited)
 

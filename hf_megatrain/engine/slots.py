@@ -20,9 +20,11 @@ and a prefetch that waits for layer i+1's update before layer i's compute is que
 wait although layer i's weights are in. Prefetched after the queueing, the wait runs beside layer i's compute.
 
 So the host's wait (``wait_optimizer_s``) overstates what the GPU loses: ``gpu_wait_optimizer_s`` is the GPU's own
-idle across each wait -- an event on the compute stream before the wait and one after it; the time between the GPU
-reaching the two is the time it had nothing queued because the host was waiting (zero when the queued work outlasted
-the wait).
+idle for each load that waited for an update -- an event on the compute stream before the host's wait, and one where
+the compute stream has waited for that load (``acquire``); the time between the GPU reaching the two is the time it
+had nothing queued because of the update: its wait *and* the copy after it (zero when the queued work outlasted
+both). Measured on an H100 (integration/PERF.md, lever 61), an event right after the host's wait missed the copy:
+0.6-1 % of the step against ~6-11 % in the profiler's gaps.
 """
 
 from __future__ import annotations
@@ -60,6 +62,9 @@ class WeightSlots:
         self.wait_optimizer_s = 0.0  # host time the passes spent waiting for optimizer updates
         self._gpu_wait_s = 0.0
         self._gpu_waits: list[tuple[Any, Any]] = []  # (compute-stream events before, after) a wait of the host
+        # Per slot: (layer, compute-stream event recorded before the host waited for that layer's update), until the
+        # compute stream waits for the load (``acquire``): the GPU's wait is the update *and* the copy after it.
+        self._waited_from: dict[int, tuple[int, Any]] = {}
         self._next: tuple[int, int] | None = None  # (layer, pass direction) whose successors release() prefetches
 
     def acquire(self, index: int, step: int) -> int:
@@ -70,6 +75,15 @@ class WeightSlots:
         self.tick[s] = self._tick
         self._next = (index, step)
         self.streams.wait(self.streams.compute, self.ready[s])
+        waited = self._waited_from.pop(s, None)
+        if waited is not None and waited[0] == index:  # (its weights are usable on the compute stream from here)
+            self._gpu_waits.append((waited[1], self.streams.record(self.streams.compute, timing=True)))
+            if len(self._gpu_waits) > 64:  # (folded as they complete, so a run nobody reads stays bounded)
+                self._fold_gpu_waits()
+        # A measurement of a load this pass will not use next (it turned, or skips layers) is dropped: its compute
+        # stream interval would span other work.
+        ahead = {index + k * step for k in range(1, len(self.slots))}
+        self._waited_from = {k: w for k, w in self._waited_from.items() if w[0] in ahead}
         return s
 
     def release(self, s: int) -> None:
@@ -94,15 +108,22 @@ class WeightSlots:
             early = self.state.wait_loadable(unit.index)
         waited = time.perf_counter() - t0
         self.wait_optimizer_s += waited
-        if before is not None and waited > NOTED_WAIT_S:
-            self._gpu_waits.append((before, self.streams.record(self.streams.compute, timing=True)))
-            if len(self._gpu_waits) > 64:  # (folded as they complete, so a run nobody reads stays bounded)
-                self._fold_gpu_waits()
         # ``early``: updated on the GPU, its new weights are there already (the copies to the host may still run)
         held = (index, self.state.version[unit.index] if early is None else early[2])
         if held in self.held:
-            return self.held.index(held)
-        s = min((k for k in range(len(self.slots)) if k not in protect), key=lambda k: self.tick[k])
+            s = self.held.index(held)
+        else:
+            s = min((k for k in range(len(self.slots)) if k not in protect), key=lambda k: self.tick[k])
+            self._waited_from.pop(s, None)  # (refilled: a measurement its old load carried is void)
+            self._fill(s, index, held, early)
+        if before is not None and waited > NOTED_WAIT_S:
+            self._waited_from[s] = (index, before)
+        return s
+
+    def _fill(self, s: int, index: int, held: tuple[int, int], early: Any) -> None:
+        """Load layer ``index`` (version ``held``) into slot ``s``: from the GPU copy its updater published, the
+        device master, or the host."""
+        unit = self.units[index]
         st = self.streams
         self.held[s] = held
         slot = self.slots[s]
@@ -111,12 +132,12 @@ class WeightSlots:
             st.wait(st.compute, early[1])
             slot[:unit.numel].copy_(early[0][:unit.numel])  # device to device, no PCIe
             self.ready[s] = None
-            return s
+            return
         if self.from_device[index]:
             st.wait(st.compute, self.free[s])
             slot[:unit.numel].copy_(unit.master)  # device cast, no PCIe
             self.ready[s] = None
-            return s
+            return
         with st.on(st.h2d):
             st.wait(st.h2d, self.free[s])
             self._copy_in(slot[:unit.numel], unit.source)
@@ -124,7 +145,6 @@ class WeightSlots:
                 slot[unit.numel:unit.numel + unit.frozen_numel].copy_(unit.frozen, non_blocking=True)
             self.ready[s] = st.record(st.h2d)
         self.h2d_bytes += unit.numel * unit.source.element_size() + unit.frozen_numel * slot.element_size()
-        return s
 
     def _fold_gpu_waits(self) -> None:
         pending = []
@@ -137,8 +157,8 @@ class WeightSlots:
 
     @property
     def gpu_wait_optimizer_s(self) -> float | None:
-        """Seconds the GPU sat idle while the host waited for optimizer updates (waits whose events have run);
-        None without a GPU (nothing measured, not zero)."""
+        """Seconds the GPU sat idle for loads that waited for optimizer updates -- the wait and the copy after it
+        (those whose events have run); None without a GPU (nothing measured, not zero)."""
         if self.streams.compute is None:
             return None
         self._fold_gpu_waits()

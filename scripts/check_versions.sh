@@ -53,7 +53,7 @@ mkdir -p "$(dirname "$out")"
   python -m pip list --format=freeze 2>/dev/null | grep -iE '^(torch|transformers|accelerate|peft|trl|datasets|safetensors|evaluate|tokenizers|huggingface.hub)=='
 } > "$out"
 set +e
-python -m pytest -q -m "not gpu" -p no:cacheprovider "${@:-tests}" 2>&1 | tee /tmp/check_versions_$mode.log | tail -25
+python -m pytest -q -n 2 -m "not gpu" -p no:cacheprovider "${@:-tests}" 2>&1 | tee /tmp/check_versions_$mode.log | tail -25
 rc=${PIPESTATUS[0]}
 set -e
 { echo "# pytest exit code: $rc"; grep -E '^(FAILED|ERROR)|passed|failed' /tmp/check_versions_$mode.log | tail -40; } >> "$out"

@@ -13,7 +13,7 @@ README = ROOT / "README.md"
 
 SETUP = "python3 -m venv .venv && . .venv/bin/activate && bash scripts/setup.sh"
 TRAIN = f"{SETUP} && python examples/train.py"
-TESTS = f'{SETUP} && python -m pytest -q -m "not gpu" tests'
+TESTS = f'{SETUP} && python -m pytest -q -n 2 -m "not gpu" tests'
 
 
 def _gen():
@@ -49,7 +49,7 @@ def test_readme_is_short_and_keeps_the_two_commands():
 def test_ci_runs_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text()
     for part in ("python3 -m venv .venv", ". .venv/bin/activate", "bash scripts/setup.sh",
-                 'python -m pytest -q -m "not gpu" tests'):
+                 'python -m pytest -q -n 2 -m "not gpu" tests'):
         assert part in ci, part
 
 

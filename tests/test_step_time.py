@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -69,6 +70,18 @@ def measured(path: str, *keys: str) -> float:
 def issue31(value: float) -> float:
     """A step time only issue 31 states (measured on the H100 machine the same day; not filed as a result)."""
     return value
+
+
+SWEEP = "bench_vs_deepspeed/2026-11-26_495f82d_clip1_gpu_step_k_sweep_h100.txt"
+
+
+def session20_sweep(k: int, tokens: int) -> float:
+    """A step time of session 20's sweep of GPU-stepped layers (``SWEEP``: the run's summary lines, one table row
+    per regime and size, in K order 0, 2, 4, 8)."""
+    text = open(os.path.join(RESULTS, SWEEP)).read()
+    rows = re.findall(r"^\| ([\d,]+) \| hf_megatrain \(streamed\w*\) \| [^|]+\| ([\d.]+) \|", text, re.M)
+    times = [float(t) for size, t in rows if int(size.replace(",", "")) == tokens]
+    return times[(0, 2, 4, 8).index(k)]
 
 
 def step(width: str, layers: int, config: dict, seq: int, batch: int, clipping: bool) -> float:
@@ -218,6 +231,19 @@ CASES = [
      lambda: layer_visit("123B", LEAN_COPY, 4096, 4, False), lambda: issue31(0.329)),
     ("123B width, lean + copy, clip 1.0: per layer (issue 31)",
      lambda: layer_visit("123B", LEAN_COPY, 4096, 4, True), lambda: issue31(0.658)),
+    # Session 20, one H100 start: K of the first layers GPU-stepped with host state, swept (the run's text summary:
+    # its JSON did not come back); the model ranks K=2 first at 8k as measured, K=0 / 2 within 4 % at 32k.
+    *[(f"14B x8, {tokens // 1024}k tokens, compile, clip every step, split auto, {k} GPU-stepped layers with host "
+       "state (session 20)",
+       functools.partial(step, "14B", 8, (GPU_STEPPED(k) if k else STREAMED) | COMPILE | SPLIT, 2048, tokens // 2048,
+                         True),
+       functools.partial(session20_sweep, k, tokens))
+      for k in (0, 2, 4, 8) for tokens in (8192, 32768)],
+    *[(f"14B x8 streamed, {tokens // 1024}k tokens, compile, clip every step, split auto (session 20, 85ad266)",
+       functools.partial(step, "14B", 8, STREAMED | COMPILE | SPLIT, 2048, tokens // 2048, True),
+       functools.partial(measured, "bench_vs_deepspeed/2026-11-26_85ad266_clip1_8k_32k_gpu_wait_h100.json", "records",
+                         f"megatrain:streamed@{tokens // 2048}", "step_time_s"))
+      for tokens in (8192, 32768)],
 ]
 
 # Measured runs the model does not predict within 15 %, and why.

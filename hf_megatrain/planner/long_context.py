@@ -23,7 +23,7 @@ import torch
 from ..config import MegaTrainConfig
 
 if TYPE_CHECKING:
-    from .predict import ModelShape
+    from .model_shape import ModelShape
 
 TILE_TRANSIENT_BYTES = 2 * 1024 ** 3
 MIN_AUTO_CHUNK = 1024

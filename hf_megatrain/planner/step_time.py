@@ -44,7 +44,7 @@ from ..core.plan import SPLIT_SLACK, Plans, StepModes, Stepper, UnitPlan, Where,
 from .finetune_rows import AttentionKernel, BatchRows, as_the_engine_runs, attention_flops, default_kernel
 
 if TYPE_CHECKING:
-    from .predict import ModelShape
+    from .model_shape import ModelShape
 
 __all__ = ["MachineProfile", "LayerCost", "StepPrediction", "layer_costs", "predict_step", "predict_steps", "simulate"]
 

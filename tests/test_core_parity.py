@@ -328,3 +328,73 @@ def test_the_next_layer_is_loaded_after_the_current_ones_compute_is_queued():
     slots.release(slots.acquire(2, -1))  # the backward's direction: layer 1 next, held already
     assert sorted(h[0] for h in slots.held if h is not None) == [1, 2]
     assert slots.gpu_wait_optimizer_s is None  # (no GPU: nothing measured, not zero)
+
+
+class _ClockEvent:
+    """A stream event whose "GPU time" is the host clock when it was recorded (what a compute stream with nothing
+    queued would show)."""
+
+    def __init__(self) -> None:
+        import time
+
+        self.t = time.perf_counter()
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end: "_ClockEvent") -> float:
+        return (end.t - self.t) * 1e3
+
+
+class _ClockStreams:
+    """StreamSet's interface with events on the host clock: the slots' GPU-wait bookkeeping, testable on a CPU."""
+
+    compute, h2d, d2h, is_cuda = "compute", "h2d", "d2h", False
+
+    def record(self, stream, timing=False):
+        return _ClockEvent()
+
+    def wait(self, stream, event):
+        pass
+
+    def on(self, stream):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+def test_gpu_wait_for_an_update_runs_until_the_layer_is_acquired():
+    """The GPU's wait for a layer whose update the host waited for lasts until the compute stream has the layer
+    (``acquire``: the update's wait *and* the copy after it), not only the host's wait; a prefetch the pass does not
+    use next (it turned) is not counted."""
+    import threading
+    import time
+
+    from hf_megatrain.engine.slots import WeightSlots
+
+    engine = MegaTrainEngine(tiny("llama", num_hidden_layers=3), MegaTrainConfig(compute_dtype="float32",
+                             device_layers=0, device_step_layers=0), device="cpu")
+    units, state = engine.executor.weights.units, engine.state
+    slots = WeightSlots(units, state, _ClockStreams(), device=torch.device("cpu"), compute_dtype=torch.float32,
+                        num_slots=2)
+
+    def update_running(i: int, seconds: float) -> threading.Thread:
+        state.begin_update(units[i].index)
+        t = threading.Thread(target=lambda: (time.sleep(seconds), state.finish_update(units[i].index)))
+        t.start()
+        return t
+
+    t = update_running(2, 0.05)
+    slots.release(slots.acquire(1, +1))  # prefetches layer 2: the host waits ~0.05 s for its update
+    t.join()
+    waited = slots.wait_optimizer_s
+    time.sleep(0.2)  # (the copy, and the previous layer's compute, before the compute stream has layer 2)
+    slots.release(slots.acquire(2, +1))
+    assert 0.04 <= waited < 0.2 and slots.gpu_wait_optimizer_s >= 0.2 + waited - 0.01
+    counted = slots.gpu_wait_optimizer_s
+    t = update_running(1, 0.05)
+    slots.release(slots.acquire(2, -1))  # prefetches layer 1 (waits for its update) ...
+    t.join()
+    time.sleep(0.1)
+    slots.release(slots.acquire(0, +1))  # ... but the next acquire is another layer: that wait is dropped
+    assert slots.wait_optimizer_s > waited + 0.04 and slots.gpu_wait_optimizer_s < counted + 0.05

@@ -116,8 +116,8 @@ class WeightSlots:
             s = min((k for k in range(len(self.slots)) if k not in protect), key=lambda k: self.tick[k])
             self._waited_from.pop(s, None)  # (refilled: a measurement its old load carried is void)
             self._fill(s, index, held, early)
-        if before is not None and waited > NOTED_WAIT_S:
-            self._waited_from[s] = (index, before)
+        if before is not None and waited > NOTED_WAIT_S and self._waited_from.get(s, (None,))[0] != index:
+            self._waited_from[s] = (index, before)  # (a wait measured since this load began counts from there)
         return s
 
     def _fill(self, s: int, index: int, held: tuple[int, int], early: Any) -> None:

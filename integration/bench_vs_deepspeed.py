@@ -390,8 +390,9 @@ def mirror(dest: str, files: list[str], logs: list[str]) -> None:
 
 def wait_share(r: dict, gpu: bool = False) -> float | None:
     """hf_megatrain's forward wait on the previous step's optimizer over the step time (medians of the timed steps;
-    issue 15 wants < 5%): the host's wait, or (``gpu``) the GPU's idle across it -- the host waits while queued GPU
-    work runs, so the first overstates what the step loses. Derived here, so older records show it too."""
+    issue 15 wants < 5%): the host's wait, or (``gpu``) the GPU's idle for the loads that waited (the update's wait
+    and the copy after it: engine/slots.py) -- the host waits while queued GPU work runs, so the first overstates
+    what the step loses. Derived here, so older records show it too."""
     key = "forward_gpu_wait_for_optimizer_s" if gpu else "forward_wait_for_optimizer_s"
     wait = (r.get("cpu_optimizer") or {}).get(key)
     return wait / r["step_time_s"] if wait is not None and r.get("step_time_s") else None

@@ -17,7 +17,7 @@ import json
 from typing import Any
 
 
-def _load(path: str) -> list[dict[str, Any]]:
+def load_events(path: str) -> list[dict[str, Any]]:
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         return json.load(f)["traceEvents"]
@@ -84,7 +84,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=40, help="print the longest N gaps (all go to --json)")
     ap.add_argument("--json", default=None, help="write the full result here")
     a = ap.parse_args()
-    r = gaps(_load(a.trace), a.min_ms)
+    r = gaps(load_events(a.trace), a.min_ms)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(r, f, indent=1)

@@ -287,3 +287,27 @@ def test_finetune_steps_hold_exact_real_tokens():
             b = steps[0]
             starts = (b["position_ids"] == 0)
             assert (b["labels"][starts] == IGNORE).all() and "attention_mask" not in b
+
+
+def test_idle_gaps_places_each_gap_with_its_copies_and_open_host_ranges(tmp_path):
+    """integration/idle_gaps.py: a gap between kernels, the host wait open across it, and a copy issued late inside
+    it (issued / started / ended relative to the gap); gaps shorter than the threshold are not listed."""
+    import gzip
+
+    import idle_gaps
+
+    ev = [{"ph": "X", "cat": "kernel", "name": "k0", "ts": 0, "dur": 1000},
+          {"ph": "X", "cat": "kernel", "name": "k1", "ts": 1100, "dur": 900},  # (a 0.1 ms gap: under the threshold)
+          {"ph": "X", "cat": "kernel", "name": "k2", "ts": 5000, "dur": 500},  # a 3 ms gap
+          {"ph": "X", "cat": "user_annotation", "name": "megatrain.wait_optimizer", "ts": 1500, "dur": 2500},
+          {"ph": "X", "cat": "cuda_runtime", "name": "cudaMemcpyAsync", "ts": 4000, "dur": 5, "args": {"correlation": 7}},
+          {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 4010, "dur": 990, "args": {"correlation": 7}}]
+    path = tmp_path / "trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": ev}, f)
+    r = idle_gaps.gaps(idle_gaps.load_events(str(path)), min_ms=0.5)
+    assert r["window_ms"] == 5.5 and r["gaps_ms_total"] == 3.0 and len(r["gaps"]) == 1
+    g = r["gaps"][0]
+    assert (g["at_ms"], g["after"], g["before"], g["host_open"]) == (2.0, "k1", "k2", ["megatrain.wait_optimizer"])
+    assert g["copies"] == [{"copy": "Memcpy HtoD", "issued": 2.0, "started": 2.01, "ended": 3.0}]
+    assert r["by_host_range"] == {"megatrain.wait_optimizer": 3.0}

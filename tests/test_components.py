@@ -104,7 +104,10 @@ def test_native_host_kernel_releases_the_gil():
     import threading
     import time
 
-    n = 1 << 24
+    # A call long enough (~50 ms on one core) that the watching thread's pauses from the OS -- another test process
+    # on the other core (the suite runs on 2 workers), the 5 ms GIL switch interval -- stay well under half of it
+    # (with 16M elements a call took ~12 ms and such pauses ~7 ms).
+    n = 1 << 26
     state = [torch.randn(n), torch.randn(n), torch.zeros(n), torch.zeros(n)]
     groups = [(kernels.Hyper(1e-3, (0.9, 0.999), 1e-8, 0.0), [(0, n)])]
     threads = torch.get_num_threads()

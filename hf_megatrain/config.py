@@ -244,6 +244,13 @@ class MegaTrainConfig:
             for the backward), "auto" (the planner keeps the last layers' inputs on the GPU while they fit its
             budget for the step's sequence length and offloads the first ones; nothing is offloaded on a CPU).
         activation_prefetch: offloaded layer inputs copied back this many layers ahead of the backward (>= 1).
+        saved_graph_layers: how many of the last decoder layers keep their training forward's autograd graph (its
+            activations and a compute-dtype copy of the layer's weights) on the GPU, so their backward runs without
+            recomputing the forward -- a quarter of a layer's matmuls saved per such layer. The last ones in forward
+            order: their backward comes first, so their memory is held the shortest. -1 = auto: as many as the
+            planner fits beside the step's planned GPU peak for its (batch, seq) shape (none where layer inputs are
+            offloaded, a visit is split by ``micro_batch_size``, or on a CPU); 0 = recompute every layer; n > 0:
+            exactly the last n (a CPU too). Same math (the backward differentiates the forward's own graph).
         host_threads: CPU threads of the host AdamW (torch's intra-op threads of the process). 0 = auto: this
             process's share of its cores (data-parallel processes of one host split them), raised to that when a
             launcher left fewer (``accelerate launch`` and torchrun set OMP_NUM_THREADS=1 unless told otherwise),
@@ -286,6 +293,7 @@ class MegaTrainConfig:
     seq_chunk_tokens: int = 0
     activation_offload: str = "auto"
     activation_prefetch: int = 2
+    saved_graph_layers: int = -1
     host_threads: int = 0
     shared_memory_dir: str = "/dev/shm"
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -314,6 +322,9 @@ class MegaTrainConfig:
             raise ValueError(f"host_memory_fraction={self.host_memory_fraction} must be in (0, 1]")
         if self.device_step_layers < -1:
             raise ValueError(f"device_step_layers={self.device_step_layers}: use -1 (auto), 0 (all on the CPU) "
+                             "or a number of layers")
+        if self.saved_graph_layers < -1:
+            raise ValueError(f"saved_graph_layers={self.saved_graph_layers}: use -1 (auto), 0 (recompute every layer) "
                              "or a number of layers")
         if self.device_layers < -1:
             raise ValueError(f"device_layers={self.device_layers}: use -1 (auto), 0 (stream every layer) or a number "

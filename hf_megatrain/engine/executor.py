@@ -20,6 +20,7 @@ backward differentiates exactly the function the forward computed (as ``torch.ut
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
@@ -40,6 +41,19 @@ from .slots import WeightSlots
 
 if TYPE_CHECKING:
     from ..parallel.group import DataParallel
+
+
+@dataclass
+class SavedGraph:
+    """A layer visit's training forward kept whole for its backward (``saved_graph_layers``): the graph's leaves
+    (the inputs that want a gradient, None where none does), its raw output, its side outputs, and the parameters
+    it ran with -- views of the visit's own copy of the layer's weights, since the slot it was loaded into is
+    refilled long before the backward comes."""
+
+    params: dict[str, torch.Tensor]
+    leaves: list[torch.Tensor | None]
+    out: Any
+    side: list[torch.Tensor] = field(default_factory=list)
 
 
 class StreamingExecutor:
@@ -74,6 +88,9 @@ class StreamingExecutor:
         self.last_rng: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
         # Output layout of the last forward (read by the proxy to rebuild the layer's own output structure).
         self.last_layout: OutLayout | None = None
+        # Layers whose training forward keeps its graph for the backward (the engine sets them per step shape:
+        # planner/saved_graphs.py); the others are recomputed from their saved input.
+        self.graph_layers: frozenset[int] = frozenset()
 
     # -- counters (benchmarks, logs) ---------------------------------------------------------------------------------
     @property
@@ -120,16 +137,51 @@ class StreamingExecutor:
         with torch.profiler.record_function("megatrain.forward"):
             return self._forward_layer(index, hidden, call, recompute)
 
+    def keeps_graph(self, index: int, hidden: torch.Tensor) -> bool:
+        """Whether this training visit of layer ``index`` keeps its forward's graph: a chosen layer, run whole (a
+        visit split by ``micro_batch_size`` recomputes chunk by chunk to bound its memory), its input not
+        offloaded, and drawing no random numbers."""
+        return (index in self.graph_layers and self.training and len(self._chunks(hidden.shape[0])) == 1
+                and index not in self.activations.offload
+                and not self.templates[self.kinds[index]].stochastic)  # (a second backward recomputes: no RNG kept)
+
+    def forward_layer_saving(self, index: int, hidden: torch.Tensor, call: Call, grad_pos: list[int],
+                             needs: tuple[bool, ...]) -> tuple[list[torch.Tensor], OutLayout, SavedGraph]:
+        """Run layer ``index`` with grad (``keeps_graph``), on its own copy of the weights: its outputs as
+        ``forward_layer`` returns them (detached), and the graph its backward differentiates instead of a
+        recompute. ``needs``: which of [hidden, *call leaves at grad_pos] want a gradient."""
+        self.visits[index] = self.visits.get(index, 0) + 1
+        with torch.profiler.record_function("megatrain.forward_saving"):
+            unit = self.units[index]
+            s = self.weights.acquire(index, +1)
+            own = self.weights.slots[s][:unit.numel + unit.frozen_numel].clone()
+            self.weights.release(s)
+            tmpl = self.templates[self.kinds[index]]
+            params = tmpl.bind(own, requires_grad=True)
+            flat, spec = pytree.tree_flatten(call)
+            sources = [hidden, *(flat[p] for p in grad_pos)]
+            leaves = [x.detach().requires_grad_() if need else None for x, need in zip(sources, needs)]
+            h = leaves[0] if leaves[0] is not None else hidden.detach()
+            with torch.enable_grad():
+                replace = {pos: leaf for pos, leaf in zip(grad_pos, leaves[1:]) if leaf is not None}
+                args, kwargs = slice_call(flat, spec, 0, hidden.shape[0], None, replace)
+                out = collect_writes(lambda: tmpl(params, self.buffers[index], self.training, (h, *args), kwargs),
+                                     args, kwargs)
+            self.last_rng = None  # (nothing to replay: no recompute)
+            tensors, layout = merge_chunks([out], [hidden.shape[0]], self._name(index))
+            self.rows.saw_output(index, hidden.shape[0], flat, tensors, layout)
+            return tensors, layout, SavedGraph(params, leaves, out)
+
     def backward_layer(self, index: int, hidden: torch.Tensor, call: Call, grad_pos: list[int],
                        extras: list[torch.Tensor], needs: tuple[bool, ...], out_grads: tuple,
-                       layout: OutLayout, side_grads: tuple = (), rng: list | None = None
-                       ) -> list[torch.Tensor | None]:
-        """Recompute layer ``index`` with grad and back-propagate ``out_grads`` (one per tensor output, None where
-        none came) and ``side_grads``: weight gradient to its sink, and the gradients of [hidden, *extras] (the
-        call's leaves at ``grad_pos``) where ``needs`` says so."""
+                       layout: OutLayout, side_grads: tuple = (), rng: list | None = None,
+                       saved: SavedGraph | None = None) -> list[torch.Tensor | None]:
+        """Recompute layer ``index`` with grad (or take ``saved``, its forward's graph) and back-propagate
+        ``out_grads`` (one per tensor output, None where none came) and ``side_grads``: weight gradient to its
+        sink, and the gradients of [hidden, *extras] (the call's leaves at ``grad_pos``) where ``needs`` says so."""
         with torch.profiler.record_function("megatrain.backward"):
             return self._backward_layer(index, hidden, call, grad_pos, extras, needs, out_grads, layout,
-                                        side_grads, rng)
+                                        side_grads, rng, saved)
 
     # -- random numbers -------------------------------------------------------------------------------------------------
     def _rng_state(self) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -179,8 +231,8 @@ class StreamingExecutor:
 
     def _backward_layer(self, index: int, hidden: torch.Tensor, call: Call, grad_pos: list[int],
                         extras: list[torch.Tensor], needs: tuple[bool, ...], out_grads: tuple,
-                        layout: OutLayout, side_grads: tuple = (), rng: list | None = None
-                        ) -> list[torch.Tensor | None]:
+                        layout: OutLayout, side_grads: tuple = (), rng: list | None = None,
+                        saved: SavedGraph | None = None) -> list[torch.Tensor | None]:
         unit = self.units[index]
         n = unit.numel
         sources = [hidden, *extras]  # the inputs whose gradients may be asked for
@@ -189,9 +241,14 @@ class StreamingExecutor:
             return grads_in  # nothing trainable here and nothing before it: no recompute needed
         if all(g is None for g in out_grads) and all(g is None for g in side_grads):
             return grads_in  # no gradient reached this layer's outputs: none leaves it (as in plain autograd)
-        s = self.weights.acquire(index, -1)
         tmpl = self.templates[self.kinds[index]]
-        params = tmpl.bind(self.weights.slots[s], requires_grad=True)
+        if saved is None:
+            s = self.weights.acquire(index, -1)
+            params = tmpl.bind(self.weights.slots[s], requires_grad=True)
+        else:  # (no slot: the layers after it in the pass may start loading now, under this backward)
+            params = saved.params
+            if index > 0 and index - 1 not in self.graph_layers:
+                self.weights.prefetch(index - 1)
         trainable = [params[p.local] for p in tmpl.layout]
         gp = self.grads.grad_param
         grads = tmpl.bind(gp, frozen=False)
@@ -209,22 +266,19 @@ class StreamingExecutor:
         per = [1] + [rows[p] if rows else None for p in grad_pos]  # rows per sequence of each source (hidden: 1)
         # Inputs that are not batch-major (broadcast over the batch) are one leaf for all chunks (autograd sums their
         # gradient); batch-major ones get a leaf per chunk, whose gradient fills the chunk's rows.
-        whole = [None if not need else (x.detach().requires_grad_() if not (split and r) else None)
-                 for x, need, r in zip(sources, needs, per)]
+        whole = saved.leaves if saved is not None else [
+            None if not need else (x.detach().requires_grad_() if not (split and r) else None)
+            for x, need, r in zip(sources, needs, per)]
         for c, (a, b) in enumerate(chunks):
             gp[:n].zero_()
             leaves = [w if w is not None or not need else x[a * r:b * r].detach().requires_grad_()
                       for x, w, need, r in zip(sources, whole, needs, per)]
-            h = leaves[0] if leaves[0] is not None else (hidden[a:b] if split else hidden).detach()
-            with self._replay(rng[c] if rng else None), torch.enable_grad():
-                replace = {pos: leaf for pos, leaf in zip(grad_pos, leaves[1:]) if leaf is not None}
-                args, kwargs = slice_call(flat, spec, a, b, rows, replace)
-                tap = self.tap if any(g is not None for g in side_grads) else None
-                if tap is not None:
-                    tap.start()
-                out = collect_writes(lambda: tmpl(params, self.buffers[index], self.training, (h, *args), kwargs),
-                                     args, kwargs)
-                side = tap.stop() if tap is not None else []
+            if saved is not None:  # (one chunk: the forward ran whole)
+                out, side = saved.out, saved.side
+            else:
+                out, side = self._recompute(index, tmpl, params, hidden, flat, spec, (a, b), rows, grad_pos,
+                                            leaves, split, rng[c] if rng else None,
+                                            any(g is not None for g in side_grads))
             outs, gouts = [], []
             for t, g, shared in zip(layout.tensors_of(out), out_grads, layout.shared):
                 if g is None or not t.requires_grad or (shared and c > 0):
@@ -251,7 +305,8 @@ class StreamingExecutor:
                 off.copy_(gp[:n])
             else:
                 off.add_(gp[:n])
-        self.weights.release(s)
+        if saved is None:
+            self.weights.release(s)
         for i, w in enumerate(whole):
             if w is not None:
                 grads_in[i] = w.grad
@@ -265,6 +320,24 @@ class StreamingExecutor:
                 # (Not lean: there a drain waits for the layer's whole update, which step() waits for anyway.)
                 self.grads.finish()
         return grads_in
+
+    def _recompute(self, index: int, tmpl: LayerTemplate, params: dict[str, torch.Tensor], hidden: torch.Tensor,
+                   flat: list, spec: Any, span: tuple[int, int], rows: Any, grad_pos: list[int],
+                   leaves: list[torch.Tensor | None], split: bool, rng: Any, tapped: bool) -> tuple[Any, list]:
+        """One chunk of layer ``index``'s forward again, with grad, from its saved input (the forward's RNG
+        replayed): (its raw output, the side outputs a tap collects when ``tapped``)."""
+        a, b = span
+        h = leaves[0] if leaves[0] is not None else (hidden[a:b] if split else hidden).detach()
+        with self._replay(rng), torch.enable_grad():
+            replace = {pos: leaf for pos, leaf in zip(grad_pos, leaves[1:]) if leaf is not None}
+            args, kwargs = slice_call(flat, spec, a, b, rows, replace)
+            tap = self.tap if tapped else None
+            if tap is not None:
+                tap.start()
+            out = collect_writes(lambda: tmpl(params, self.buffers[index], self.training, (h, *args), kwargs),
+                                 args, kwargs)
+            side = tap.stop() if tap is not None else []
+        return out, side
 
     def _record_reach(self, unit: Unit, tmpl: LayerTemplate, reached: list[bool]) -> None:
         if unit.grad is None:  # (no buffer to give a parameter no backward reached its zeros: a lean unit)

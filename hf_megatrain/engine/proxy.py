@@ -3,7 +3,8 @@
 The HF model's own forward loop still calls ``model.layers[i](hidden, **kwargs)``; each entry is a ``StreamedLayer``
 whose call is one autograd Function. Its forward runs the layer under ``no_grad`` (keeping only the boundary
 activation, on the device or offloaded: engine/activations.py); its backward asks the executor to recompute the
-layer with grad and returns the input gradients.
+layer with grad and returns the input gradients -- except for the layers whose forward keeps its graph (the last
+ones, while the GPU has room: ``saved_graph_layers``), whose backward differentiates that graph.
 Autograd calls the backwards in reverse layer order, which is what lets the executor prefetch layer i-1 while
 layer i recomputes.
 
@@ -46,9 +47,18 @@ class _StreamedLayerFunction(torch.autograd.Function):
         tap = executor.tap if executor.tap is not None and executor.tap.active else None
         if tap is not None:
             tap.start()
-        tensors, layout = executor.forward_layer(index, hidden, call, recompute=True)
+        # A layer chosen to keep its graph (executor.graph_layers) runs with grad now; its backward takes that
+        # graph instead of recomputing (the saved input stays for a second backward, which recomputes).
+        ctx.graph = None
+        if executor.keeps_graph(index, hidden):
+            tensors, layout, ctx.graph = executor.forward_layer_saving(index, hidden, call, grad_pos,
+                                                                       ctx.needs_input_grad[5:])
+        else:
+            tensors, layout = executor.forward_layer(index, hidden, call, recompute=True)
         ctx.rng = executor.last_rng
         side = tap.stop() if tap is not None else []
+        if ctx.graph is not None:
+            ctx.graph.side, side = side, [t.detach() for t in side]
         ctx.layout, ctx.num_out = layout, len(tensors)  # (the layout holds no tensor: nothing kept alive)
         executor.last_layout = layout  # read by the proxy to rebuild the layer's output
         # Fresh aliases: a tensor the layer passed through from its call (a mask, rotary tables) would otherwise get
@@ -67,8 +77,10 @@ class _StreamedLayerFunction(torch.autograd.Function):
         if saved is not None:
             acts.prefetch_before(saved)  # the layers whose backward comes next, during this recompute
         n = ctx.num_out
+        graph, ctx.graph = ctx.graph, None  # (used once: autograd frees it)
         grads_in = ctx.executor.backward_layer(ctx.index, hidden, ctx.call, ctx.grad_pos, extras,
-                                               ctx.needs_input_grad[5:], grads[:n], ctx.layout, grads[n:], ctx.rng)
+                                               ctx.needs_input_grad[5:], grads[:n], ctx.layout, grads[n:], ctx.rng,
+                                               graph)
         return (None, None, None, None, None, *grads_in)
 
 

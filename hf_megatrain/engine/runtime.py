@@ -376,7 +376,8 @@ class MegaTrainEngine:
 
     def _place_activations(self, input_ids: torch.Tensor | None, kwargs: dict[str, Any]) -> None:
         """Per (batch, seq) shape: which layers' saved inputs the executor offloads to host memory (the planner's
-        ``activation_offload`` rule; the first layers, whose backward comes last)."""
+        ``activation_offload`` rule; the first layers, whose backward comes last), and which keep their forward's
+        graph instead of being recomputed (``saved_graph_layers``: the last ones)."""
         ref = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
         if not isinstance(ref, torch.Tensor) or ref.dim() < 2 or not torch.is_grad_enabled():
             return
@@ -386,6 +387,9 @@ class MegaTrainEngine:
         acts = self.executor.activations  # (its pooled host buffers serve any shape that fits them)
         n = planner.offloaded_layers_for(self, seq_len=key[1], batch_size=key[0], pooled_host_bytes=acts.host_bytes)
         acts.offload = frozenset(range(n))
+        L = len(self.layer_units)
+        kept = planner.saved_graph_layers_for(self, seq_len=key[1], batch_size=key[0], offloaded=n)
+        self.executor.graph_layers = frozenset(range(L - kept, L))
         self._activation_shape = key
         if n:
             logger.info("hf_megatrain: batch %d x seq %d: layers 0..%d offload their saved input to host memory, "

@@ -100,6 +100,12 @@ class WeightSlots:
                 break
             protect.add(self._load(j, protect))
 
+    def prefetch(self, index: int) -> None:
+        """Start loading layer ``index`` now: the pass reaches it after layers that run from no slot (a kept
+        forward graph: engine/executor.py), whose backward is the time to copy it in."""
+        if 0 <= index < len(self.units):
+            self._load(index, protect=set())
+
     def _load(self, index: int, protect: set[int]) -> int:
         unit = self.units[index]
         t0 = time.perf_counter()

@@ -4,5 +4,7 @@ from .cli import *  # noqa: F401,F403
 from .cli import __all__ as _cli_all
 from .predict import *  # noqa: F401,F403
 from .predict import __all__ as _predict_all
+from .saved_graphs import *  # noqa: F401,F403
+from .saved_graphs import __all__ as _saved_all
 
-__all__ = [*_predict_all, *_cli_all]
+__all__ = [*_predict_all, *_cli_all, *_saved_all]

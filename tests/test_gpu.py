@@ -76,3 +76,15 @@ def test_gpu_parity_compiled_layers(family):
     cfg = MegaTrainConfig(compute_dtype="float32", torch_compile=True, device_layers=0, device_step_layers=2)
     worst, engine, _ = run_parity(tiny(family, num_hidden_layers=4), config=cfg, device="cuda", tol=1e-4)
     assert all(t.compiled is not None for t in engine.executor.templates)  # no fallback to eager
+
+
+@pytest.mark.parametrize("saved,compiled", [(0, False), (2, False), (-1, True)])
+def test_gpu_parity_saved_graphs(saved, compiled):
+    """Every layer streamed; the last layers keep their forward's graph (``saved_graph_layers``: none, two, the
+    auto rule), eager and compiled layers, clipping on and off."""
+    cfg = MegaTrainConfig(compute_dtype="float32", device_layers=0, device_step_layers=0,
+                          saved_graph_layers=saved, torch_compile=compiled)
+    worst, engine, _ = run_parity(tiny("qwen2", num_hidden_layers=4), config=cfg, device="cuda", ga=1, steps=3,
+                                  clip_schedule=[1e6, 0.3, 0.3], tol=1e-4 if compiled else 1e-5)
+    assert engine.executor.graph_layers == (frozenset() if saved == 0 else frozenset({2, 3}) if saved == 2
+                                            else frozenset(range(4)))  # (auto: a tiny model fits every layer)

@@ -8,9 +8,9 @@ backward) -- and their backward differentiates it (``saved_graph_layers``; engin
 their backward comes first, so their memory is held the shortest, and the forward's end is where the GPU holds the
 least else.
 
-Per kept layer this charges one layer's recompute peak (``layer_recompute_bytes``: saved activations plus the
-backward's transients, an upper bound on what the graph holds) plus its weight copy, on top of the whole step's
-planned peak -- not only on the phases where the graphs are alive, so the count errs low. ``SAVED_GRAPH_MARGIN``
+Per kept layer this charges its saved activations (``saved_graph_bytes``: measured per token for compiled dense
+layers, else a whole recompute peak) plus its weight copy, on top of the whole step's planned peak -- not only on
+the phases where the graphs are alive, so the count errs low. ``SAVED_GRAPH_MARGIN``
 of the GPU budget stays free for what the plan does not see (the compiled graphs' own buffers, fragmentation past
 the planned share).
 """
@@ -39,10 +39,18 @@ def _elt(dtype: torch.dtype) -> int:
 
 
 def saved_graph_bytes(shape: ModelShape, config: MegaTrainConfig, tokens: int, chunk: int = 0) -> int:
-    """GPU bytes one kept layer graph holds until its backward, at most: a layer's recompute peak for ``tokens``
-    tokens (``chunk``: tokens per tile of its position-wise parts) and its own weight copy."""
+    """GPU bytes one kept layer graph holds until its backward: its own weight copy, and its saved activations for
+    ``tokens`` tokens. A compiled dense layer (untiled) saves per token, in the compute dtype, ~3 MLP-wide tensors
+    (gate, up and their product's input), 4 hidden-wide ones (the norms' inputs and outputs, residuals), the
+    attention's q / k / v and output (2 q + 2 kv): measured on an H100 at 14B width (bf16, compiled), 140-143 KB
+    per token against 148.5 KB so counted (integration/PERF.md, lever 64). Any other layer (eager: fp32 norm
+    upcasts saved; MoE; tiled position-wise parts) is charged its whole recompute peak (``layer_recompute_bytes``),
+    an upper bound."""
     c = _elt(config.torch_compute_dtype)
     slot = max((a + b for a, b in zip(shape.layer_numels, shape.layer_frozen)), default=0)
+    if config.compiles("cuda") and not shape.routed_inactive and not chunk:
+        per_token = c * (3 * shape.intermediate + 4 * shape.hidden + 2 * shape.q_dim + 2 * shape.kv_dim)
+        return tokens * per_token + c * slot
     return layer_recompute_bytes(shape, tokens, config.torch_compute_dtype, chunk) + c * slot
 
 

@@ -155,7 +155,6 @@ class StreamingExecutor:
             unit = self.units[index]
             s = self.weights.acquire(index, +1)
             own = self.weights.slots[s][:unit.numel + unit.frozen_numel].clone()
-            self.weights.release(s)
             tmpl = self.templates[self.kinds[index]]
             params = tmpl.bind(own, requires_grad=True)
             flat, spec = pytree.tree_flatten(call)
@@ -167,6 +166,9 @@ class StreamingExecutor:
                 args, kwargs = slice_call(flat, spec, 0, hidden.shape[0], None, replace)
                 out = collect_writes(lambda: tmpl(params, self.buffers[index], self.training, (h, *args), kwargs),
                                      args, kwargs)
+            # Released once the compute is queued, as in ``forward_layer``: the next layer's load may wait for its
+            # update, and that wait should run beside this layer's compute, not before it is queued.
+            self.weights.release(s)
             self.last_rng = None  # (nothing to replay: no recompute)
             tensors, layout = merge_chunks([out], [hidden.shape[0]], self._name(index))
             self.rows.saw_output(index, hidden.shape[0], flat, tensors, layout)

@@ -84,13 +84,16 @@ def session20_sweep(k: int, tokens: int) -> float:
     return times[(0, 2, 4, 8).index(k)]
 
 
-def step(width: str, layers: int, config: dict, seq: int, batch: int, clipping: bool) -> float:
-    """(Runs before session 16 updated every layer whole: ``split_host_update`` off unless the case says.)"""
+def step(width: str, layers: int, config: dict, seq: int, batch: int, clipping: bool, saved: int = 0) -> float:
+    """(Runs before session 16 updated every layer whole: ``split_host_update`` off unless the case says; runs
+    before session 21 recomputed every layer: ``saved`` is the last layers that kept their forward's graph.)"""
     sh, cfg = shape(width, layers), MegaTrainConfig(**{"split_host_update": "off", **config})
-    return predict_step(sh, cfg, planner.unit_plans(sh, cfg, "cuda", GPU), seq, batch, clipping=clipping).step_s
+    return predict_step(sh, cfg, planner.unit_plans(sh, cfg, "cuda", GPU), seq, batch, clipping=clipping,
+                        saved_graphs=saved).step_s
 
 
-def finetune(path: str, layout: str, config: dict, kernel: AttentionKernel | None = None) -> tuple[float, float]:
+def finetune(path: str, layout: str, config: dict, kernel: AttentionKernel | None = None,
+             saved: int = 0) -> tuple[float, float]:
     """(predicted, measured) mean step of a fine-tune benchmark run (integration/bench/finetune_data.py): each timed
     step's own rows -- the same lengths the run drew, from its seed -- predicted with clipping on every step (the
     bench's ``--max-grad-norm 1.0`` on a random init) and averaged, as the run's ``step_time_s`` averages."""
@@ -106,11 +109,13 @@ def finetune(path: str, layout: str, config: dict, kernel: AttentionKernel | Non
     plans = planner.unit_plans(sh, cfg, "cuda", GPU)
     steps = step_lengths({"tokens": 32768, "layout": layout}, warmup + timed)[warmup:]
     rows = [BatchRows.padded(n) if layout == "padded" else BatchRows.packed(n, FULL_MAX_LEN) for n in steps]
-    return predict_steps(sh, cfg, plans, rows, clipping=True, kernel=kernel).step_s, float(record["step_time_s"])
+    return (predict_steps(sh, cfg, plans, rows, clipping=True, kernel=kernel, saved_graphs=saved).step_s,
+            float(record["step_time_s"]))
 
 
-def ft_case(label: str, path: str, layout: str, config: dict, kernel: AttentionKernel | None = None) -> tuple:
-    run = functools.lru_cache(maxsize=None)(lambda: finetune(path, layout, config, kernel))
+def ft_case(label: str, path: str, layout: str, config: dict, kernel: AttentionKernel | None = None,
+            saved: int = 0) -> tuple:
+    run = functools.lru_cache(maxsize=None)(lambda: finetune(path, layout, config, kernel, saved))
     return (label, lambda: run()[0], lambda: run()[1])
 
 
@@ -244,6 +249,16 @@ CASES = [
        functools.partial(measured, "bench_vs_deepspeed/2026-11-26_85ad266_clip1_8k_32k_gpu_wait_h100.json", "records",
                          f"megatrain:streamed@{tokens // 2048}", "step_time_s"))
       for tokens in (8192, 32768)],
+    # Session 21: the last layers keep their forward's graph (saved_graph_layers auto: the engine logged 8 at 8k,
+    # 4 at 32k on the H100's budget; planner/saved_graphs.py gives the same counts for this shape).
+    *[(f"14B x8 streamed, {tokens // 1024}k tokens, compile, clip every step, {saved} saved graphs (session 21)",
+       functools.partial(step, "14B", 8, STREAMED | COMPILE | SPLIT, 2048, tokens // 2048, True, saved),
+       functools.partial(measured, "compare_commits/2026-11-26_ed85d48_vs_19a029c_saved_graphs_clip1_h100.json",
+                         "new", "rows", str(tokens), "step_time_s"))
+      for tokens, saved in ((8192, 8), (32768, 4))],
+    ft_case("14B x8 fine-tune packed, config defaults, 4 saved graphs (H100, session 21, ed85d48)",
+            "bench_vs_deepspeed/2026-11-26_ed85d48_finetune_packed_saved_graphs_h100.json", "packed",
+            STREAMED | SPLIT | dict(torch_compile="auto"), saved=4),
 ]
 
 # Measured runs the model does not predict within 15 %, and why.

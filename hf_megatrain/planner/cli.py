@@ -21,6 +21,7 @@ from .finetune_rows import Layout as RowLayout
 from .finetune_rows import load_lengths, padding_summary, sample_steps
 from .host_layout import Layout, choose, host_layouts, is_planned, layout_lines
 from .predict import GiB, MemoryPlan, ModelShape, estimate, sum_values, unit_plans
+from .saved_graphs import saved_graph_bytes, saved_graph_count
 from .step_time import MachineProfile, StepPrediction, predict_step, predict_steps
 
 __all__ = ["checkpoint_sizes", "load_shape", "main", "step_time_lines"]
@@ -99,13 +100,15 @@ ROW_LAYOUTS = (("padded", RowLayout.PADDED, False), ("padded, group_by_length", 
 
 
 def compare_row_layouts(shape: ModelShape, config: MegaTrainConfig, plans: Any, lengths: list[int], batch_size: int,
-                        max_len: int, machine: MachineProfile, grad_accum: int = 1) -> list[dict[str, Any]]:
+                        max_len: int, machine: MachineProfile, grad_accum: int = 1,
+                        saved_graphs: int = 0) -> list[dict[str, Any]]:
     """The same lengths laid out each way Trainer and TRL offer, clipping on every step: what a user could switch to
     (packed rows never pay for padding; grouping by length pays less)."""
     out = []
     for label, layout, grouped in ROW_LAYOUTS:
         batches = sample_steps(lengths, layout, batch_size, max_len, group_by_length=grouped)
-        p = predict_steps(shape, config, plans, batches, machine, clipping=True, grad_accum=grad_accum)
+        p = predict_steps(shape, config, plans, batches, machine, clipping=True, grad_accum=grad_accum,
+                          saved_graphs=saved_graphs)
         out.append({"layout": label, "step_s": p.step_s, "real_tokens_per_s": p.tokens_per_s,
                     **padding_summary(batches)})
     return out
@@ -206,6 +209,13 @@ def main(argv: list[str] | None = None) -> int:
     plans = unit_plans(shape, config, "cuda", gpu_plan, host_free=host_avail) if a.gpus == 1 else None
     plan = estimate(shape, config, a.seq_len, a.batch_size, device_type="cuda", gpu_free=gpu_plan,
                     grad_accum=a.grad_accum, gpus=a.gpus, plans=plans)
+    # The last layers that keep their forward's graph for this step shape (the engine's rule; per visit of the
+    # longest rows when --lengths draws several).
+    graphs = saved_graph_count(config, shape.num_layers, device_type="cuda",
+                               split=0 < config.micro_batch_size < a.batch_size, offloaded=plan.offloaded_layers,
+                               budget=gpu_plan, planned_peak=plan.device_total,
+                               per_layer=saved_graph_bytes(shape, config, a.seq_len * a.batch_size,
+                                                           plan.seq_chunk_tokens))
     machine = MachineProfile().with_overrides(tflops=a.tflops, pcie_h2d_gbps=a.pcie_gbps, pcie_d2h_gbps=a.pcie_gbps,
                                               host_adamw_gbps=a.host_adamw_gbps, disk_gbps=a.disk_gbps)
     preds: dict[str, StepPrediction] = {}
@@ -215,17 +225,18 @@ def main(argv: list[str] | None = None) -> int:
         for label, clip in (("no clipping", False), ("clipping on every step", True)):
             if batches is None:
                 preds[label] = predict_step(shape, config, plans, a.seq_len, a.batch_size, machine, clipping=clip,
-                                            grad_accum=a.grad_accum)
+                                            grad_accum=a.grad_accum, saved_graphs=graphs)
             else:  # (tokens/s: real tokens, padding not counted)
                 preds[label] = predict_steps(shape, config, plans, batches, machine, clipping=clip,
-                                             grad_accum=a.grad_accum)
+                                             grad_accum=a.grad_accum, saved_graphs=graphs)
         layouts = host_layouts(shape, config, a.seq_len, a.batch_size, gpu_plan, host_avail, machine,
                                clipping=not a.no_clip)
     else:
         step_note = "step time: not predicted for float32 compute or several GPUs (the model covers one GPU, bf16)"
     rows, compared = None, []
     if lengths is not None and plans is not None and is_planned(config, a.gpus):
-        compared = compare_row_layouts(shape, config, plans, lengths, a.batch_size, a.seq_len, machine, a.grad_accum)
+        compared = compare_row_layouts(shape, config, plans, lengths, a.batch_size, a.seq_len, machine, a.grad_accum,
+                                       graphs)
     if batches is not None:
         rows = {"layout": a.layout, "group_by_length": a.group_by_length, "steps_drawn": len(batches),
                 **padding_summary(batches)}
@@ -244,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
                           "host_available": host_avail, "gpu_available": gpu_target, "host_fits": host_ok,
                           "gpu_fits": gpu_ok, "notes": plan.notes, "offloaded_layers": plan.offloaded_layers,
                           "seq_chunk_tokens": plan.seq_chunk_tokens, "flops_per_token": plan.flops_per_token,
+                          "saved_graph_layers": graphs,
                           "checkpoint": checkpoint_sizes(plan, a.disk_gbps),
                           "step_time": {k: asdict(v) for k, v in preds.items()}, "machine": asdict(machine),
                           "fine_tune_rows": rows, "fine_tune_layouts": compared,
@@ -279,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
           f"recompute and a causal kernel ~{f['hardware_with_recompute_causal']:.3g}")
     if preds:
         print("\n".join(step_time_lines(preds, machine)))
+        print(f"  the last {graphs} of {shape.num_layers} layers keep their forward's graph: no recompute in their "
+              "backward (saved_graph_layers)")
     if compared:
         print(f"Layouts of these lengths (clipping on every step; --batch-size {a.batch_size} sequences padded, or "
               f"rows of --seq-len {a.seq_len} packed)")

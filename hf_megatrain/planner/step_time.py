@@ -107,6 +107,7 @@ class LayerCost:
     host_update: float  # host AdamW (0: updated on the GPU)
     gpu_update: float = 0.0  # GPU AdamW (kept / GPU-stepped layers)
     speculative: bool = False  # its update may start as its gradient lands
+    saved_graph: bool = False  # its forward kept its graph: the backward neither recomputes nor loads it
     # The halves of its host update run split (optim/split_update.py; 0: it cannot be): new weights, then state.
     split_weights: float = 0.0
     split_state: float = 0.0
@@ -135,10 +136,12 @@ def _elementwise_bytes(shape: ModelShape, compiled: bool, c: int) -> float:
 
 def layer_costs(shape: ModelShape, config: MegaTrainConfig, plans: Plans, seq_len: int, tokens: int,
                 machine: MachineProfile, clipping: bool, grad_accum: int = 1,
-                attention_s: float | None = None, modes: StepModes | None = None) -> list[LayerCost]:
+                attention_s: float | None = None, modes: StepModes | None = None,
+                saved_graphs: int = 0) -> list[LayerCost]:
     """One ``LayerCost`` per decoder layer (see the module docstring). ``attention_s``: one forward's attention
     seconds where the rows are not ``tokens / seq_len`` causal sequences (``attention_seconds``); ``modes``: the
-    engine's step modes for these plans (decided here when not given)."""
+    engine's step modes for these plans (decided here when not given); ``saved_graphs``: the last layers that keep
+    their forward's graph (planner/saved_graphs.py): their backward skips the recompute."""
     m = machine
     c = _elt(config.torch_compute_dtype)
     gemm, attn = m.tflops * m.gemm_efficiency * 1e12, m.attention_tflops * 1e12
@@ -156,10 +159,13 @@ def layer_costs(shape: ModelShape, config: MegaTrainConfig, plans: Plans, seq_le
     narrow = modes.narrow is not None and grad_accum == 1 and whole
     g = c if narrow else o
     out = []
-    for up in plans.layers:
+    first_saved = len(plans.layers) - saved_graphs
+    for li, up in enumerate(plans.layers):
         n, fz = up.numel * active, up.frozen_numel * active
         fwd = 2 * (n + fz) * tokens / gemm + attn_s + elem / hbm
         bwd = (2 * (n + fz) + 2 * (n + fz) + 2 * n) * tokens / gemm + 3 * attn_s + 3 * elem / hbm
+        if li >= first_saved:  # (no recompute)
+            bwd -= fwd
         kept = up.master is Where.DEVICE
         weights = 0 if kept else (c if up.compute is Where.HOST or c == 4 else 4) * up.numel + c * up.frozen_numel
         host_s = gpu_s = split_w = split_s = 0.0
@@ -178,7 +184,7 @@ def layer_costs(shape: ModelShape, config: MegaTrainConfig, plans: Plans, seq_le
             up.stepper is Stepper.HOST and modes.speculate and config.overlap_optimizer and not clipping)
         out.append(LayerCost(fwd, bwd, (weights + state) / h2d,
                              (0 if up.grad is Where.DEVICE or kept else g * up.numel + state) / d2h,
-                             host_s, gpu_s, speculative, split_w, split_s))
+                             host_s, gpu_s, speculative, li >= first_saved, split_w, split_s))
     return out
 
 
@@ -242,8 +248,11 @@ def simulate(layers: list[LayerCost], head_s: float, gpu_step_s: float, *, num_s
                 gpu = free[s] = start + layers[i].forward
             gpu += head_s
             for i in reversed(range(L)):
-                s = acquire(i, -1)
-                gpu = free[s] = max(gpu, ready[s], py) + layers[i].backward
+                if layers[i].saved_graph:  # (its forward's graph: no load, no recompute)
+                    gpu = max(gpu, py) + layers[i].backward
+                else:
+                    s = acquire(i, -1)
+                    gpu = free[s] = max(gpu, ready[s], py) + layers[i].backward
                 py = max(py, state_done[i])  # (the gradient path waits for a split update's state half)
                 d2h = land[i] = max(d2h, gpu, py) + layers[i].d2h
             py = max(py, land[0])
@@ -304,11 +313,11 @@ def attention_seconds(shape: ModelShape, batch: BatchRows, kernel: AttentionKern
 
 def predict_steps(shape: ModelShape, config: MegaTrainConfig, plans: Plans, batches: list[BatchRows],
                   machine: MachineProfile | None = None, *, clipping: bool = False, grad_accum: int = 1,
-                  kernel: AttentionKernel | None = None) -> StepPrediction:
+                  kernel: AttentionKernel | None = None, saved_graphs: int = 0) -> StepPrediction:
     """The mean of ``predict_step`` over a fine-tune's micro-steps (``finetune_rows.sample_steps``): step seconds
     averaged, tokens/s and MFU over all of their real tokens; the bottleneck and busy shares of the median step."""
     preds = [predict_step(shape, config, plans, 0, 0, machine, clipping=clipping, grad_accum=grad_accum, rows=b,
-                          kernel=kernel) for b in batches]
+                          kernel=kernel, saved_graphs=saved_graphs) for b in batches]
     total = sum(p.step_s for p in preds)
     mid = sorted(preds, key=lambda p: p.step_s)[len(preds) // 2]
     return replace(mid, step_s=total / len(preds),
@@ -321,12 +330,13 @@ def predict_steps(shape: ModelShape, config: MegaTrainConfig, plans: Plans, batc
 def predict_step(shape: ModelShape, config: MegaTrainConfig, plans: Plans, seq_len: int, batch_size: int,
                  machine: MachineProfile | None = None, *, clipping: bool = False,
                  grad_accum: int = 1, rows: BatchRows | None = None,
-                 kernel: AttentionKernel | None = None) -> StepPrediction:
+                 kernel: AttentionKernel | None = None, saved_graphs: int = 0) -> StepPrediction:
     """Predicted steady-state optimizer step for ``batch_size`` sequences of ``seq_len`` tokens per micro-step;
     ``clipping``: the global-norm clip applies on every step (updates wait for the norm). ``rows``: a fine-tune's
     micro-step instead (padded or packed rows: finetune_rows.py; ``seq_len`` and ``batch_size`` are then ignored),
     its attention run by ``kernel`` (default: what the engine's defaults choose for its layout); tokens per
-    second count its real (non-padding) tokens."""
+    second count its real (non-padding) tokens. ``saved_graphs``: the last layers whose backward skips the
+    recompute (``saved_graph_layers``; the planner's count for the step: planner/saved_graphs.py)."""
     if config.torch_compute_dtype == torch.float32:
         raise ValueError("the step-time model covers bf16 compute only (float32 matmul rates are not measured)")
     m = machine or MachineProfile()
@@ -337,7 +347,8 @@ def predict_step(shape: ModelShape, config: MegaTrainConfig, plans: Plans, seq_l
         seq_len, tokens, real = rows.width, rows.total_tokens, rows.real_tokens
         attention_s = attention_seconds(shape, rows, kernel or default_kernel(config, rows.layout), m)
     modes = decide_modes(config, plans, "cuda", data_parallel=False, probe=False)
-    layers = layer_costs(shape, config, plans, seq_len, tokens, m, clipping, grad_accum, attention_s, modes)
+    layers = layer_costs(shape, config, plans, seq_len, tokens, m, clipping, grad_accum, attention_s, modes,
+                         saved_graphs)
     # A lean layer updated as its gradient lands on a clipping step had no gradient plane: the step re-runs.
     rerun = any(up.stepper is Stepper.LEAN and c.speculative for up, c in zip(plans.layers, layers))
     passes = 2 if rerun and clipping else 1

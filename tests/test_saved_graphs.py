@@ -128,3 +128,24 @@ def test_saved_graphs_beside_other_modes(over):
     cfg = MegaTrainConfig(compute_dtype="float32", saved_graph_layers=2, **over)
     run_parity(tiny("qwen2", num_hidden_layers=3), config=cfg, ga=1, batch=2, steps=3,
                clip_schedule=[1e6, 0.3, 0.3])
+
+
+def test_a_second_forward_before_the_backward_recomputes():
+    """One forward's worth of graphs is what the planner fits: a second training forward before the backward
+    (two losses summed) keeps none; both backwards are right, and the count returns to zero."""
+    model = tiny("llama", num_hidden_layers=3)
+    engine = MegaTrainEngine(copy.deepcopy(model), MegaTrainConfig(compute_dtype="float32", saved_graph_layers=2),
+                             device="cpu")
+    calls = _count_calls(engine)
+    a, b = torch.randint(0, 96, (1, 10)), torch.randint(0, 96, (1, 10))
+    loss = engine(input_ids=a, labels=a).loss + engine(input_ids=b, labels=b).loss
+    assert engine.executor.live_graphs == 2
+    loss.backward()
+    engine.finish_backward()
+    assert calls[0] == 3 + 3 + 1 + 3  # forwards, then the recompute of the first one's layer 0 and all of the second's
+    assert engine.executor.live_graphs == 0
+    ref = copy.deepcopy(model)
+    (ref(input_ids=a, labels=a).loss + ref(input_ids=b, labels=b).loss).backward()
+    for i, unit in enumerate(engine.layer_units):
+        expect = torch.cat([p.grad.flatten() for p in ref.model.layers[i].parameters()])
+        assert rel(unit.grad, expect) < 1e-5

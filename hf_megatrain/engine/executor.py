@@ -19,6 +19,7 @@ backward differentiates exactly the function the forward computed (as ``torch.ut
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
@@ -91,6 +92,9 @@ class StreamingExecutor:
         # Layers whose training forward keeps its graph for the backward (the engine sets them per step shape:
         # planner/saved_graphs.py); the others are recomputed from their saved input.
         self.graph_layers: frozenset[int] = frozenset()
+        # Kept graphs alive now (several forwards before a backward would each keep theirs: beyond one forward's
+        # worth, which is what the planner fits, a visit recomputes).
+        self.live_graphs = 0
 
     # -- counters (benchmarks, logs) ---------------------------------------------------------------------------------
     @property
@@ -139,10 +143,11 @@ class StreamingExecutor:
 
     def keeps_graph(self, index: int, hidden: torch.Tensor) -> bool:
         """Whether this training visit of layer ``index`` keeps its forward's graph: a chosen layer, run whole (a
-        visit split by ``micro_batch_size`` recomputes chunk by chunk to bound its memory), its input not
-        offloaded, and drawing no random numbers."""
+        visit split by ``micro_batch_size`` recomputes chunk by chunk to bound its memory), while fewer graphs are
+        alive than one forward keeps (a second forward before the backward recomputes), its input not offloaded,
+        and drawing no random numbers."""
         return (index in self.graph_layers and self.training and len(self._chunks(hidden.shape[0])) == 1
-                and index not in self.activations.offload
+                and self.live_graphs < len(self.graph_layers) and index not in self.activations.offload
                 and not self.templates[self.kinds[index]].stochastic)  # (a second backward recomputes: no RNG kept)
 
     def forward_layer_saving(self, index: int, hidden: torch.Tensor, call: Call, grad_pos: list[int],
@@ -172,7 +177,13 @@ class StreamingExecutor:
             self.last_rng = None  # (nothing to replay: no recompute)
             tensors, layout = merge_chunks([out], [hidden.shape[0]], self._name(index))
             self.rows.saw_output(index, hidden.shape[0], flat, tensors, layout)
-            return tensors, layout, SavedGraph(params, leaves, out)
+            graph = SavedGraph(params, leaves, out)
+            self.live_graphs += 1
+            weakref.finalize(graph, self._graph_freed)  # (its backward took it, or its forward's graph was dropped)
+            return tensors, layout, graph
+
+    def _graph_freed(self) -> None:
+        self.live_graphs -= 1
 
     def backward_layer(self, index: int, hidden: torch.Tensor, call: Call, grad_pos: list[int],
                        extras: list[torch.Tensor], needs: tuple[bool, ...], out_grads: tuple,

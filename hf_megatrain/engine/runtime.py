@@ -389,6 +389,9 @@ class MegaTrainEngine:
         acts.offload = frozenset(range(n))
         L = len(self.layer_units)
         kept = planner.saved_graph_layers_for(self, seq_len=key[1], batch_size=key[0], offloaded=n)
+        if frozenset(range(L - kept, L)) != self.executor.graph_layers:  # (said once per change, not per shape)
+            logger.info("hf_megatrain: batch %d x seq %d: the last %d of %d layers keep their forward's graph (their "
+                        "backward skips the recompute: saved_graph_layers)", key[0], key[1], kept, L)
         self.executor.graph_layers = frozenset(range(L - kept, L))
         self._activation_shape = key
         if n:

@@ -85,7 +85,7 @@ def saved_graph_layers_for(engine: EngineView, seq_len: int, batch_size: int, of
     per = saved_graph_bytes(shape, config, batch_size * seq_len, plan.seq_chunk_tokens)
     n = saved_graph_count(config, shape.num_layers, device_type=dev.type, split=split, offloaded=offloaded,
                           budget=gpu_available, planned_peak=plan.device_total, per_layer=per)
-    logger.info("hf_megatrain: batch %d x seq %d: the last %d of %d layers keep their forward graph (no recompute; "
-                "%s each, planned peak %s of %s)", batch_size, seq_len, n, shape.num_layers, format_bytes(per),
-                format_bytes(plan.device_total), format_bytes(gpu_available or 0))
+    logger.debug("hf_megatrain: batch %d x seq %d: the last %d of %d layers keep their forward graph (%s each, "
+                 "planned peak %s of %s)", batch_size, seq_len, n, shape.num_layers, format_bytes(per),
+                 format_bytes(plan.device_total), format_bytes(gpu_available or 0))
     return n

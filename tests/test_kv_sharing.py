@@ -20,7 +20,7 @@ import transformers
 from hf_megatrain import MegaTrainConfig, MegaTrainEngine
 
 from .models import COMMON, tiny
-from .parity import run_parity
+from .parity import ROUNDING_TOL, run_parity
 
 _MIXED = ["sliding_attention", "full_attention"] * 2  # one store layer per type, then a reader of each
 
@@ -65,7 +65,7 @@ def test_gemma3n_kv_sharing_matches_plain():
 def test_gemma4_kv_sharing_matches_plain():
     model = gemma4()
     assert _modes(model) == ["store", "store", "reuse", "reuse"]
-    run_parity(model)
+    run_parity(model, tol=ROUNDING_TOL)
 
 
 def test_kv_sharing_split_inside_layers_and_offloaded_matches_plain():
@@ -141,3 +141,13 @@ def test_gemma3n_refuses_a_micro_batch_split_by_name():
     """Gemma 3n's layers carry [altup, batch, seq, hidden]: the split would cut the AltUp dim, so it is refused."""
     with pytest.raises(ValueError, match="micro_batch_size=1 is not supported.*Gemma3nTextAltUp"):
         MegaTrainEngine(gemma3n(), MegaTrainConfig(compute_dtype="float32", micro_batch_size=1), device="cpu")
+
+
+@pytest.mark.parametrize("build", [gemma3n, gemma4])
+def test_kv_sharing_with_saved_graphs_matches_plain(build):
+    """Every layer keeps its forward's graph (``saved_graph_layers``): the keys/values a store layer writes are
+    outputs of that graph, and the reuse layers' gradients reach them there instead of through a recompute."""
+    model = build()
+    cfg = MegaTrainConfig(compute_dtype="float32", saved_graph_layers=model.config.num_hidden_layers)
+    _, engine, _ = run_parity(model, config=cfg, tol=ROUNDING_TOL)
+    assert len(engine.executor.graph_layers) == model.config.num_hidden_layers

@@ -14,7 +14,7 @@ from hf_megatrain.model.seq_tiling import tile_positionwise
 from hf_megatrain.model.template import is_stochastic
 
 from .models import tiny
-from .parity import rel, run_parity
+from .parity import ROUNDING_TOL, rel, run_parity
 
 
 # -- sequence tiling ------------------------------------------------------------------------------------------------
@@ -24,7 +24,7 @@ def test_parity_tiled_mlp_and_norms(family, chunk):
     k_proj.bias has a nearly cancelling gradient, ~1e-4 of the total with RoPE: the chunked GEMMs' other rounding
     moves it most, and Adam amplifies that; at 4 layers and 2-token chunks it reaches 2.5e-5 after 3 steps.)"""
     cfg = MegaTrainConfig(compute_dtype="float32", seq_chunk_tokens=chunk)
-    worst, engine, _ = run_parity(tiny(family), config=cfg)
+    worst, engine, _ = run_parity(tiny(family), config=cfg, tol=ROUNDING_TOL)
     assert engine.executor.templates[0].tiling.tiled == ["mlp", "input_layernorm", "post_attention_layernorm"]
 
 

@@ -158,8 +158,10 @@ def materialise(model: torch.nn.Module, device: torch.device, dtype: torch.dtype
 
 
 def megatrain_config(spec: dict[str, Any]) -> MegaTrainConfig:
+    # (saved_graph_layers=0: a few of the model's layers stand for all of them; their forward graphs would fit
+    # where a full-depth model's would not)
     return MegaTrainConfig.from_dict({"compute_dtype": spec["dtype"],
-                                      "device_layers": 0, "device_step_layers": 0,
+                                      "device_layers": 0, "device_step_layers": 0, "saved_graph_layers": 0,
                                       **(spec.get("megatrain_config") or {})})
 
 

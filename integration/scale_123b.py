@@ -151,9 +151,12 @@ def count_params(spec: dict, layers: int) -> int:
 # -- planning -----------------------------------------------------------------------------------------------------------
 def run_config(spec: dict) -> MegaTrainConfig:
     # device_layers=0: every layer streams, as in the full 88-layer model (whose layers do not fit the GPU), so
-    # the per-layer time extrapolates; a layer kept on the GPU would run without PCIe and skew it.
+    # the per-layer time extrapolates; a layer kept on the GPU would run without PCIe and skew it. Likewise
+    # saved_graph_layers=0: a few-layer run would keep the forward graphs of a share of its layers that 88 layers
+    # cannot (~8 GB each at this width and 16k tokens), and its per-layer backward would skip the recompute.
     return MegaTrainConfig.from_dict({"compute_dtype": "bfloat16", "host_memory_fraction": spec["host_fraction"],
-                                     "device_layers": 0, **(spec.get("megatrain_config") or {})})
+                                     "device_layers": 0, "saved_graph_layers": 0,
+                                     **(spec.get("megatrain_config") or {})})
 
 
 def plan_for(spec: dict, layers: int, device_type: str, gpu_free: int | None) -> planner.MemoryPlan:

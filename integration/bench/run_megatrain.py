@@ -175,7 +175,9 @@ def run_engine(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str,
                          "optimizer_worker_s": getattr(opt, "last_step_seconds", None),
                          "split_host_update": getattr(opt, "last_step_split", None),
                          "forward_wait_for_optimizer_s": (w1 - w0) if w0 is not None else None,
-                         "forward_gpu_wait_for_optimizer_s": (g1 - g0) if g0 is not None else None})
+                         "forward_gpu_wait_for_optimizer_s": (g1 - g0) if g0 is not None else None,
+                         # (the last layers that kept their forward's graph this step: saved_graph_layers)
+                         "saved_graph_layers": len(getattr(ex, "graph_layers", ()))})
     opt.wait()
     out = {"mode": "engine", "setup_s": setup_s, "losses": losses, "per_step": raw,
            "grad_norm_last": getattr(opt, "last_grad_norm", None),
@@ -283,7 +285,8 @@ def run_trainer(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str
                              "forward_wait_for_optimizer_s": (w1 - state["w0"]) if w1 is not None
                              and state.get("w0") is not None else None,
                              "forward_gpu_wait_for_optimizer_s": (g1 - state["g0"]) if g1 is not None
-                             and state.get("g0") is not None else None})
+                             and state.get("g0") is not None else None,
+                             "saved_graph_layers": len(getattr(ex, "graph_layers", ()))})
 
     out_dir = tempfile.mkdtemp(prefix="bench_mt_")
     data, data_args = trainer_data(spec, total, batch, 1)

@@ -337,3 +337,16 @@ def test_set_peft_model_state_dict_loads_adapters_into_streamed_layers():
     assert res.unexpected_keys == []
     names = [n for n in engine.store.names() if "lora_" in n]
     assert names and all(torch.equal(engine.store.master_tensor(n), sd[n.replace(".default.", ".")]) for n in names)
+
+
+def test_lora_and_frozen_layers_with_saved_graphs():
+    """Kept forward graphs (``saved_graph_layers``) over LoRA layers (their frozen base streams in the same slot and
+    is copied with the weights) and over a fully frozen layer that only passes gradients through."""
+    cfg = MegaTrainConfig(compute_dtype="float32", saved_graph_layers=2)
+    worst, engine, _ = train_parity(lora(tiny("llama")), config=cfg)
+    assert max(worst.values()) <= 1e-5, worst
+    model = tiny("llama", num_hidden_layers=3)
+    model.model.layers[2].requires_grad_(False)
+    worst, engine, _ = train_parity(model, config=cfg)
+    assert max(worst.values()) <= 1e-5, worst
+    assert engine.executor.graph_layers == frozenset({1, 2})

@@ -19,9 +19,7 @@ backward differentiates exactly the function the forward computed (as ``torch.ut
 
 from __future__ import annotations
 
-import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
@@ -37,24 +35,12 @@ from .activations import ActivationStore
 from .batch_rows import BatchRows
 from .layer_io import Call, OutLayout, merge_chunks, slice_call
 from .offload import GradientOffload
+from .saved_graph import SavedGraph, SavedGraphs
 from ..core.grad_reach import GradReach
 from .slots import WeightSlots
 
 if TYPE_CHECKING:
     from ..parallel.group import DataParallel
-
-
-@dataclass
-class SavedGraph:
-    """A layer visit's training forward kept whole for its backward (``saved_graph_layers``): the graph's leaves
-    (the inputs that want a gradient, None where none does), its raw output, its side outputs, and the parameters
-    it ran with -- views of the visit's own copy of the layer's weights, since the slot it was loaded into is
-    refilled long before the backward comes."""
-
-    params: dict[str, torch.Tensor]
-    leaves: list[torch.Tensor | None]
-    out: Any
-    side: list[torch.Tensor] = field(default_factory=list)
 
 
 class StreamingExecutor:
@@ -90,11 +76,8 @@ class StreamingExecutor:
         # Output layout of the last forward (read by the proxy to rebuild the layer's own output structure).
         self.last_layout: OutLayout | None = None
         # Layers whose training forward keeps its graph for the backward (the engine sets them per step shape:
-        # planner/saved_graphs.py); the others are recomputed from their saved input.
-        self.graph_layers: frozenset[int] = frozenset()
-        # Kept graphs alive now (several forwards before a backward would each keep theirs: beyond one forward's
-        # worth, which is what the planner fits, a visit recomputes).
-        self.live_graphs = 0
+        # planner/saved_graphs.py), and the graphs alive; the other layers are recomputed from their saved input.
+        self.saved_graphs = SavedGraphs()
 
     # -- counters (benchmarks, logs) ---------------------------------------------------------------------------------
     @property
@@ -141,13 +124,23 @@ class StreamingExecutor:
         with torch.profiler.record_function("megatrain.forward"):
             return self._forward_layer(index, hidden, call, recompute)
 
+    @property
+    def graph_layers(self) -> frozenset[int]:
+        """The layers whose training forward keeps its graph (``saved_graph_layers``)."""
+        return self.saved_graphs.layers
+
+    @property
+    def live_graphs(self) -> int:
+        """Kept forward graphs not yet taken by their backward (or dropped)."""
+        return self.saved_graphs.live
+
     def keeps_graph(self, index: int, hidden: torch.Tensor) -> bool:
         """Whether this training visit of layer ``index`` keeps its forward's graph: a chosen layer, run whole (a
         visit split by ``micro_batch_size`` recomputes chunk by chunk to bound its memory), while fewer graphs are
         alive than one forward keeps (a second forward before the backward recomputes), its input not offloaded,
         and drawing no random numbers."""
-        return (index in self.graph_layers and self.training and len(self._chunks(hidden.shape[0])) == 1
-                and self.live_graphs < len(self.graph_layers) and index not in self.activations.offload
+        return (self.saved_graphs.wanted(index) and self.training and len(self._chunks(hidden.shape[0])) == 1
+                and index not in self.activations.offload
                 and not self.templates[self.kinds[index]].stochastic)  # (a second backward recomputes: no RNG kept)
 
     def forward_layer_saving(self, index: int, hidden: torch.Tensor, call: Call, grad_pos: list[int],
@@ -177,13 +170,7 @@ class StreamingExecutor:
             self.last_rng = None  # (nothing to replay: no recompute)
             tensors, layout = merge_chunks([out], [hidden.shape[0]], self._name(index))
             self.rows.saw_output(index, hidden.shape[0], flat, tensors, layout)
-            graph = SavedGraph(params, leaves, out)
-            self.live_graphs += 1
-            weakref.finalize(graph, self._graph_freed)  # (its backward took it, or its forward's graph was dropped)
-            return tensors, layout, graph
-
-    def _graph_freed(self) -> None:
-        self.live_graphs -= 1
+            return tensors, layout, self.saved_graphs.track(SavedGraph(params, leaves, out))
 
     def backward_layer(self, index: int, hidden: torch.Tensor, call: Call, grad_pos: list[int],
                        extras: list[torch.Tensor], needs: tuple[bool, ...], out_grads: tuple,

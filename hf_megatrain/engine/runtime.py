@@ -392,7 +392,7 @@ class MegaTrainEngine:
         if frozenset(range(L - kept, L)) != self.executor.graph_layers:  # (said once per change, not per shape)
             logger.info("hf_megatrain: batch %d x seq %d: the last %d of %d layers keep their forward's graph (their "
                         "backward skips the recompute: saved_graph_layers)", key[0], key[1], kept, L)
-        self.executor.graph_layers = frozenset(range(L - kept, L))
+        self.executor.saved_graphs.layers = frozenset(range(L - kept, L))
         self._activation_shape = key
         if n:
             logger.info("hf_megatrain: batch %d x seq %d: layers 0..%d offload their saved input to host memory, "

@@ -158,12 +158,9 @@ class StreamingExecutor:
             flat, spec = pytree.tree_flatten(call)
             sources = [hidden, *(flat[p] for p in grad_pos)]
             leaves = [x.detach().requires_grad_() if need else None for x, need in zip(sources, needs)]
-            h = leaves[0] if leaves[0] is not None else hidden.detach()
-            with torch.enable_grad():
-                replace = {pos: leaf for pos, leaf in zip(grad_pos, leaves[1:]) if leaf is not None}
-                args, kwargs = slice_call(flat, spec, 0, hidden.shape[0], None, replace)
-                out = collect_writes(lambda: tmpl(params, self.buffers[index], self.training, (h, *args), kwargs),
-                                     args, kwargs)
+            # (the same call as a recompute's, whole: the proxy runs the tap around it)
+            out, _ = self._recompute(index, tmpl, params, hidden, flat, spec, (0, hidden.shape[0]), None, grad_pos,
+                                     leaves, False, None, False)
             # Released once the compute is queued, as in ``forward_layer``: the next layer's load may wait for its
             # update, and that wait should run beside this layer's compute, not before it is queued.
             self.weights.release(s)
@@ -324,8 +321,9 @@ class StreamingExecutor:
     def _recompute(self, index: int, tmpl: LayerTemplate, params: dict[str, torch.Tensor], hidden: torch.Tensor,
                    flat: list, spec: Any, span: tuple[int, int], rows: Any, grad_pos: list[int],
                    leaves: list[torch.Tensor | None], split: bool, rng: Any, tapped: bool) -> tuple[Any, list]:
-        """One chunk of layer ``index``'s forward again, with grad, from its saved input (the forward's RNG
-        replayed): (its raw output, the side outputs a tap collects when ``tapped``)."""
+        """One chunk of layer ``index``'s forward with grad -- again from its saved input (the forward's RNG
+        replayed), or the first time for a kept graph: (its raw output, the side outputs a tap collects when
+        ``tapped``)."""
         a, b = span
         h = leaves[0] if leaves[0] is not None else (hidden[a:b] if split else hidden).detach()
         with self._replay(rng), torch.enable_grad():

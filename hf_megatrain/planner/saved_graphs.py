@@ -34,10 +34,6 @@ __all__ = ["SAVED_GRAPH_MARGIN", "saved_graph_bytes", "saved_graph_count", "save
 SAVED_GRAPH_MARGIN = 0.05  # of the GPU budget, never planned for kept graphs
 
 
-def _elt(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def saved_graph_bytes(shape: ModelShape, config: MegaTrainConfig, tokens: int, chunk: int = 0) -> int:
     """GPU bytes one kept layer graph holds until its backward: its own weight copy, and its saved activations for
     ``tokens`` tokens. A compiled dense layer (untiled) saves per token, in the compute dtype, ~3 MLP-wide tensors
@@ -46,7 +42,7 @@ def saved_graph_bytes(shape: ModelShape, config: MegaTrainConfig, tokens: int, c
     per token against 148.5 KB so counted (integration/PERF.md, lever 64). Any other layer (eager: fp32 norm
     upcasts saved; MoE; tiled position-wise parts) is charged its whole recompute peak (``layer_recompute_bytes``),
     an upper bound."""
-    c = _elt(config.torch_compute_dtype)
+    c = config.torch_compute_dtype.itemsize
     slot = max((a + b for a, b in zip(shape.layer_numels, shape.layer_frozen)), default=0)
     if config.compiles("cuda") and not shape.routed_inactive and not chunk:
         per_token = c * (3 * shape.intermediate + 4 * shape.hidden + 2 * shape.q_dim + 2 * shape.kv_dim)

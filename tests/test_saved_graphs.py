@@ -149,3 +149,19 @@ def test_a_second_forward_before_the_backward_recomputes():
     for i, unit in enumerate(engine.layer_units):
         expect = torch.cat([p.grad.flatten() for p in ref.model.layers[i].parameters()])
         assert rel(unit.grad, expect) < 1e-5
+
+
+def test_a_kept_forward_prefetches_the_next_layer_after_its_compute():
+    """As on the recomputed path: layer i+1 is loaded (which after a clipping step waits for its host update) only
+    once layer i's compute is queued, so that wait runs beside it. Seen from inside each layer call: no later
+    layer is in a slot yet."""
+    engine = MegaTrainEngine(tiny("llama", num_hidden_layers=4),
+                             MegaTrainConfig(compute_dtype="float32", saved_graph_layers=4, device_layers=0,
+                                             device_step_layers=0), device="cpu")
+    slots, held_at_call = engine.executor.weights, []
+    for t in engine.executor.templates:
+        t.module.register_forward_hook(lambda *a: held_at_call.append({h[0] for h in slots.held if h is not None}))
+    ids = torch.randint(0, 96, (1, 10))
+    loss = engine(input_ids=ids, labels=ids).loss
+    assert engine.executor.live_graphs == 4  # (every layer kept its graph, alive while the loss is)
+    assert [max(h) for h in held_at_call] == [0, 1, 2, 3]

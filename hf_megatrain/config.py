@@ -250,7 +250,10 @@ class MegaTrainConfig:
             order: their backward comes first, so their memory is held the shortest. -1 = auto: as many as the
             planner fits beside the step's planned GPU peak for its (batch, seq) shape (none where layer inputs are
             offloaded, a visit is split by ``micro_batch_size``, or on a CPU); 0 = recompute every layer; n > 0:
-            exactly the last n (a CPU too). Same math (the backward differentiates the forward's own graph).
+            the last n (a CPU too; all of them when n exceeds the layers). Either way a visit split by
+            ``micro_batch_size``, a layer whose input is offloaded or that draws random numbers (dropout), and a
+            second forward before the backward recompute as before. Same math (the backward differentiates the
+            forward's own graph).
         host_threads: CPU threads of the host AdamW (torch's intra-op threads of the process). 0 = auto: this
             process's share of its cores (data-parallel processes of one host split them), raised to that when a
             launcher left fewer (``accelerate launch`` and torchrun set OMP_NUM_THREADS=1 unless told otherwise),

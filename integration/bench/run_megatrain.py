@@ -178,6 +178,7 @@ def run_engine(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str,
                          "forward_gpu_wait_for_optimizer_s": (g1 - g0) if g0 is not None else None,
                          # (the last layers that kept their forward's graph this step: saved_graph_layers)
                          "saved_graph_layers": len(getattr(ex, "graph_layers", ()))})
+        raw[-1]["host"] = per_step[-1]  # (per step: what made a first step slow)
     opt.wait()
     out = {"mode": "engine", "setup_s": setup_s, "losses": losses, "per_step": raw,
            "grad_norm_last": getattr(opt, "last_grad_norm", None),
@@ -287,6 +288,7 @@ def run_trainer(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str
                              "forward_gpu_wait_for_optimizer_s": (g1 - state["g0"]) if g1 is not None
                              and state.get("g0") is not None else None,
                              "saved_graph_layers": len(getattr(ex, "graph_layers", ()))})
+            raw[-1]["host"] = per_step[-1]  # (per step: what made a first step slow)
 
     out_dir = tempfile.mkdtemp(prefix="bench_mt_")
     data, data_args = trainer_data(spec, total, batch, 1)

@@ -109,9 +109,10 @@ class HostTimeline:
         self._undo = []
 
     def summary(self, keep: int = 2) -> dict[str, Any]:
-        """The last ``keep`` steps' events and, per step, the main thread's spans (ms)."""
+        """Every step's main-thread spans (ms: the first steps show what a compile or a first update costs) and
+        the last ``keep`` steps' events."""
         out = []
-        for ev in self.steps[-keep:]:
+        for k, ev in enumerate(self.steps):
             spans: dict[str, float] = {}
             open_: dict[tuple[str, str], float] = {}
             for t, th, w in ev:
@@ -120,5 +121,5 @@ class HostTimeline:
                 elif w.startswith("<") and (th, w[1:]) in open_:
                     key = w[1:].split("[")[0]
                     spans[key] = round(spans.get(key, 0.0) + t - open_.pop((th, w[1:])), 2)
-            out.append({"spans_ms": spans, "events": ev})
+            out.append({"spans_ms": spans, **({"events": ev} if k >= len(self.steps) - keep else {})})
         return {"steps": out}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import weakref
 import zlib
 
 import pytest
@@ -190,6 +191,9 @@ def test_moments_of_a_wide_build_start_at_zero_and_resume_into_them(tmp_path):
         e.optimizer.wait()
     for u, r in zip(engine.store.units, ref.store.units):
         assert torch.equal(u.master, r.master) and torch.equal(u.exp_avg_sq, r.exp_avg_sq)
+    for thread in engine.store.prefault:  # (the pages faulted in beside the build and the step: no value changed)
+        thread.join(timeout=60)
+        assert not thread.is_alive()
 
     ckpt.save_training_state(engine, str(tmp_path), master=True)
     assert any(int(u.exp_avg.count_nonzero()) for u in engine.store.units)
@@ -197,3 +201,44 @@ def test_moments_of_a_wide_build_start_at_zero_and_resume_into_them(tmp_path):
     ckpt.load_training_state(fresh, str(tmp_path))
     for u, f in zip(engine.store.units, fresh.store.units):
         assert torch.equal(u.exp_avg, f.exp_avg) and torch.equal(u.exp_avg_sq, f.exp_avg_sq)
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_prefault_faults_pages_in_without_changing_a_byte():
+    """The moments' lazily zeroed pages are faulted in ahead of the first update (core/prefault.py): resident after,
+    and values written before or meanwhile are kept."""
+    from hf_megatrain.core import prefault
+    from hf_megatrain.core.memory import alloc_host_zeros
+
+    if not prefault.supported():
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE")
+    t = alloc_host_zeros(64 << 18, torch.float32)  # 64 MiB
+    t[::16 << 18] = torch.tensor([1.0, 2.0, 3.0, 4.0])  # (a writer came first on a few pages, one per 16 MiB)
+    before = _resident_bytes()
+    for thread in prefault.prefault_in_background([t], threads=3):
+        thread.join(timeout=60)
+        assert not thread.is_alive()
+    assert _resident_bytes() - before > 48 << 20  # (the pages not written yet: at least 56 MiB with 2 MiB pages)
+    expect = torch.zeros_like(t)
+    expect[::16 << 18] = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    assert torch.equal(t, expect)
+    assert prefault.prefault_in_background([torch.zeros(16)]) == []  # (small buffers: nothing to do)
+
+
+def test_a_dropped_buffer_is_let_go_by_the_prefault_thread():
+    from hf_megatrain.core import prefault
+    from hf_megatrain.core.memory import alloc_host_zeros
+
+    if not prefault.supported():
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE")
+    t = alloc_host_zeros(8 << 18, torch.float32)
+    ref = weakref.ref(t)
+    threads = prefault.prefault_in_background([t])
+    del t
+    for thread in threads:
+        thread.join(timeout=60)
+    assert ref() is None

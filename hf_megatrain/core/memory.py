@@ -125,14 +125,19 @@ def alloc_host(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     return t
 
 
+# Below this many bytes alloc_host_zeros zeroes an ordinary allocation (its pages are touched already).
+ZEROS_MAPPING_MIN = 1 << 20
+
+
 def alloc_host_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A private, unpinned host buffer of zeros that costs nothing to allocate: an anonymous mapping, whose pages
     the kernel zero-fills on first touch. A build that zeroed the AdamW moments in one pass spent as long on it as
     reading the weights from the disk (8 bytes a parameter); here that cost is paid where the memory is first
     written, on the threads of the first AdamW step or of a resume's reads (which overwrite the zeros anyway).
-    Memory is committed on touch, as for ``torch.empty``: the planner's fit check before building is unchanged."""
+    Memory is committed on touch, as for ``torch.empty``: the planner's fit check before building is unchanged.
+    core/prefault.py faults the pages in on a background thread before the first step needs them."""
     nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-    if nbytes < 1 << 20:  # (small buffers: a mapping per buffer is not worth it)
+    if nbytes < ZEROS_MAPPING_MIN:  # (small buffers: a mapping per buffer is not worth it)
         return torch.zeros(numel, dtype=dtype)
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(buf, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):

@@ -17,12 +17,14 @@ before this runs, from the same plans).
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from .memory import alloc_host, alloc_host_zeros, alloc_on_disk, check_disk_space
+from .prefault import prefault_in_background
 from .plan import Plans, Stepper, UnitPlan, Where, host_layer_plan
 
 
@@ -142,13 +144,15 @@ class UnitStore:
             # memory shared by the ranks): zeros without a pass over them, see alloc_host_zeros.
             host = device.type == "cpu" if where is Where.DEVICE else host_alloc is alloc_host
             if moment and host and not (pin and streams):
-                return alloc_host_zeros(n, dtype)
+                lazy.append(alloc_host_zeros(n, dtype))
+                return lazy[-1]
             if where is Where.DEVICE:
                 t = torch.empty(n, dtype=dtype, device=device)
             else:  # moments cross PCIe only for GPU-stepped layers: pinning others would only cost time and RAM
                 t = host_alloc(n, dtype, pin and (not moment or streams))
             return t.zero_() if moment else t
 
+        lazy: list[torch.Tensor] = []  # zeros the kernel fills on first touch: prefaulted below
         self.units: list[Unit] = []
         self.by_name: dict[str, tuple[Unit, ParamSlice]] = {}
         self.frozen_by_name: dict[str, tuple[Unit, ParamSlice]] = {}
@@ -167,6 +171,10 @@ class UnitStore:
                 if nf:
                     unit.frozen = host_alloc(nf, compute_dtype, pin)
             self.units.append(unit)
+        # The moments' pages faulted in while the model loads and the first step runs, not by the first update
+        # (which the next forward waits for): core/prefault.py.
+        # A quarter of the cores, at most 4: the kernel's page zeroing is bound by memory writes, not by threads.
+        self.prefault = prefault_in_background(lazy, threads=min(4, max(1, (os.cpu_count() or 1) // 4)))
         self.numel = sum(u.numel for u in self.units)
         self.frozen_numel = sum(u.frozen_numel for u in self.units)
 

@@ -316,8 +316,8 @@ def markdown(doc: dict) -> str:
                   "them, speculative updates included; bytes moved per parameter; GB/s = their product):", "",
                   "| tokens/step | regime | step window | compute (stream busy) | H2D | D2H | GPU idle | opt worker | "
                   "fwd waits on opt: host (÷ step) | GPU idle for it (÷ step) | opt step() call | "
-                  "host AdamW G param/s | B/param | GB/s |",
-                  "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "host AdamW G param/s | B/param | GB/s | host DRAM GB/step (AdamW + DMA), GB/s over the step |",
+                  "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in phase_rows:
             p, c, h = r.get("phases") or {}, r.get("cpu_optimizer") or {}, r.get("host_adamw") or {}
             idle = f"{p['gpu_idle_ms']:.0f} ({p['gpu_idle_frac']:.0%})" if "gpu_idle_ms" in p else "—"
@@ -331,7 +331,9 @@ def markdown(doc: dict) -> str:
                          f"{_f(c.get('forward_gpu_wait_for_optimizer_s'), '{:.3f}')} "
                          f"({_f(wait_share(r, gpu=True), '{:.1%}')}) | "
                          f"{_f(c.get('optimizer_step_call_s'), '{:.3f}')} | {_f(h.get('gparam_per_s'))} | "
-                         f"{_f(h.get('bytes_per_param'), '{:.1f}')} | {_f(h.get('gb_per_s'), '{:.1f}')} |")
+                         f"{_f(h.get('bytes_per_param'), '{:.1f}')} | {_f(h.get('gb_per_s'), '{:.1f}')} | "
+                         f"{_f(h.get('host_dram_gb_per_step'), '{:.1f}')} ({_f(h.get('dma_gb_per_step'), '{:.1f}')} DMA)"
+                         f", {_f(h.get('host_dram_gb_per_s'), '{:.0f}')} |")
     lines += ["", f"Updated {doc['date']}. Commands:", ""] + [f"    {c['command']}" for c in doc["runs"][-6:]]
     return "\n".join(lines) + "\n"
 
@@ -404,7 +406,8 @@ def host_note(r: dict) -> str:
     if not h.get("gparam_per_s"):
         return ""
     return (f"; host AdamW {h['gparam_per_s']:.2f} G param/s x {h['bytes_per_param']:.1f} B/param = "
-            f"{h['gb_per_s']:.1f} GB/s; forward waits on the optimizer {_f(wait_share(r), '{:.1%}')} of "
+            f"{h['gb_per_s']:.1f} GB/s; host DRAM {_f(h.get('host_dram_gb_per_step'), '{:.1f}')} GB/step "
+            f"({_f(h.get('host_dram_gb_per_s'), '{:.0f}')} GB/s over the step); forward waits on the optimizer {_f(wait_share(r), '{:.1%}')} of "
             f"the step (the GPU idle for it: {_f(wait_share(r, gpu=True), '{:.1%}')})")
 
 

@@ -45,28 +45,40 @@ def _trace_path(spec: dict) -> str:
     return os.path.join(d, f"trace_megatrain_b{spec['batch']}_{os.getpid()}.json")
 
 
+def _mean_step(raw: list[dict], warm: int, steps: int) -> float | None:
+    timed = [r["step_s"] for r in raw[warm:warm + steps]]
+    return sum(timed) / len(timed) if timed else None
+
+
 def _host_phases(per_step: list[dict], warm: int) -> dict[str, Any]:
     timed = per_step[warm:]
     keys = sorted({k for s in timed for k in s})
     return {k: _median([s.get(k) for s in timed]) for k in keys}
 
 
-def _host_adamw_snapshot(opt: Any) -> dict[str, Any] | None:
-    """The optimizer's cumulative host AdamW work (optim/adamw.py counters) after a step, and whether that step
-    clipped (the optimizer's own rule on the norm it just computed); None for an optimizer without the counters."""
+def _host_adamw_snapshot(opt: Any, ex: Any = None) -> dict[str, Any] | None:
+    """The optimizer's cumulative host AdamW work (optim/adamw.py counters) after a step, whether that step
+    clipped (the optimizer's own rule on the norm it just computed), and the executor's cumulative bytes over PCIe
+    (weights in, gradients out: DMA that reads or writes host memory too); None for an optimizer without the
+    counters."""
     if opt is None or not hasattr(opt, "host_update_params"):
         return None
     norm = getattr(opt, "last_grad_norm", None)
     clip = norm is not None and opt._grad_scale(norm) is not None
     return {"s": opt.host_update_seconds, "params": opt.host_update_params, "clip": clip,
-            "bytes": getattr(opt, "host_update_bytes", 0)}
+            "bytes": getattr(opt, "host_update_bytes", 0),
+            "dma": getattr(ex, "h2d_bytes", 0) + getattr(ex, "d2h_bytes", 0) if ex is not None else 0}
 
 
-def _host_adamw(opt: Any, snaps: list[dict | None], warm: int, steps: int) -> dict[str, Any]:
+def _host_adamw(opt: Any, snaps: list[dict | None], warm: int, steps: int,
+                step_s: float | None = None) -> dict[str, Any]:
     """Host AdamW rate over the timed steps: params and seconds are counter deltas from the end of the last warm-up
     step to the end of the last timed one (updates still running at a boundary count on neither side; an update
     adds its params and seconds together, so the rate is exact); bytes/param from core/kernels.py per timed step
-    (clipped or not) averaged over the host-updated units' parameters (compute copy: its element size)."""
+    (clipped or not) averaged over the host-updated units' parameters (compute copy: its element size). Host DRAM
+    per step: the AdamW bytes plus the layers' PCIe bytes (DMA reads the weights from host memory and writes the
+    gradients into it), over the step time (``step_s``): how close the step runs to the host's memory bandwidth
+    (integration/host_adamw_rate.py measures it: ~116-128 GB/s on the H100 host)."""
     if opt is None or any(x is None for x in snaps[:warm + steps]) or len(snaps) < warm + steps:
         return {}
     from hf_megatrain.core import kernels
@@ -92,7 +104,14 @@ def _host_adamw(opt: Any, snaps: list[dict | None], warm: int, steps: int) -> di
     return {"host_kernel": opt.host_kernel.value, "host_params": numel, "params_per_step": d_params / steps,
             "seconds_per_step": d_s / steps, "gparam_per_s": rate / 1e9 if rate else None,
             "bytes_per_param": bpp, "gb_per_s": rate * bpp / 1e9 if rate else None,
-            "clipped_steps": sum(clips), "timed_steps": steps}
+            "clipped_steps": sum(clips), "timed_steps": steps,
+            **_host_dram(d_params * bpp / steps, (b.get("dma", 0) - a.get("dma", 0)) / steps, step_s)}
+
+
+def _host_dram(adamw_bytes: float, dma_bytes: float, step_s: float | None) -> dict[str, Any]:
+    total = adamw_bytes + dma_bytes
+    return {"host_dram_gb_per_step": total / 1e9, "dma_gb_per_step": dma_bytes / 1e9,
+            "host_dram_gb_per_s": total / 1e9 / step_s if step_s else None}
 
 
 class _StepCounters:
@@ -162,7 +181,7 @@ def run_engine(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str,
         opt.step()
         opt.zero_grad()
         call_s = time.perf_counter() - t0
-        snaps.append(_host_adamw_snapshot(opt))
+        snaps.append(_host_adamw_snapshot(opt, ex))
         if n_prof and i == total - 1:
             prof.stop()
             phases = prof.phases
@@ -184,7 +203,7 @@ def run_engine(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str,
            "grad_norm_last": getattr(opt, "last_grad_norm", None),
            "skipped_steps": getattr(opt, "skipped_steps", None), "periods": clock.periods,
            "cpu_optimizer": _host_phases(per_step[:warm + steps], warm), "phases": phases,
-           "host_adamw": _host_adamw(opt, snaps, warm, steps),
+           "host_adamw": _host_adamw(opt, snaps, warm, steps, _mean_step(raw, warm, steps)),
            "h2d_gb": getattr(ex, "h2d_bytes", 0) / 1e9, "d2h_gb": getattr(ex, "d2h_bytes", 0) / 1e9,
            "megatrain_config": resolve_config(mt_config, environ={}).to_dict()}
     return out
@@ -278,7 +297,7 @@ def run_trainer(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str
             if timeline is not None:
                 timeline.cut()
             opt, ex = state.get("opt"), state.get("ex")
-            snaps.append(_host_adamw_snapshot(opt))
+            snaps.append(_host_adamw_snapshot(opt, ex))
             w1, g1 = getattr(ex, "wait_optimizer_s", None), getattr(ex, "gpu_wait_optimizer_s", None)
             per_step.append({"optimizer_norm_s": getattr(opt, "last_norm_seconds", None),
                              "optimizer_worker_s": getattr(opt, "last_step_seconds", None),
@@ -314,7 +333,7 @@ def run_trainer(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str
     return {**extra, "mode": "trainer", "setup_s": setup_s, "per_step": raw, "train_loss": result.training_loss,
             "grad_norm_last": getattr(opt, "last_grad_norm", None), "periods": clock.periods,
             "cpu_optimizer": _host_phases(per_step[:warm + steps], warm), "phases": state["phases"],
-            "host_adamw": _host_adamw(opt, snaps, warm, steps),
+            "host_adamw": _host_adamw(opt, snaps, warm, steps, _mean_step(raw, warm, steps)),
             "megatrain_config": args.megatrain_resolved_config().to_dict(), "trainer_bf16_flag": False}
 
 

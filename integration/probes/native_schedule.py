@@ -51,10 +51,11 @@ def main() -> None:
                         res[key] = n / sec / 1e9
                         print(f"{key:45s} {sec * 1e3:7.1f} ms {n / sec / 1e9:5.2f} G param/s", flush=True)
             # The halves of a split update (kernels.UpdatePart): the new weights alone, then master and moments.
-            sec = timed(in_thread(job(libs["current"], 16, True, False)), 5)
-            key = f"{'+'.join(dirs) or 'alone'} current t16 weights-only"
-            res[key] = n / sec / 1e9
-            print(f"{key:45s} {sec * 1e3:7.1f} ms {n / sec / 1e9:5.2f} G param/s", flush=True)
+            for name, lib in libs.items():
+                sec = timed(in_thread(job(lib, 16, True, False)), 5)
+                key = f"{'+'.join(dirs) or 'alone'} {name} t16 weights-only"
+                res[key] = n / sec / 1e9
+                print(f"{key:45s} {sec * 1e3:7.1f} ms {n / sec / 1e9:5.2f} G param/s", flush=True)
     if len(sys.argv) > 2:
         Path(sys.argv[2]).write_text(json.dumps(res, indent=1))
 

@@ -148,8 +148,10 @@ class MegaTrainConfig:
             When set, auto placement keeps as many layers on the GPU (then GPU-steps as many) as the planner's peak
             for a step of that size leaves room for, instead of ``device_step_fraction`` of the memory: a model
             that fits trains like plain GPU training, and a large batch gets fewer kept layers rather than an
-            out-of-memory error. 0: the fraction rule. (The Trainer cannot know the sequence length before the
-            first batch: set it to per_device_train_batch_size x your longest sequence.)
+            out-of-memory error. 0: the fraction rule. Left unset, ``MegaTrainTrainer`` (and the TRL trainers built
+            on it) set it to per_device_train_batch_size x the train dataset's longest ``input_ids`` row when the
+            dataset is a ``datasets.Dataset`` with that column (hf/placement_hint.py; the run summary says so);
+            otherwise set it to per_device_train_batch_size x your longest sequence.
         optimizer_state_dir: disk tier: keep the AdamW moments (8 of the 18 host bytes per parameter) in
             memory-mapped files in this directory (a fast local NVMe) instead of host RAM, for models beyond RAM.
             Exact, slower (docs/lean_store.md, "Disk tier"); with it, ``device_step_layers=-1`` steps every layer on

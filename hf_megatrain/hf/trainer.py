@@ -52,6 +52,7 @@ from ..checkpoint.plain_trainer import has_torch_optimizer, load_torch_adamw, wr
 from ..checkpoint.safetensors_io import write_json
 from ..parallel import DataParallel
 from ..export.weights import export_model
+from .placement_hint import with_placement_tokens
 from .pretrained import from_pretrained_streamed, load_weights
 from ..config import parse_dtype
 from .training_args import MegaTrainTrainingArguments, check_lean_accumulation, model_param_dtype
@@ -71,9 +72,13 @@ class MegaTrainTrainer(Trainer):
     # Composed trainers that log per-token metrics (TRL's SFT) set this and implement _mt_log_token_stats.
     _mt_token_stats = False
     _mt_model_dtype: torch.dtype | None = None  # the unconverted model's dtype (decides the compute dtype)
+    _mt_train_dataset: Any = None  # the dataset Trainer.__init__ is handed (placement_tokens' hint)
+    _mt_placement_note: str | None = None  # placement_tokens read off it, in words (the run summary)
 
     def __init__(self, model: nn.Module | MegaTrainEngine | None = None, args: TrainingArguments | None = None,
                  *pargs: Any, **kwargs: Any) -> None:
+        if len(pargs) > 1:  # (Trainer's positional order: data_collator, train_dataset, ...)
+            self._mt_train_dataset = pargs[1]
         model = self._mt_setup(model, args, kwargs)
         super().__init__(model, args, *pargs, **kwargs)
         self._mt_after_init()
@@ -86,6 +91,8 @@ class MegaTrainTrainer(Trainer):
                             f"the megatrain switches), got {type(args).__name__}")
         self._mt = args is not None and args.megatrain
         self.engine = None
+        if "train_dataset" in kwargs:  # (what auto placement may plan the GPU for: hf/placement_hint.py)
+            self._mt_train_dataset = kwargs["train_dataset"]
         if self._mt:
             self._mt_config = args.megatrain_resolved_config()
             check_lean_accumulation(self._mt_config, args.gradient_accumulation_steps)
@@ -136,6 +143,10 @@ class MegaTrainTrainer(Trainer):
             # Precision as in Trainer: explicit compute_dtype, else bf16=True, else the model's own dtype.
             self._mt_model_dtype = model_param_dtype(model)
             self._mt_config = args.megatrain_resolved_config(model_dtype=self._mt_model_dtype)
+            dataset = getattr(self, "train_dataset", None)  # (set once Trainer.__init__ ran: a model_init re-run)
+            self._mt_config, self._mt_placement_note = with_placement_tokens(
+                self._mt_config, self._mt_train_dataset if dataset is None else dataset,
+                args.per_device_train_batch_size)
             decay = set(self.get_decay_parameter_names(model))  # Trainer's rule, on the unconverted model
             device = args.device  # (initialises torch.distributed in a multi-process launch)
             dp = DataParallel.from_process_group() if args.world_size > 1 else None
@@ -212,7 +223,10 @@ class MegaTrainTrainer(Trainer):
         """Say what hf_megatrain decided (precision, placement, host bytes, loss, optimizer, config source) at the
         start of training: in the log and as ``megatrain_run.json`` in ``output_dir``, so a run through someone
         else's script shows it, and a user can paste it into an issue."""
-        summary = run_summary(self.engine, config_source=self.args.megatrain_config_source(self._mt_model_dtype))
+        source = self.args.megatrain_config_source(self._mt_model_dtype)
+        if self._mt_placement_note:
+            source += "; " + self._mt_placement_note
+        summary = run_summary(self.engine, config_source=source)
         summary["versions"] = {name: getattr(sys.modules.get(name), "__version__", None)
                                for name in ("hf_megatrain", "torch", "transformers", "accelerate", "peft", "trl")
                                if name in sys.modules}

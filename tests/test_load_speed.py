@@ -219,14 +219,15 @@ def test_prefault_faults_pages_in_without_changing_a_byte():
     t = alloc_host_zeros(64 << 18, torch.float32)  # 64 MiB
     t[::16 << 18] = torch.tensor([1.0, 2.0, 3.0, 4.0])  # (a writer came first on a few pages, one per 16 MiB)
     before = _resident_bytes()
-    for thread in prefault.prefault_in_background([t], threads=3):
+    for thread in prefault.prefault_in_background([t], threads=3, min_bytes=0):
         thread.join(timeout=60)
         assert not thread.is_alive()
     assert _resident_bytes() - before > 48 << 20  # (the pages not written yet: at least 56 MiB with 2 MiB pages)
     expect = torch.zeros_like(t)
     expect[::16 << 18] = torch.tensor([1.0, 2.0, 3.0, 4.0])
     assert torch.equal(t, expect)
-    assert prefault.prefault_in_background([torch.zeros(16)]) == []  # (small buffers: nothing to do)
+    assert prefault.prefault_in_background([torch.zeros(16)], min_bytes=0) == []  # (small buffers: nothing to do)
+    assert prefault.prefault_in_background([t]) == []  # (64 MiB in all: the first writer's faults cost ms)
 
 
 def test_a_dropped_buffer_is_let_go_by_the_prefault_thread():
@@ -237,7 +238,7 @@ def test_a_dropped_buffer_is_let_go_by_the_prefault_thread():
         pytest.skip("this kernel has no MADV_POPULATE_WRITE")
     t = alloc_host_zeros(8 << 18, torch.float32)
     ref = weakref.ref(t)
-    threads = prefault.prefault_in_background([t])
+    threads = prefault.prefault_in_background([t], min_bytes=0)
     del t
     for thread in threads:
         thread.join(timeout=60)

@@ -4,6 +4,7 @@ activation formula vs the allocator, ``check_fits`` errors, and ``megatrain esti
 from __future__ import annotations
 
 import ctypes
+import gc
 import json
 import os
 import subprocess
@@ -165,10 +166,17 @@ def _alloc_peak(fn) -> int:
             Peak.peak = max(Peak.peak, inuse())
             return out
 
-    base = inuse()
-    Peak.peak = base
-    with Peak():
-        fn()
+    # Cyclic garbage of earlier tests (engines, trainers) freed by a collection that happens to run inside the window
+    # would lower the peak by its size: collect it first, and no collection while measuring.
+    gc.collect()
+    gc.disable()
+    try:
+        base = inuse()
+        Peak.peak = base
+        with Peak():
+            fn()
+    finally:
+        gc.enable()
     return Peak.peak - base
 
 

@@ -10,7 +10,8 @@ for updates that take 0.4-0.7 s once the pages exist (integration/PERF.md, lever
 is safe beside threads that write the same buffer meanwhile (a resume's reads, an early update): whichever comes
 first faults a page, and no value changes. A few daemon threads work through the buffers' pieces in the order given
 (the store's: the forward's, where the first updates start), while the model loads and the first step runs.
-On kernels without it (or another OS) nothing happens: the first writer pays, as before. The thread holds each
+Under ``MIN_BYTES`` in all, and on kernels without it (or another OS), nothing happens: the first writer pays, as
+before. The thread holds each
 buffer only while populating it (weak references otherwise), so dropping an engine frees its memory.
 """
 
@@ -31,6 +32,9 @@ logger = logging.getLogger(__name__)
 
 MADV_POPULATE_WRITE = 23  # <linux/mman.h>, Linux 5.14
 PIECE = 256 << 20  # bytes per madvise call: an engine dropped meanwhile is let go within one piece
+# Below this many bytes in all the first writer's faults cost milliseconds: no threads for them (a process's
+# malloc statistics, which the planner's allocator tests read, move when a thread ends).
+MIN_BYTES = 256 << 20
 
 _libc = None
 _supported: bool | None = None
@@ -83,14 +87,16 @@ def populate(t: torch.Tensor) -> bool:
     return all(_populate_piece(lo, pages.stop) for lo in pages)
 
 
-def prefault_in_background(buffers: Sequence[torch.Tensor], threads: int = 1) -> list[threading.Thread]:
+def prefault_in_background(buffers: Sequence[torch.Tensor], threads: int = 1,
+                           min_bytes: int = MIN_BYTES) -> list[threading.Thread]:
     """Start ``threads`` daemon threads that populate the mapped ``buffers`` (those ``alloc_host_zeros`` mapped)
-    piece by piece, in order; the threads (to join in tests), none when there is nothing to do or the kernel
-    cannot."""
-    mapped = [weakref.ref(t) for t in buffers
-              if t.device.type == "cpu" and t.numel() * t.element_size() >= ZEROS_MAPPING_MIN]
-    if not mapped or _madvise() is None or not supported():
+    piece by piece, in order; the threads (to join in tests), none when there is nothing to do (under ``min_bytes``
+    in all) or the kernel cannot."""
+    big = [t for t in buffers if t.device.type == "cpu" and t.numel() * t.element_size() >= ZEROS_MAPPING_MIN]
+    if sum(t.numel() * t.element_size() for t in big) < max(min_bytes, 1) or _madvise() is None or not supported():
         return []
+    mapped = [weakref.ref(t) for t in big]
+    del big
     pieces = iter([(ref, lo, r.stop) for ref in mapped for r in [_pages(ref())] for lo in r])
     take = threading.Lock()
 

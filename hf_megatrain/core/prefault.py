@@ -1,4 +1,4 @@
-"""Prefault: the pages of lazily zeroed host buffers faulted in on a background thread, their contents untouched.
+"""Prefault: the pages of lazily zeroed host buffers faulted in on background threads, their contents untouched.
 
 ``alloc_host_zeros`` (core/memory.py) gives the AdamW moments as anonymous mappings whose pages the kernel
 zero-fills where they are first written, so building costs nothing. Left at that, the first writer pays: the first
@@ -11,8 +11,8 @@ is safe beside threads that write the same buffer meanwhile (a resume's reads, a
 first faults a page, and no value changes. A few daemon threads work through the buffers' pieces in the order given
 (the store's: the forward's, where the first updates start), while the model loads and the first step runs.
 Under ``MIN_BYTES`` in all, and on kernels without it (or another OS), nothing happens: the first writer pays, as
-before. The thread holds each
-buffer only while populating it (weak references otherwise), so dropping an engine frees its memory.
+before. A thread holds a buffer only while populating one piece of it (weak references otherwise), so dropping an
+engine frees its memory.
 """
 
 from __future__ import annotations
@@ -32,8 +32,7 @@ logger = logging.getLogger(__name__)
 
 MADV_POPULATE_WRITE = 23  # <linux/mman.h>, Linux 5.14
 PIECE = 256 << 20  # bytes per madvise call: an engine dropped meanwhile is let go within one piece
-# Below this many bytes in all the first writer's faults cost milliseconds: no threads for them (a process's
-# malloc statistics, which the planner's allocator tests read, move when a thread ends).
+# Below this many bytes in all the first writer's faults cost milliseconds: not worth threads.
 MIN_BYTES = 256 << 20
 
 _libc = None

@@ -259,6 +259,12 @@ CASES = [
     ft_case("14B x8 fine-tune packed, config defaults, 4 saved graphs (H100, session 21, ed85d48)",
             "bench_vs_deepspeed/2026-11-26_ed85d48_finetune_packed_saved_graphs_h100.json", "packed",
             STREAMED | SPLIT | dict(torch_compile="auto"), saved=4),
+    # Session 22: another machine start, DeepSpeed beside it (the moments prefaulted: steady steps unchanged).
+    *[(f"14B x8 streamed, {tokens // 1024}k tokens, compile, clip every step, {saved} saved graphs (session 22)",
+       functools.partial(step, "14B", 8, STREAMED | COMPILE | SPLIT, 2048, tokens // 2048, True, saved),
+       functools.partial(measured, "bench_vs_deepspeed/2026-11-26_6b6004d_clip1_8k_32k_prefault_ds_same_start_h100"
+                         ".json", "records", f"megatrain:streamed@{tokens // 2048}", "step_time_s"))
+      for tokens, saved in ((8192, 8), (32768, 4))],
 ]
 
 # Measured runs the model does not predict within 15 %, and why.

@@ -34,6 +34,7 @@ MADV_POPULATE_WRITE = 23  # <linux/mman.h>, Linux 5.14
 PIECE = 256 << 20  # bytes per madvise call: an engine dropped meanwhile is let go within one piece
 # Below this many bytes in all the first writer's faults cost milliseconds: not worth threads.
 MIN_BYTES = 256 << 20
+PAGE = 4096  # (whole pages inside a buffer only)
 
 _libc = None
 _supported: bool | None = None
@@ -58,16 +59,13 @@ def supported() -> bool:
         if _supported is None:
             madvise = _madvise()
             probe = torch.zeros(ZEROS_MAPPING_MIN // 4) if madvise is not None else None
-            page = 4096
-            _supported = probe is not None and madvise(
-                (probe.data_ptr() + page - 1) // page * page, page, MADV_POPULATE_WRITE) == 0
+            _supported = probe is not None and madvise(_pages(probe).start, PAGE, MADV_POPULATE_WRITE) == 0
         return _supported
 
 
 def _pages(t: torch.Tensor) -> range:
-    page = 4096  # (whole pages inside the buffer only)
-    start = (t.data_ptr() + page - 1) // page * page
-    return range(start, (t.data_ptr() + t.numel() * t.element_size()) // page * page, PIECE)
+    start = (t.data_ptr() + PAGE - 1) // PAGE * PAGE
+    return range(start, (t.data_ptr() + t.numel() * t.element_size()) // PAGE * PAGE, PIECE)
 
 
 def _populate_piece(lo: int, end: int) -> bool:
@@ -78,21 +76,13 @@ def _populate_piece(lo: int, end: int) -> bool:
     return True
 
 
-def populate(t: torch.Tensor) -> bool:
-    """Fault ``t``'s whole pages in, writable, without changing a byte; False where the kernel cannot."""
-    if _madvise() is None or not supported():
-        return False
-    pages = _pages(t)
-    return all(_populate_piece(lo, pages.stop) for lo in pages)
-
-
 def prefault_in_background(buffers: Sequence[torch.Tensor], threads: int = 1,
                            min_bytes: int = MIN_BYTES) -> list[threading.Thread]:
     """Start ``threads`` daemon threads that populate the mapped ``buffers`` (those ``alloc_host_zeros`` mapped)
     piece by piece, in order; the threads (to join in tests), none when there is nothing to do (under ``min_bytes``
     in all) or the kernel cannot."""
     big = [t for t in buffers if t.device.type == "cpu" and t.numel() * t.element_size() >= ZEROS_MAPPING_MIN]
-    if sum(t.numel() * t.element_size() for t in big) < max(min_bytes, 1) or _madvise() is None or not supported():
+    if sum(t.numel() * t.element_size() for t in big) < max(min_bytes, 1) or not supported():
         return []
     mapped = [weakref.ref(t) for t in big]
     del big

@@ -82,6 +82,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.append(f"  optimizer: host AdamW kernel {s['host_kernel']}, speculative_step={s['speculative_step']}, "
                      f"narrow_grads={s['narrow_grads']}, split_host_update={s['split_host_update']}, "
                      f"max_grad_norm={s['max_grad_norm']}")
+    if s.get("reference"):  # (a TRL trainer with a reference model: hf/dpo_support.py)
+        lines.append(f"  reference: {s['reference']}")
     keys = ", ".join(s["config_explicit_keys"]) or "none (all defaults)"
     lines.append(f"  config: from {s['config_source']}; keys set: {keys}")
     return "\n".join(lines)

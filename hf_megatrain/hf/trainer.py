@@ -74,6 +74,7 @@ class MegaTrainTrainer(Trainer):
     _mt_model_dtype: torch.dtype | None = None  # the unconverted model's dtype (decides the compute dtype)
     _mt_train_dataset: Any = None  # the dataset Trainer.__init__ is handed (placement_tokens' hint)
     _mt_placement_note: str | None = None  # placement_tokens read off it, in words (the run summary)
+    _mt_reference_note: str | None = None  # a TRL port's reference model, in words (the run summary)
 
     def __init__(self, model: nn.Module | MegaTrainEngine | None = None, args: TrainingArguments | None = None,
                  *pargs: Any, **kwargs: Any) -> None:
@@ -227,6 +228,8 @@ class MegaTrainTrainer(Trainer):
         if self._mt_placement_note:
             source += "; " + self._mt_placement_note
         summary = run_summary(self.engine, config_source=source)
+        if self._mt_reference_note:
+            summary["reference"] = self._mt_reference_note
         summary["versions"] = {name: getattr(sys.modules.get(name), "__version__", None)
                                for name in ("hf_megatrain", "torch", "transformers", "accelerate", "peft", "trl")
                                if name in sys.modules}

@@ -248,3 +248,43 @@ def failing_conversion_worker(rank: int, world: int, tmp: str) -> None:
         except (MemoryError, RuntimeError) as e:
             torch.save(str(e), os.path.join(tmp, f"error_rank{rank}.pt"))
         dp.barrier()
+
+
+# -- several hosts, simulated on one machine ------------------------------------------------------------------------
+HOSTS, PER_HOST = 2, 2  # 4 processes: ranks 0-1 on "host" 0, ranks 2-3 on "host" 1
+
+
+def simulated_hosts_worker(rank: int, world: int, tmp: str) -> None:
+    """2 simulated hosts x 2 ranks, each host its own ``shared_memory_dir`` (one store per node): 3 steps from
+    scratch, a checkpoint (rank 0 writes) after step 2. Host 1's model starts from other weights: the stores must
+    start from rank 0's."""
+    node = rank // PER_HOST
+    shm = os.path.join(tmp, f"host{node}")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'rendezvous')}", rank=rank,
+                            world_size=world)
+    try:
+        dp = DataParallel.from_process_group(host=f"simulated-host-{node}")
+        assert (dp.nodes, dp.node, dp.local_world, dp.local_rank) == (HOSTS, node, PER_HOST, rank % PER_HOST)
+        model = tiny("llama")
+        if node == 1:  # (another host's copy of the model: DDP's initial broadcast makes rank 0's the start)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.5)
+        config = MegaTrainConfig(compute_dtype="float32", shared_memory_dir=shm)
+        engine = MegaTrainEngine(model, config, device="cpu", dp=dp)
+        opt = engine.create_optimizer(lr=LR, weight_decay=WD, max_grad_norm=CLIP)
+        files = dp.all_gather_object(sorted(mapped_run_files()))
+        if rank == 0:
+            torch.save(files, os.path.join(tmp, "hosts_mapped.pt"))
+        if rank % PER_HOST == 0:  # (each host's store, as its leader sees it)
+            torch.save(weights(engine), os.path.join(tmp, f"hosts_start_node{node}.pt"))
+        norms = run_steps(engine, opt, 0, 2, rank, world)
+        save(engine, os.path.join(tmp, "ckpt_2x2"), rank)
+        norms += run_steps(engine, opt, 2, STEPS, rank, world)
+        torch.save(norms, os.path.join(tmp, f"hosts_norms_rank{rank}.pt"))
+        if rank % PER_HOST == 0:
+            torch.save(weights(engine), os.path.join(tmp, f"hosts_final_node{node}.pt"))
+        dp.barrier()
+    finally:
+        dist.destroy_process_group()

@@ -309,3 +309,51 @@ def test_shared_store_refuses_a_too_small_ram_file_system(tmp_path):
     alloc(200, torch.float32, pin=False)  # 800 bytes
     with pytest.raises(HostMemoryError, match="shm-size|shared_memory_dir"):
         alloc(100, torch.float32, pin=False)
+
+
+@pytest.mark.slow  # (spawns 4 processes)
+def test_two_simulated_hosts_match_one_process_and_resume(tmp_path):
+    """Several hosts, simulated: 4 gloo processes as 2 hosts x 2 local ranks (``host=`` names each process's node;
+    each host its own ``shared_memory_dir``: one store per node), fp32, 3 steps x 2 micro-batches, every step
+    clipped, weight decay, vs one process on the same global batch: every tensor within 1e-5 relative, the global
+    norm of every step on every rank too (each shard counted once, not once per node); both hosts' stores start
+    from rank 0's weights (host 1's model held others) and end bit-identical; a checkpoint written by the 2x2 run
+    (rank 0) resumes in one process."""
+    tmp = str(tmp_path)
+    for node in range(W.HOSTS):
+        os.makedirs(os.path.join(tmp, f"host{node}"))
+    engine, opt = W.make_engine(None, tmp)
+    start = W.weights(engine)
+    norms = W.run_steps(engine, opt, 0, W.STEPS)
+    ref = W.weights(engine)
+    assert min(norms) > W.CLIP  # (every step clipped)
+
+    _spawn(W.simulated_hosts_worker, tmp, world=W.HOSTS * W.PER_HOST)
+    for node in range(W.HOSTS):
+        _assert_close(torch.load(os.path.join(tmp, f"hosts_start_node{node}.pt")), start, f"host {node}'s start",
+                      tol=0.0)
+    for rank in range(W.HOSTS * W.PER_HOST):
+        dp_norms = torch.load(os.path.join(tmp, f"hosts_norms_rank{rank}.pt"))
+        assert max(abs(a / b - 1) for a, b in zip(dp_norms, norms)) < 1e-5, (rank, dp_norms, norms)
+    final = [torch.load(os.path.join(tmp, f"hosts_final_node{node}.pt")) for node in range(W.HOSTS)]
+    _assert_close(final[1], final[0], "host 1's store vs host 0's", tol=0.0)  # (the same steps, bit for bit)
+    _assert_close(final[0], ref, "2 hosts x 2 processes vs 1")
+
+    # One store per host: the ranks of a host mapped the same files, the two hosts different ones, each in its own
+    # directory, removed once mapped.
+    files = torch.load(os.path.join(tmp, "hosts_mapped.pt"))
+    assert files[0] and files[0] == files[1] and files[2] == files[3]
+    assert not {f for f, _ in files[0]} & {f for f, _ in files[2]}
+    for node in range(W.HOSTS):
+        assert not os.listdir(os.path.join(tmp, f"host{node}"))
+
+    engine, opt = W.make_engine(None, tmp)
+    W.resume(engine, os.path.join(tmp, "ckpt_2x2"))
+    W.run_steps(engine, opt, 2, W.STEPS)
+    _assert_close(W.weights(engine), ref, "2x2 checkpoint resumed in 1")
+
+
+def test_nodes_of_unequal_size_are_refused():
+    """A node with fewer ranks would step other shards of its store than the others hold: refused."""
+    with pytest.raises(ValueError, match="same number"):
+        DataParallel(0, 3, 0, torch.device("cpu"), local_world=2, nodes=2)

@@ -28,10 +28,11 @@ same values. Readers outside the optimizer widen it first
 The two offload buffers alternate, so layer i's D2H overlaps layer i-1's recompute. ``finish`` lands whatever is in
 flight (``land``: the step's land phase, engine/landing.py).
 
-Data parallel (``dp``, parallel/group.py): a host gradient is first ``reduce_scatter``ed over the ranks (on the compute
-stream; the buffer padded to ``world`` equal shards), and only this rank's shard -- the mean over ranks of that
-range, with its squared norm -- goes the host way above, into the shared host gradient at the shard's range. Every
-rank writes a disjoint range, so accumulation needs no coordination beyond each visit's collective.
+Data parallel (``dp``, parallel/group.py): a host gradient is first ``reduce_scatter``ed over the node's ranks (on the
+compute stream; the buffer padded to ``local_world`` equal shards; with several nodes, each shard then all-reduced
+across the nodes), and only this rank's shard -- the mean over all ranks of that range, with its squared norm --
+goes the host way above, into the node's shared host gradient at the shard's range. Every rank of a node writes a
+disjoint range, so accumulation needs no coordination beyond each visit's collective.
 """
 
 from __future__ import annotations
@@ -63,11 +64,12 @@ class GradientOffload:
         n = max(u.numel for u in units)
         # Weight gradients of one layer visit (autograd accumulates into views of it in place).
         self.grad_param = torch.zeros(n, dtype=compute_dtype, device=device)
-        padded = n if dp is None else max(dp.shard_size(u.numel) * dp.world for u in units)
+        # (data parallel: padded to the node's equal shards, one per rank of the node)
+        padded = n if dp is None else max(dp.shard_size(u.numel) * dp.local_world for u in units)
         self.offload = [torch.empty(padded, dtype=offload_dtype, device=device) for _ in range(2)]
         # This rank's reduced shard, per offload buffer (its D2H may still read it when the other one is filled).
-        self.reduced = [] if dp is None else [torch.empty(padded // dp.world, dtype=offload_dtype, device=device)
-                                              for _ in range(2)]
+        self.reduced = [] if dp is None else [torch.empty(padded // dp.local_world, dtype=offload_dtype,
+                                                          device=device) for _ in range(2)]
         self.staging = [alloc_host(n, offload_dtype, pin) for _ in range(2)]
         self.done: list[Any] = [None, None]  # event: offload buffer k drained
         # In flight per buffer: (unit, what landing does with the staging buffer: "", "copy", "add", at which
@@ -137,7 +139,7 @@ class GradientOffload:
         """Data parallel, a host gradient: reduce-scattered over the ranks, this rank's shard goes to the host."""
         dp = self.dp
         size = dp.shard_size(unit.numel)
-        full = self.offload[k][:size * dp.world]
+        full = self.offload[k][:size * dp.local_world]
         full[unit.numel:].zero_()  # (padding: left over from a larger unit)
         out = self.reduced[k][:size]
         dp.reduce_scatter_mean_(out, full)

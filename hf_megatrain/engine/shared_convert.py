@@ -1,11 +1,13 @@
-"""Conversion of one host's data-parallel ranks into one store in shared memory (``convert_shared``).
+"""Conversion of the data-parallel ranks into one store per node in shared memory (``convert_shared``).
 
-The followers (local ranks > 0) convert first, then local rank 0, so whatever each rank's copy of the model held, the
-store ends up with rank 0's weights (what DDP's initial broadcast guarantees); the replicated device state is
-broadcast from rank 0 too. Every rank must have mapped the same buffers in the same order (checked), then the files
-are removed. The host-RAM fit check of every rank measures against what was available before any rank allocated the
-store (it counts the one store once; the ranks' private buffers, a few layers each, are not multiplied by the ranks).
-What the data-parallel path supports is decided in parallel/setup.py.
+On each node the followers (local ranks > 0) convert first, then local rank 0, so whatever each rank's copy of the
+model held, the node's store ends up with its local rank 0's weights; with several nodes, each rank then receives its
+shard of node 0's store (a broadcast among the ranks of its local rank), so every store holds global rank 0's
+weights (what DDP's initial broadcast guarantees); the replicated device state is broadcast from rank 0 too. Every
+rank must have mapped the same buffers in the same order (checked), then the files are removed. The host-RAM fit
+check of every rank measures against what its node had available before any rank allocated the store (it counts
+the one store once; the ranks' private buffers, a few layers each, are not multiplied by the ranks). What the
+data-parallel path supports is decided in parallel/setup.py.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from torch import nn
 
 from ..config import MegaTrainConfig
 from ..core.memory import available_host_bytes
+from ..core.plan import Stepper
+from ..parallel import liveness
 from ..parallel.group import DataParallel
 from ..parallel.setup import check_plans
 from ..parallel.shared_alloc import SharedHostAllocator, new_run_dir
@@ -43,9 +47,10 @@ def _in_turn(dp: DataParallel, fn: Callable[[], Converted], mine: bool) -> Conve
 
 def convert_shared(model: nn.Module, config: MegaTrainConfig, device: torch.device, decay_names: set[str] | None,
                    dp: DataParallel) -> Converted:
-    """``convert`` on every rank of ``dp`` into one store in shared memory under ``config.shared_memory_dir``."""
+    """``convert`` on every rank of ``dp`` into one store per node in shared memory under
+    ``config.shared_memory_dir`` (each node's own)."""
     root = config.shared_memory_dir
-    run_dir, avail, room = dp.broadcast_object(
+    run_dir, avail, room = dp.node_broadcast_object(
         (new_run_dir(root), available_host_bytes(), shutil.disk_usage(root).free) if dp.is_leader else None)
     alloc = SharedHostAllocator(run_dir, capacity=room)
     run = lambda: convert(model, config, device, decay_names, host_alloc=alloc, host_available=avail)  # noqa: E731
@@ -55,8 +60,13 @@ def convert_shared(model: nn.Module, config: MegaTrainConfig, device: torch.devi
             conv = _in_turn(dp, run, dp.is_leader) or conv
             # Each rank's count of finished updates per unit (parallel/peer_cells.py): zeros, as the files start.
             units = len(conv.store.units)
-            conv.peer_cells = alloc(dp.world * units, torch.int64, False).view(dp.world, units)
+            conv.peer_cells = alloc(dp.local_world * units, torch.int64, False).view(dp.local_world, units)
+            # Each rank's row of the host's liveness cells: a rank that dies or fails ends the others, naming it.
+            cells = alloc(dp.local_world * liveness.WORDS, torch.int64, False).view(dp.local_world, liveness.WORDS)
+            conv.liveness = liveness.Liveness(cells, dp.local_rank, dp.rank)
+            conv.liveness.register()
             dp.barrier()  # (every rank has mapped the cells before their file goes)
+            conv.liveness.start()
     finally:
         if dp.is_leader:
             alloc.release()
@@ -76,5 +86,22 @@ def convert_shared(model: nn.Module, config: MegaTrainConfig, device: torch.devi
             for b in bufs.values():
                 if b.is_floating_point():
                     dp.broadcast_(b)
+        if dp.nodes > 1:
+            _same_store_on_every_node(conv, dp)
     dp.barrier()
     return conv
+
+
+def _same_store_on_every_node(conv: Converted, dp: DataParallel) -> None:
+    """Each rank's shard of every host unit's master and frozen copy from node 0 (global rank 0's weights on every
+    node: the nodes' stores step identically from there); then its shard's compute copy refreshed."""
+    for u in conv.store.units:
+        if u.plan.stepper is Stepper.HOST and u.numel:
+            lo, hi = dp.shard(u.numel)
+            if hi > lo:
+                dp.broadcast_across_nodes_(u.master[lo:hi])
+                u.refresh_compute_((lo, hi))
+        if u.frozen is not None and u.frozen.numel():
+            lo, hi = dp.shard(u.frozen.numel())
+            if hi > lo:
+                dp.broadcast_across_nodes_(u.frozen[lo:hi])

@@ -3,10 +3,11 @@ sharing the host's store (parallel/group.py). Chosen once (``ranks_of``), when t
 built; the optimizer's phases, the engine's master refreshes and the Trainer's save coordination (barriers, the
 main process's verdict, every rank's RNG state: hf/trainer.py) call it without asking which.
 
-With data parallel each rank steps only its shard of every HOST unit (in the host's shared store) and the whole of
-the replicated DEVICE units, whose gradients it all-reduces before the norm; the norm sums every rank's shard squared
-norms (one all-reduce); a parameter some rank's backward reached is stepped on every rank (the others contributed
-zeros to its mean gradient), as one process over the whole batch would.
+With data parallel each rank steps only its shard of every HOST unit (in its node's shared store) and the whole of
+the replicated DEVICE units, whose gradients it all-reduces before the norm; the norm sums the squared norms of one
+node's shards (every node holds the same ones: counted once) in one all-reduce; a parameter some rank's backward
+reached is stepped on every rank (the others contributed zeros to its mean gradient), as one process over the whole
+batch would.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class Alone:
     """One process: every unit whole."""
 
     world = 1
+    on_host = 1  # processes sharing this host's store and cores
 
     def own(self, u: Unit) -> tuple[int, int]:
         return 0, u.numel
@@ -60,15 +62,16 @@ class Alone:
 
 
 class SharedHostRanks:
-    """Data-parallel ranks of one host (see the module docstring)."""
+    """Data-parallel ranks, each node's sharing one store (see the module docstring)."""
 
     def __init__(self, dp: DataParallel) -> None:
         self.dp = dp
         self.world = dp.world
+        self.on_host = dp.local_world  # (the node's ranks share its store and its cores)
         self._reached: dict[int, list[bool]] = {}  # each unit's flags OR-ed over the ranks (``before_norm``)
 
     def own(self, u: Unit) -> tuple[int, int]:
-        """This rank's shard of a HOST unit shared by the ranks, else all of it."""
+        """This rank's shard of a HOST unit shared by the node's ranks, else all of it."""
         return self.dp.owns(u)
 
     def before_norm(self, units: list[Unit], state: StepState, reach: GradReach | None) -> None:
@@ -87,14 +90,15 @@ class SharedHostRanks:
             self._reached[u.index], merged = merged[:len(u.params)], merged[len(u.params):]
 
     def grad_norm(self, units: list[Unit], state: StepState, unit_norm: Callable[[Unit], torch.Tensor]) -> float:
-        """Each unit's squared norm summed over the ranks' shards (a replicated unit counted once: rank 0's)."""
+        """Each unit's squared norm summed over the shards of one node (node 0's: every node holds the same reduced
+        shards), a replicated unit counted once (rank 0's); every rank gets the same sum (one all-reduce)."""
         sq = []
         for u in units:
             lo, hi = self.own(u)
             s = state.grad_sq[u.index]
             if s is None:
                 s = torch.linalg.vector_norm(u.grad[lo:hi], dtype=torch.float32).square()
-            if u.plan.stepper is not Stepper.HOST and self.dp.rank != 0:  # (replicated: identical on every rank)
+            if not self.dp.counts_in_norm(u):  # (a copy of what another rank counts)
                 s = torch.zeros(())
             sq.append(s.reshape(()).float().cpu())
         total = torch.stack(sq)
@@ -106,7 +110,8 @@ class SharedHostRanks:
         return self._reached.pop(i)
 
     def writes_shared(self, u: Unit) -> bool:
-        """Local rank 0 fills the shared (HOST) units' masters on a load, every rank its own replicated ones."""
+        """Each node's local rank 0 fills its shared (HOST) units' masters on a load, every rank its own replicated
+        ones."""
         return self.dp.writes_shared(u)
 
     def barrier(self, timeout_s: float | None = None) -> None:

@@ -152,7 +152,7 @@ class SpeculativeStep:
         # as the update itself (measured 0.43x tokens/s at 8k tokens/step streamed, where the host AdamW bounds the
         # step). Without them a take-back is the arithmetic inverse, within an ulp.
         self.take_back_copies = TakeBackCopies(budget=None if exact_take_back else 0,
-                                               ranks_on_host=self.ranks.world)
+                                               ranks_on_host=self.ranks.on_host)
         self.speculated = 0  # units updated during a backward
         self.taken_back = 0  # speculative updates taken back and redone (steps that clipped after one that did not)
 

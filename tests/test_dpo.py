@@ -202,11 +202,7 @@ def test_refusals(tmp_path):
     model = tiny("llama")
     kw = dict(train_dataset=pairs(4), processing_class=tokenizer())
     args = dict(**dpo_kwargs(tmp_path), megatrain_config={"compute_dtype": "float32"})
-    with pytest.raises(ValueError, match="precompute_ref_log_probs=True"):  # full FT without any reference
-        MegaTrainDPOTrainer(model=copy.deepcopy(model), args=MegaTrainDPOConfig(**args), **kw)
-    with pytest.raises(ValueError, match="precompute_ref_log_probs=True"):  # ... the generic composition too
-        megatrain_trainer_class(DPOTrainer)(model=copy.deepcopy(model), args=megatrain_args_class(DPOConfig)(**args),
-                                            **kw)
+    # (full fine-tuning without any reference: precomputed with the initial weights, tests/test_dpo_implicit_ref.py)
     with pytest.raises(ValueError, match="activation_offloading"):
         MegaTrainDPOTrainer(model=copy.deepcopy(model), args=MegaTrainDPOConfig(
             **args, precompute_ref_log_probs=True, activation_offloading=True), **kw)

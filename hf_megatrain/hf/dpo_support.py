@@ -26,7 +26,13 @@ The reference log-probabilities:
 - a ``ref_model`` passed in (full fine-tuning or PEFT): converted by a second engine with every parameter frozen
   before DPOTrainer sees it (``frozen_reference``): streamed from a host copy in the compute dtype (2 bytes per
   parameter in bf16), no master, gradient or optimizer state;
-- full fine-tuning with neither: refused (DPOTrainer would load a second full copy onto the GPU), saying what to set.
+- full fine-tuning with neither (DPOTrainer as TRL users write it): DPOTrainer would load a second copy of the
+  policy's checkpoint as its reference, whole onto the GPU. Here the reference log-probs are precomputed instead,
+  by the same streamed model with its initial weights, in eval mode, before training (DPOTrainer's own
+  precompute pass over the train and eval datasets: ``implicit_reference``), which gives the reference that copy
+  gives; ``args.precompute_ref_log_probs`` keeps the value the user set. The run summary says so. Where a
+  precomputed reference cannot serve, refused, saying what to pass: an ``IterableDataset``, ``sync_ref_model``, and
+  ``evaluate(new_dataset)`` once training has begun (the initial weights are gone).
 
 Refused, with what to change: a PEFT model whose reference would be a second ("ref") adapter, the lean store (its
 re-run replays the engine's own forward), vision datasets and several processes (not checked against plain
@@ -39,6 +45,8 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+import torch
+from datasets import IterableDataset, IterableDatasetDict
 from torch import nn
 from trl import DPOConfig, DPOTrainer
 
@@ -59,6 +67,7 @@ class DPOPort(TRLPort):
     ``TRLPort``'s (hf/trl_ports.py)."""
 
     _mt_trl_name = "DPO"
+    _mt_implicit_reference = False  # full fine-tuning, no ref_model, no precompute asked: precomputed all the same
 
     # -- before DPOTrainer.__init__ runs: the reference model ----------------------------------------------------
     def _mt_init_arguments(self, base: type, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict]:
@@ -73,18 +82,56 @@ class DPOPort(TRLPort):
         check_one_process(targs, "DPOTrainer")
         model, ref = given.get("model"), given.get("ref_model")
         peft = given.get("peft_config") is not None or is_peft_model(model)
-        if ref is None and not peft and not targs.precompute_ref_log_probs:
-            raise ValueError(
-                "full fine-tuning with megatrain=True needs a reference: set precompute_ref_log_probs=True (the "
-                "reference log-probs are computed by the same streamed model in one no-grad pass before training), "
-                "or pass ref_model=<the initial model, loaded on the CPU>, which hf_megatrain streams frozen in the "
-                "compute dtype (2 bytes per parameter in bf16 on the host). Without either, DPOTrainer would load a "
-                "second full copy of the model onto the GPU. Or train LoRA (peft_config=...): the reference is then "
-                "the same streamed base with the adapters disabled.")
+        self._mt_implicit_reference = ref is None and not peft and not targs.precompute_ref_log_probs
+        if self._mt_implicit_reference:
+            check_implicit_reference(targs, given.get("train_dataset"), given.get("eval_dataset"))
+        self._mt_reference_note = _reference_note(ref, peft, targs.precompute_ref_log_probs)
         if isinstance(ref, nn.Module) and getattr(getattr(ref, ENGINE_ATTR, None), "model", None) is not ref:
             bound.arguments["ref_model"] = frozen_reference(ref, targs)
             return bound.args[1:], bound.kwargs
         return args, kwargs
+
+    def _mt_run_base_init(self, base: type, args: tuple, kwargs: dict[str, Any]) -> None:
+        """The implicit reference: DPOTrainer.__init__ runs with ``precompute_ref_log_probs`` reading True (so it loads
+        no second copy and precomputes the reference log-probs of its train and eval datasets with the policy as
+        given, before any step); the user's value is restored afterwards (saved with every checkpoint)."""
+        if not self._mt_implicit_reference:
+            return super()._mt_run_base_init(base, args, kwargs)
+        targs = inspect.signature(base.__init__).bind_partial(None, *args, **kwargs).arguments["args"]
+        targs.precompute_ref_log_probs = True
+        try:
+            super()._mt_run_base_init(base, args, kwargs)
+        finally:
+            targs.precompute_ref_log_probs = False
+
+    def _precompute_ref_logps(self, dataset: Any, name: str, batch_size: int) -> Any:
+        """DPOTrainer's precompute pass. As the implicit reference, it runs as the copy DPOTrainer would load runs:
+        in eval mode (the copy is prepared with ``evaluation_mode=True``: no dropout even where
+        ``disable_dropout=False``), and it leaves the RNG as the copy's load does (the pass's data loader draws a
+        seed, which would change the training order)."""
+        if not (self._mt and self._mt_implicit_reference):
+            return super()._precompute_ref_logps(dataset, name, batch_size)
+        model = self.model
+        was_training = model.training
+        devices = [self.args.device] if self.args.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            model.eval()
+            try:
+                return super()._precompute_ref_logps(dataset, name, batch_size)
+            finally:
+                model.train(was_training)
+
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
+                 metric_key_prefix: str = "eval") -> dict[str, float]:
+        if self._mt and self._mt_implicit_reference and self.state.global_step > 0 and eval_dataset is not None \
+                and not isinstance(eval_dataset, str):
+            raise ValueError(
+                "evaluate(eval_dataset=<a new dataset>) after training has begun: no ref_model was given, so the "
+                "reference log-probs were precomputed with the initial weights for the train and eval datasets "
+                "given at __init__, and the initial weights are gone now. Pass this dataset as eval_dataset when "
+                "building the trainer (a dict of datasets works), or pass ref_model=<the initial model, loaded on "
+                "the CPU> (hf_megatrain streams it frozen).")
+        return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
 
     # -- before the model is converted (DPOTrainer has applied peft_config) -------------------------------------
     def _mt_setup(self, model: Any, args: Any, kwargs: dict[str, Any]) -> Any:
@@ -109,6 +156,40 @@ class DPOPort(TRLPort):
         if getattr(self, "_is_vision_dataset", False):
             raise NotImplementedError("vision preference datasets are not supported with megatrain=True yet "
                                       "(not tested against plain DPOTrainer).")
+
+
+def check_implicit_reference(args: Any, train_dataset: Any, eval_dataset: Any) -> None:
+    """Refuse, before anything is loaded, what a reference precomputed with the initial weights cannot serve."""
+    pass_ref = ("pass ref_model=<the initial model, loaded on the CPU> (hf_megatrain streams it frozen in the compute "
+                "dtype, 2 bytes per parameter in bf16 on the host)")
+    if args.sync_ref_model:
+        raise ValueError("sync_ref_model=True is not supported with megatrain=True yet (its callback copies the "
+                         "policy's parameters, which live in the engine, into the reference). Set it to False.")
+    evals = eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset]
+    if any(isinstance(d, (IterableDataset, IterableDatasetDict)) for d in (train_dataset, *evals)):
+        raise ValueError(
+            "no ref_model was given, and with megatrain=True DPOTrainer's reference is then precomputed with the "
+            "initial weights (DPOTrainer would load a second full copy onto the GPU); an IterableDataset cannot carry "
+            f"precomputed log-probs. Use a map-style Dataset, or {pass_ref}, or train LoRA (peft_config=...: the "
+            "reference is the streamed base with the adapters disabled).")
+    sample = next(iter(train_dataset)) if train_dataset is not None else {}
+    if isinstance(sample, dict) and ("image" in sample or "images" in sample):
+        raise NotImplementedError("vision preference datasets are not supported with megatrain=True yet (not tested "
+                                  "against plain DPOTrainer).")
+
+
+def _reference_note(ref: Any, peft: bool, precompute: bool) -> str:
+    """The run summary's ``reference`` line."""
+    if ref is not None:
+        return ("ref_model, log-probs precomputed with it before training" if precompute else
+                "ref_model, streamed frozen by its own engine in the compute dtype (no master, gradient or optimizer "
+                "state)")
+    if peft:
+        return ("log-probs precomputed with the base, adapters disabled (precompute_ref_log_probs=True)" if precompute
+                else "the streamed base with the adapters disabled")
+    if precompute:
+        return "log-probs precomputed with the initial weights (precompute_ref_log_probs=True)"
+    return "log-probs precomputed with the initial weights (ref_model not given)"
 
 
 class MegaTrainDPOTrainer(megatrain_trainer_class(DPOTrainer)):

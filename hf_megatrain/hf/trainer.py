@@ -115,7 +115,16 @@ class MegaTrainTrainer(Trainer):
             self.callback_handler.callbacks.insert(0, _LandForGradientReaders(self))
             self.callback_handler.callbacks.insert(0, _SkippedStepKeepsLR(self))
         if self._mt and self.args.n_gpu > 1:
-            self.args._n_gpu = 1  # one GPU; never DataParallel
+            # One process drives one GPU; never nn.DataParallel. Trainer sized its batch per_device x n_gpu in
+            # __init__ already: without resetting it the one GPU silently computed n_gpu times the per-device batch
+            # (measured on a 2-GPU host: the "slow" one-process step was a double batch).
+            visible = self.args.n_gpu
+            self.args._n_gpu = 1
+            self._train_batch_size = self.args.train_batch_size
+            logger.warning("hf_megatrain: %d GPUs visible to one process; training on %s only, %d sequences per "
+                           "step (per_device_train_batch_size). To train on all %d: accelerate launch --multi_gpu "
+                           "--num_processes %d your_script.py (data parallel, one host store).", visible,
+                           self.args.device, self._train_batch_size, visible, visible)
         if self._mt and self.args.world_size > 1:
             # Never DDP: the engine reduces the gradients itself (reduce-scatter into the shared store); DDP's hooks
             # would reduce the resident ones a second time. Accelerate's model preparation minus the wrapping.

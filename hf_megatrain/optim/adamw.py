@@ -26,10 +26,11 @@ updates still running: those judged right finish as ready, so the next forward s
 after all of them.
 
 Data parallel (parallel/group.py; first version; the optimizer's ``ranks``, optim/ranks.py, chosen once by the engine):
-each rank steps only its shard of every HOST unit (in the host's shared store) and every rank the whole of the
-replicated DEVICE units, whose gradients it all-reduces after ``land``; the norm sums every rank's shard squared
-norms (one all-reduce). The updates overlap the next forward as in one process: ``step()`` does not wait for them,
-and a rank's load of a unit waits until every rank's shard of its update is written (StepState.peers,
+each rank steps only its shard of every HOST unit (in its node's shared store; several nodes step identical copies)
+and every rank the whole of the replicated DEVICE units, whose gradients it all-reduces after ``land``; the norm sums
+the shard squared norms of one node (one all-reduce). The updates overlap the next forward as in one process:
+``step()`` does not wait for them, and a rank's load of a unit waits until every shard of its update on its node is
+written (StepState.peers,
 parallel/peer_cells.py). Speculation works per shard: each rank updates its shard as the reduce-scattered gradient
 lands; the global norm judges it at ``step()``, a take-back undoes the shard only, and the other ranks count an
 update only once it is judged (a take-back may still be running on this rank when another rank, past the norm's

@@ -1,4 +1,5 @@
-"""Data parallel over the processes of one host (issue 19): one shared FP32 store per host, sharded AdamW.
+"""Data parallel over the processes of one host (issue 19) or several (issue 45): one shared FP32 store per host
+(node), sharded AdamW over the node's processes, the nodes' stores stepping identically.
 
 ``group`` (the ranks and their collectives), ``shards`` (who steps which range), ``shared_alloc`` (host buffers
 in shared memory), ``setup`` (what the data-parallel path supports; conversion into the shared store). The

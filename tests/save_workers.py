@@ -53,6 +53,8 @@ def launch(fn: Callable[..., None], world: int, *args: object, timeout: float = 
                 from accelerate.state import AcceleratorState
                 AcceleratorState._reset_state(reset_partial_state=True)
                 fn(rank, world, *args)
+                from hf_megatrain.parallel import liveness
+                liveness.finished()  # (os._exit skips the exit hooks that say so: the others would stop)
                 code = 0
             except BaseException:
                 traceback.print_exc()

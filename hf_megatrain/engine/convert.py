@@ -35,6 +35,7 @@ from ..model.layers import LayerStack, find_layer_stack, group_layers, unit_layo
 from ..model.seq_tiling import tile_positionwise
 from ..model.shared_blocks import SharedParams, shared_by_layer
 from ..model.template import LayerTemplate, is_stochastic
+from ..parallel.liveness import Liveness
 from .executor import StreamingExecutor
 from .kv_cache import CachingStreamedLayer
 from .proxy import StreamedLayer
@@ -98,6 +99,7 @@ class Converted:
     resident_params: dict[str, nn.Parameter]  # trainable parameters outside the layers (device working copies)
     frozen_resident: dict[str, nn.Parameter]  # frozen ones (device, compute dtype)
     peer_cells: torch.Tensor | None = None  # data parallel: [ranks, units] update counts in shared memory
+    liveness: Liveness | None = None  # data parallel: this rank's watch over the host's others (parallel/liveness.py)
     shared: list[SharedParams] | None = None  # per layer: the parameters it shares with others (resident)
     attention: attention.AttentionChoice | None = None  # masked batches' attention kernel (model/attention.py)
 

@@ -21,6 +21,7 @@ from torch import nn
 from ..config import MegaTrainConfig
 from ..core.memory import available_host_bytes
 from ..core.plan import Stepper
+from ..parallel import liveness
 from ..parallel.group import DataParallel
 from ..parallel.setup import check_plans
 from ..parallel.shared_alloc import SharedHostAllocator, new_run_dir
@@ -60,7 +61,13 @@ def convert_shared(model: nn.Module, config: MegaTrainConfig, device: torch.devi
             # Each rank's count of finished updates per unit (parallel/peer_cells.py): zeros, as the files start.
             units = len(conv.store.units)
             conv.peer_cells = alloc(dp.local_world * units, torch.int64, False).view(dp.local_world, units)
+            # Each rank's row of the host's liveness cells: a rank that dies or fails ends the others, naming it.
+            ranks = conv.peer_cells.shape[0]  # (the host's)
+            cells = alloc(ranks * liveness.WORDS, torch.int64, False).view(ranks, liveness.WORDS)
+            conv.liveness = liveness.Liveness(cells, dp.local_rank, dp.rank)
+            conv.liveness.register()
             dp.barrier()  # (every rank has mapped the cells before their file goes)
+            conv.liveness.start()
     finally:
         if dp.is_leader:
             alloc.release()

@@ -11,6 +11,9 @@ cannot run ahead of the others by a whole update: its next update of a unit need
 backward of that unit contributes (a collective), which comes after their loads of the unit for that step. The
 shard's data is written before the count (program order on the updating thread; x86 stores are not reordered with
 older stores), so a reader that sees the count sees the data.
+
+A rank that died never writes its count: a wait asks ``liveness`` (parallel/liveness.py) every ``CHECK_SECONDS``
+and raises naming the dead rank, rather than waiting out the timeout (which remains for a rank that hangs alive).
 """
 
 from __future__ import annotations
@@ -19,22 +22,27 @@ import time
 
 import torch
 
+from .liveness import Liveness
+
 # Between polls of a cell that has not caught up: short, since the forward rarely waits (updates run ahead of it).
 POLL_SECONDS = 50e-6
 # A shard update takes seconds at most; a rank this far behind has died or hangs (outside any collective, so no
 # NCCL timeout would ever end the wait).
 TIMEOUT_SECONDS = 1800.0
+# Between asks whether a rank that is behind is still alive.
+CHECK_SECONDS = 1.0
 
 
 class PeerCells:
     """StepState's ``peers``: ``publish`` a unit's update count for this rank, ``wait`` for every rank's."""
 
     def __init__(self, cells: torch.Tensor, rank: int, *, poll_s: float = POLL_SECONDS,
-                 timeout_s: float = TIMEOUT_SECONDS) -> None:
+                 timeout_s: float = TIMEOUT_SECONDS, liveness: Liveness | None = None) -> None:
         if cells.dim() != 2 or cells.dtype != torch.int64 or not 0 <= rank < cells.shape[0]:
             raise ValueError(f"peer cells: need an int64 [world, units] tensor and a rank in it, got "
                              f"{tuple(cells.shape)} {cells.dtype}, rank {rank}")
         self.cells, self.rank, self.poll_s, self.timeout_s = cells, rank, poll_s, timeout_s
+        self.liveness = liveness
         self.waited_s = 0.0  # time readers spent waiting for other ranks (diagnostics)
 
     def publish(self, unit: int, count: int) -> None:
@@ -45,11 +53,16 @@ class PeerCells:
         if bool((column >= count).all()):
             return
         t0 = time.perf_counter()
+        checked = t0
         while not bool((column >= count).all()):
-            if time.perf_counter() - t0 > self.timeout_s:
+            now = time.perf_counter()
+            if self.liveness is not None and now - checked > CHECK_SECONDS:
+                self.liveness.check()
+                checked = now
+            if now - t0 > self.timeout_s:
                 behind = [r for r, n in enumerate(column.tolist()) if n < count]
-                raise RuntimeError(f"hf_megatrain data parallel: rank(s) {behind} have not written their shard of "
-                                   f"update {count} of unit {unit} after {self.timeout_s:.0f} s; a process died or "
+                raise RuntimeError(f"hf_megatrain data parallel: local rank(s) {behind} have not written their "
+                                   f"shard of update {count} of unit {unit} after {self.timeout_s:.0f} s; a process "
                                    "hangs (see its log). The other ranks stop here rather than train on a partial "
                                    "update.")
             time.sleep(self.poll_s)

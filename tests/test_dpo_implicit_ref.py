@@ -23,6 +23,7 @@ import transformers  # noqa: E402
 from trl import DPOConfig, DPOTrainer  # noqa: E402
 
 from hf_megatrain.hf.compose import megatrain_args_class, megatrain_trainer_class  # noqa: E402
+from hf_megatrain.hf.trainer import RUN_SUMMARY  # noqa: E402
 from hf_megatrain.hf.dpo_support import MegaTrainDPOConfig, MegaTrainDPOTrainer  # noqa: E402
 
 from .models import tiny  # noqa: E402
@@ -70,7 +71,7 @@ def test_dpo_implicit_reference_matches_plain(tmp_path, model_dir):
     assert "ref_chosen_logps" in ours.train_dataset.column_names
     assert len(logs(ours, "eval_loss")) == 1
     check_parity(plain, ours)
-    summary = json.loads((tmp_path / "mt" / "megatrain_run.json").read_text())
+    summary = json.loads((tmp_path / "mt" / "_megatrain_run.json").read_text())
     assert summary["reference"] == IMPLICIT
 
 

@@ -75,6 +75,7 @@ def megatrain_trainer_class(base: type[Trainer]) -> type[MegaTrainTrainer]:
 # Trainers whose loss is ported onto the engine: the base's qualified name (found on a subclass's MRO too) -> the
 # port, "module:class", a MegaTrainTrainer subclass taking MegaTrainTrainer's place (imported only when asked for).
 _PORTS = {"trl.trainer.dpo_trainer.DPOTrainer": "hf_megatrain.hf.dpo_support:DPOPort",
+          "trl.trainer.kto_trainer.KTOTrainer": "hf_megatrain.hf.kto_support:KTOPort",
           "trl.trainer.grpo_trainer.GRPOTrainer": "hf_megatrain.hf.grpo_support:GRPOPort"}
 
 

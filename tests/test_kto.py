@@ -99,11 +99,13 @@ def test_kto_implicit_reference_matches_plain(tmp_path, model_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["precomputed", "live-ref", "lora"])
+@pytest.mark.parametrize("case", ["precomputed", "live-ref", "lora", "moe"])
 def test_kto_other_references_match_plain(tmp_path, case):
-    model = tiny("llama")
-    if case == "precomputed":
+    """The other references; and Mixtral with the router aux loss (the engine's router tap), precomputed."""
+    model = tiny("mixtral" if case == "moe" else "llama")
+    if case in ("precomputed", "moe"):
         plain, ours = run_pair(tmp_path, model, composed=False, precompute_ref_log_probs=True)
+        assert case != "moe" or (ours.aux_loss_enabled and logs(ours)[0]["aux_loss"] > 0)
     elif case == "live-ref":
         plain, ours = run_pair(tmp_path, model, live_ref=True)
         assert ours.ref_model.megatrain_engine is not ours.engine

@@ -259,7 +259,12 @@ class MegaTrainConfig:
         host_threads: CPU threads of the host AdamW (torch's intra-op threads of the process). 0 = auto: this
             process's share of its cores (data-parallel processes of one host split them), raised to that when a
             launcher left fewer (``accelerate launch`` and torchrun set OMP_NUM_THREADS=1 unless told otherwise),
-            never lowered. > 0: exactly that many.
+            never lowered. > 0: exactly that many. With ``host_affinity='auto'`` binding the process: its cores.
+        host_affinity: ``auto`` (default): on a GPU, each process runs its threads on its GPU's NUMA node (sysfs),
+            processes sharing a node split its cores (no oversubscription), so the pages they first touch (moments,
+            shard, pinned staging) sit on that node too; a process that would get every core it may use anyway is
+            left alone. ``none``: keep the launcher's affinity and only split the thread count. The run summary
+            says which node and cores each process uses.
         shared_memory_dir: several processes of one host (data parallel, parallel/): the directory on a RAM file system
             where the host's one copy of the FP32 store is created (files removed once every rank mapped them).
     """
@@ -300,6 +305,7 @@ class MegaTrainConfig:
     activation_prefetch: int = 2
     saved_graph_layers: int = -1
     host_threads: int = 0
+    host_affinity: str = "auto"
     shared_memory_dir: str = "/dev/shm"
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -343,6 +349,9 @@ class MegaTrainConfig:
         for frac in ("device_step_fraction", "resident_device_fraction"):
             if not 0.0 <= getattr(self, frac) <= 1.0:  # (nan fails too)
                 raise ValueError(f"{frac}={getattr(self, frac)} must be in [0, 1]")
+        if self.host_affinity not in ("auto", "none"):
+            raise ValueError(f"host_affinity={self.host_affinity!r}; use 'auto' (each process on its GPU's NUMA node "
+                             "and its share of the cores) or 'none' (keep the launcher's affinity)")
         if self.host_threads < 0:
             raise ValueError(f"host_threads={self.host_threads} must be >= 0 (0: auto, the process's share of its cores)")
         if self.placement_tokens < 0:

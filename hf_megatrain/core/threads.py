@@ -10,8 +10,12 @@ ever raises the count: a larger setting the user chose stays.
 from __future__ import annotations
 
 import os
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
+
+from . import numa
 
 
 def usable_cores() -> int:
@@ -37,3 +41,71 @@ def apply_host_threads(requested: int, processes: int) -> tuple[int, int]:
     if after != before:
         torch.set_num_threads(after)
     return before, after
+
+
+@dataclass(frozen=True)
+class HostPlacement:
+    """Where this process's host work runs: its GPU's NUMA node (None: unknown / no GPU), the cores its threads
+    may use, the host AdamW's thread count, and whether the process was bound to those cores."""
+
+    node: int | None
+    cores: tuple[int, ...]
+    threads: int
+    bound: bool
+    threads_before: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> str:
+        where = f"NUMA node {self.node}" if self.node is not None else "no NUMA node known"
+        how = "bound to" if self.bound else "free on"
+        return f"{where}; {how} {len(self.cores)} cores ({_span(self.cores)}), host AdamW on {self.threads} threads"
+
+
+def _span(cores: tuple[int, ...]) -> str:
+    """``(0, 1, 2, 5)`` -> ``"0-2,5"``."""
+    out, run = [], []
+    for c in cores:
+        if run and c != run[-1] + 1:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+            run = []
+        run.append(c)
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(out)
+
+
+def place_host(affinity: str, requested_threads: int, gpu_nodes: list[int | None], local_rank: int) -> HostPlacement:
+    """Decide and apply this process's cores and host threads (``host_affinity``, ``host_threads``).
+
+    ``gpu_nodes``: the NUMA node of each local process's GPU, in local-rank order (``[node]`` alone). ``"auto"``
+    binds the process to its share of its GPU's node (``numa.plan_cores``) when that share is not already every core
+    it may use; the pages its threads touch first then sit on that node. ``"none"`` leaves the affinity as the
+    launcher set it and only splits the thread count among the local processes (as before ``host_affinity``)."""
+    allowed = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set(range(usable_cores()))
+    before = torch.get_num_threads()
+    if affinity == "auto" and hasattr(os, "sched_setaffinity"):
+        node, cores = numa.plan_cores(numa.nodes(), allowed, gpu_nodes, local_rank)
+        bound = set(cores) != allowed
+        if bound:
+            numa.bind_process(cores)
+        after = requested_threads if requested_threads > 0 else max(len(cores), 1)
+    else:
+        node, cores, bound = gpu_nodes[local_rank], sorted(allowed), False
+        after = host_threads(requested_threads, len(gpu_nodes), before, len(cores))
+    if after != before:
+        torch.set_num_threads(after)
+    return HostPlacement(node, tuple(cores), after, bound, before)
+
+
+def place_host_for(config: Any, device: torch.device, dp: Any = None) -> HostPlacement:
+    """``place_host`` for an engine on ``device``: its GPU's NUMA node, gathered from the node's data-parallel
+    ranks (``dp``, local-rank order). A CPU device is never bound: no PCIe root to be near, and the CPU's own
+    processes (tests, gloo) share the few cores better unbound."""
+    mine = numa.gpu_placement(device.index if device.index is not None else torch.cuda.current_device()).node \
+        if device.type == "cuda" else None
+    nodes = dp.node_gather_object(mine) if dp is not None else [mine]
+    local_rank = dp.local_rank if dp is not None else 0
+    affinity = config.host_affinity if device.type == "cuda" else "none"
+    return place_host(affinity, config.host_threads, nodes, local_rank)

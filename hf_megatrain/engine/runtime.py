@@ -31,7 +31,7 @@ from .. import planner
 from ..config import MegaTrainConfig, resolve_config
 from ..core.plan import Where, decide_modes
 from ..core.step_state import StepState
-from ..core.threads import apply_host_threads
+from ..core.threads import place_host_for
 from ..parallel.group import DataParallel
 from ..parallel.peer_cells import PeerCells
 from ..parallel.setup import data_parallel_config
@@ -82,13 +82,13 @@ class MegaTrainEngine:
         if self.dp is not None:
             config = data_parallel_config(config, self.dp)
         self.config = config
-        before, after = apply_host_threads(config.host_threads, self.ranks.on_host)
-        if after != before:
-            logger.info("hf_megatrain: host AdamW on %d CPU threads (the process had %d; host_threads=%d)", after,
-                        before, config.host_threads)
         self.model = model
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+        # Before anything large is allocated: the pages the bound threads touch first land on their node.
+        self.host_placement = place_host_for(config, self.device, self.dp)
+        logger.info("hf_megatrain: host threads: %s (host_affinity=%s, host_threads=%d)",
+                    self.host_placement.describe(), config.host_affinity, config.host_threads)
         self.compute_dtype = config.torch_compute_dtype
         conv = convert(model, config, self.device, decay_names) if self.dp is None else \
             convert_shared(model, config, self.device, decay_names, self.dp)

@@ -57,9 +57,76 @@ def run_summary(engine: Any, *, config_source: str | None = None) -> dict[str, A
         "config_explicit_keys": sorted(config.explicit_keys),
         "config_source": config_source or "given to the engine",
     }
+    placement = getattr(engine, "host_placement", None)  # (core/threads.py: node, cores, threads)
+    if placement is not None:
+        out["host_placement"] = {**placement.as_dict(), "text": placement.describe()}
+    out.update(_processes(engine, trainable))
     if opt is not None:
         out.update({**engine.modes.describe(), "max_grad_norm": opt.max_grad_norm})  # (core/plan.py StepModes)
     return out
+
+
+def _width(span: tuple[int, int]) -> int:
+    return span[1] - span[0]
+
+
+def _processes(engine: Any, trainable: int) -> dict[str, Any]:
+    """How many data-parallel processes train together, this rank's shard of the host-stepped layers, and host
+    memory counted once: the store's shared buffers (``Where.HOST``: one copy per host, mapped by each of its
+    processes) once, each process's private host buffers (a CPU device's replicated resident unit) once per process.
+    (Not counted: the ranks' per-unit update counters, 8 bytes per unit and process, shared too.)"""
+    ranks = engine.ranks
+    if ranks.world == 1:
+        return {"processes": 1}
+    on_host = ranks.on_host
+    shared = sum(u.plan.nbytes(Where.HOST, engine.compute_dtype) for u in engine.store.units)
+    private = engine.store.nbytes - shared
+    host = shared + on_host * private
+    units = [u for u in engine.store.units if u.plan.stepper is Stepper.HOST and u.numel]
+    mine = [ranks.own(u) for u in units]  # (this rank's shard of each: what its optimizer steps)
+    state = [sum(t.element_size() for t in (u.master, u.grad, u.exp_avg, u.exp_avg_sq, u.compute)
+                 if t is not None and t.device.type == "cpu") for u in units]  # bytes per element of the unit
+    return {
+        "processes": ranks.world,
+        "processes_on_host": on_host,
+        "rank": engine.dp.rank,
+        "shard_elements": sum(map(_width, mine)),
+        "shard_bytes": sum(_width(span) * b for span, b in zip(mine, state)),
+        "shard_elements_per_layer": [_width(span) for span in mine],
+        "shard_elements_by_rank": [sum(_width(shard_range(u.numel, r, on_host)) for u in units)
+                                   for r in range(on_host)],
+        "host_bytes_shared": shared,
+        "host_bytes_per_process": private,
+        "host_bytes": host,
+        "host_bytes_per_trainable_parameter": round(host / trainable, 2) if trainable else 0.0,
+    }
+
+
+def _placement(s: dict[str, Any]) -> str:
+    lean = f", {s['layers_lean']} lean" if s["layers_lean"] else ""
+    if s["device"].split(":")[0] == "cpu":  # (nothing is placed on a GPU: say so rather than "0 kept on the GPU")
+        return f"  placement: no GPU in this run: {s['layers']} decoder layers{lean} and AdamW on the CPU"
+    return (f"  placement: {s['layers']} decoder layers: {s['layers_kept_on_device']} kept on the GPU, "
+            f"{s['layers_stepped_on_device']} streamed + AdamW on the GPU, {s['layers_stepped_on_host']} streamed + "
+            f"AdamW on the CPU{lean}; embeddings/head on the {'GPU' if s['resident_parts'] == 'device' else 'CPU'}")
+
+
+def _host_memory(s: dict[str, Any]) -> str:
+    per = f"{s['host_bytes_per_trainable_parameter']} B per trainable parameter"
+    if s.get("processes", 1) == 1:
+        return f"  host memory: {s['host_bytes'] / 2**30:.2f} GiB ({per})"
+    return (f"  host memory: {format_bytes(s['host_bytes'])} on this host: the shared store "
+            f"{format_bytes(s['host_bytes_shared'])} once + {s['processes_on_host']} x "
+            f"{format_bytes(s['host_bytes_per_process'])} per process ({per}, counted once)")
+
+
+def _shard(s: dict[str, Any]) -> str:
+    per_layer = s["shard_elements_per_layer"]
+    spread = f"{min(per_layer):,}-{max(per_layer):,}" if per_layer else "0"
+    return (f"  data parallel: {s['processes']} processes ({s['processes_on_host']} on this host, sharing its store); "
+            f"rank {s['rank']} steps its shard, {s['shard_elements']:,} elements of the host-stepped layers "
+            f"({format_bytes(s['shard_bytes'])} of state; {spread} per layer); the host's ranks: "
+            + ", ".join(f"{n:,}" for n in s["shard_elements_by_rank"]))
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -69,15 +136,16 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines = [
         f"hf_megatrain: {s['parameters']:,} parameters ({s['trainable_parameters']:,} trainable) on {s['device']}; "
         f"compute {s['compute_dtype']}, FP32 master/gradients/AdamW",
-        f"  placement: {s['layers']} decoder layers: {s['layers_kept_on_device']} kept on the GPU, "
-        f"{s['layers_stepped_on_device']} streamed + AdamW on the GPU, {s['layers_stepped_on_host']} streamed + "
-        f"AdamW on the CPU" + (f", {s['layers_lean']} lean" if s["layers_lean"] else "")
-        + f"; embeddings/head on the {s['resident_parts']}",
-        f"  host memory: {gib:.2f} GiB ({s['host_bytes_per_trainable_parameter']} B per trainable parameter)",
+        _placement(s),
+        _host_memory(s),
         f"  loss: {s['loss_impl']} ({s['loss_impl_reason']}); torch_compile={s['torch_compile']}, "
         f"micro_batch_size={s['micro_batch_size']}",
         f"  masked batches' attention: {s['masked_attention_reason']}; {s['padding_free_reason']}",
     ]
+    if s.get("processes", 1) > 1:
+        lines.append(_shard(s))
+    if s.get("host_placement"):
+        lines.append(f"  host threads: {s['host_placement']['text']}")
     if "host_kernel" in s:
         lines.append(f"  optimizer: host AdamW kernel {s['host_kernel']}, speculative_step={s['speculative_step']}, "
                      f"narrow_grads={s['narrow_grads']}, split_host_update={s['split_host_update']}, "

@@ -163,6 +163,13 @@ class DataParallel:
         dist.broadcast_object_list(box, src=self._global(self.node_leader), group=self.node_cpu_group)
         return box[0]
 
+    def node_gather_object(self, obj: Any) -> list[Any]:
+        """``obj`` of every rank of this node, in local-rank order (e.g. each rank's GPU's NUMA node)."""
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, (self.node, self.local_rank, obj), group=self.cpu_group)
+        mine = sorted((lr, o) for n, lr, o in out if n == self.node)
+        return [o for _, o in mine]
+
     def all_gather_object(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world
         dist.all_gather_object(out, obj, group=self.cpu_group)

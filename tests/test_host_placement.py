@@ -1,0 +1,77 @@
+"""Where each process's host work runs (issue 45 part 1): its GPU's NUMA node and its share of the cores,
+decided by core/numa.py from sysfs, applied by core/threads.py, reported in the run summary. CPU only: the sysfs
+of a 2-node host with two GPUs is written into a temporary directory."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from hf_megatrain import MegaTrainConfig, MegaTrainEngine
+from hf_megatrain.core import numa, threads
+from hf_megatrain.engine.summary import format_summary, run_summary
+
+from .models import tiny
+
+
+def test_cpulist_and_a_gpu_on_node_one(tmp_path):
+    assert numa.parse_cpulist("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
+    nodes = tmp_path / "node"
+    for n, cpus in ((0, "0-7"), (1, "8-15")):
+        (nodes / f"node{n}").mkdir(parents=True)
+        (nodes / f"node{n}" / "cpulist").write_text(cpus + "\n")
+    pci = tmp_path / "pci" / "0000:81:00.0"
+    pci.mkdir(parents=True)
+    (pci / "numa_node").write_text("1\n")
+    (pci / "local_cpulist").write_text("8-15\n")
+    assert numa.nodes(str(nodes)) == {0: list(range(8)), 1: list(range(8, 16))}
+    g = numa.placement_of_pci("0000:81:00.0", str(tmp_path / "pci"))
+    assert (g.node, g.cpus) == (1, tuple(range(8, 16)))
+    (pci / "numa_node").write_text("-1\n")  # (a VM that hides its topology)
+    assert numa.placement_of_pci("0000:81:00.0", str(tmp_path / "pci")).node is None
+
+
+def test_ranks_split_their_gpus_nodes_and_never_oversubscribe():
+    nodes = {0: list(range(8)), 1: list(range(8, 16))}
+    every = set(range(16))
+    # one GPU per node: each rank takes its node's cores
+    assert numa.plan_cores(nodes, every, [0, 1], 0) == (0, list(range(8)))
+    assert numa.plan_cores(nodes, every, [0, 1], 1) == (1, list(range(8, 16)))
+    # four ranks, two per node: halves of each node, disjoint, covering the host
+    shares = [numa.plan_cores(nodes, every, [0, 0, 1, 1], r)[1] for r in range(4)]
+    assert sorted(c for s in shares for c in s) == sorted(every) and all(len(s) == 4 for s in shares)
+    # no NUMA information (a VM): the allowed cores split among all local ranks
+    assert numa.plan_cores({0: list(range(16))}, every, [None, None], 1) == (None, list(range(8, 16)))
+    # the launcher's affinity narrows the pool; more ranks than cores share the pool rather than getting none
+    assert numa.plan_cores(nodes, {8, 9}, [1, 1, 1], 2) == (1, [8, 9])
+
+
+def test_place_host_binds_every_thread_and_sizes_the_pool():
+    before_aff, before_threads = os.sched_getaffinity(0), torch.get_num_threads()
+    try:
+        p = threads.place_host("auto", 0, [None, None], 1)  # rank 1 of 2 on this machine
+        cores = sorted(before_aff)
+        want = cores[len(cores) // 2 * 1:len(cores) // 2 * 2] if len(cores) >= 2 else cores
+        assert list(p.cores) == want and p.threads == len(want) == torch.get_num_threads()
+        assert p.bound == (set(want) != before_aff) and os.sched_getaffinity(0) == set(want)
+        assert "cores" in p.describe()
+        os.sched_setaffinity(0, before_aff)
+        q = threads.place_host("none", 0, [None, None], 1)  # the launcher's affinity kept
+        assert not q.bound and os.sched_getaffinity(0) == before_aff
+    finally:
+        os.sched_setaffinity(0, before_aff)
+        torch.set_num_threads(before_threads)
+
+
+def test_the_run_summary_says_where_the_host_threads_run():
+    engine = MegaTrainEngine(tiny("llama"), MegaTrainConfig(compute_dtype="float32"), device="cpu")
+    s = run_summary(engine)
+    assert s["host_placement"]["threads"] == torch.get_num_threads()
+    assert "host threads:" in format_summary(s) and not s["host_placement"]["bound"]  # (a CPU device: never bound)
+
+
+def test_host_affinity_is_validated():
+    with pytest.raises(ValueError, match="host_affinity"):
+        MegaTrainConfig(host_affinity="numa")

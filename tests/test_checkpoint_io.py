@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 
 from hf_megatrain import MegaTrainConfig, MegaTrainEngine, planner
 from hf_megatrain import checkpoint as ckpt
-from hf_megatrain.checkpoint import fast_io, folders, safetensors_io
+from hf_megatrain.checkpoint import fast_io, folders, read_into, safetensors_io
+from hf_megatrain.checkpoint import manifest as manifest_io
 
 from .models import tiny
 from .test_load_speed import engine_with_moments, scramble
@@ -87,8 +88,8 @@ def test_manifest_reads_back_only_unrecorded_files(tmp_path, monkeypatch):
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
             json.dump({"global_step": 1}, f)
         read: list[str] = []
-        real = folders.crc32_files
-        monkeypatch.setattr(folders, "crc32_files", lambda paths: read.extend(paths) or real(paths))
+        real = manifest_io.crc32_files
+        monkeypatch.setattr(manifest_io, "crc32_files", lambda paths: read.extend(paths) or real(paths))
         ckpt.write_manifest(tmp)
     assert not [p for p in read if p.endswith(".safetensors")], read  # their CRCs were recorded while writing
     assert any(p.endswith("trainer_state.json") for p in read)
@@ -109,7 +110,7 @@ def test_crc32_files_one_pass_in_ranges(tmp_path):
         p = tmp_path / f"f{i}"
         p.write_bytes(rng.randbytes(n))
         paths.append(str(p))
-    assert fast_io.crc32_files(paths, workers=3, chunk=4096) == [_crc(p) for p in paths]
+    assert read_into.crc32_files(paths, workers=3, chunk=4096) == [_crc(p) for p in paths]
     assert folders.file_crc32(paths[-1], chunk=1000) == _crc(paths[-1])
 
 

@@ -16,7 +16,7 @@ import torch
 from hf_megatrain import MegaTrainConfig, MegaTrainEngine
 from hf_megatrain import checkpoint as ckpt
 from hf_megatrain.checkpoint import fast_io
-from hf_megatrain.checkpoint.read_into import HeaderError, Target, read_into
+from hf_megatrain.checkpoint.read_into import HeaderError, Target, crc32_files, read_into
 
 from .models import tiny
 
@@ -84,7 +84,7 @@ def test_loads_bitwise_exact_for_any_readers_and_read_size(tmp_path, monkeypatch
     assert all(torch.equal(t, masters[n].bfloat16().float()) for n, t in engine.named_master_tensors())
     assert st.convert_s > 0 and st.crc_s > 0 and st.read_s > 0 and 1 <= st.readers <= readers
     files = sorted(f for f in os.listdir(path))
-    assert fast_io.crc32_files([os.path.join(path, f) for f in files]) == [_crc(os.path.join(path, f))
+    assert crc32_files([os.path.join(path, f) for f in files]) == [_crc(os.path.join(path, f))
                                                                            for f in files]
 
 
@@ -153,7 +153,7 @@ def test_crc32_files_any_size_any_readers(tmp_path):
         p.write_bytes(rng.randbytes(n))
         paths.append(str(p))
     for readers in (1, 2, 5):
-        assert fast_io.crc32_files(paths, workers=readers, chunk=4096) == [_crc(p) for p in paths]
+        assert crc32_files(paths, workers=readers, chunk=4096) == [_crc(p) for p in paths]
 
 
 def test_host_zeros_without_a_pass_are_zeros_and_writable():

@@ -2,9 +2,8 @@
 
 from . import safetensors_io
 from .folders import *  # noqa: F401,F403
-from .folders import MANIFEST, MASTER_PREFIX, OPTIMIZER_HYPER, OPTIMIZER_TENSORS
 from .folders import __all__ as _folders_all
-from .safetensors_io import WEIGHTS_PREFIX
+from .names import MANIFEST, MASTER_PREFIX, OPTIMIZER_HYPER, OPTIMIZER_TENSORS, WEIGHTS_PREFIX
 
 __all__ = ["safetensors_io", "MANIFEST", "MASTER_PREFIX", "OPTIMIZER_HYPER", "OPTIMIZER_TENSORS", "WEIGHTS_PREFIX",
            *_folders_all]

@@ -1,14 +1,11 @@
-"""Folders that change all at once, one writer per output folder, and recovery of saves a kill interrupted.
+"""Checkpoint folders that change all at once, and recovery of saves a kill interrupted.
 
-- ``output_dir_lock``: an exclusive ``flock`` on ``<folder>/_megatrain.lock`` held for a run (and for a save), so
-  that a second run in the same ``output_dir`` fails at once with a clear message instead of overwriting the
-  first one's checkpoints, and so that cleaning up leftovers never touches another run's save in progress. The
-  lock is per process and re-entrant; folders inside a locked folder need no lock of their own.
 - ``atomic_directory``: a Trainer checkpoint is written into ``<name>.tmp-<pid>-XXXX`` and renamed into place. An
   existing ``<name>`` (a re-save of ``checkpoint-N``) is first moved to ``<name>.old-<pid>-XXXX/x``: between the two
   renames no folder has the final name, so ``recover_interrupted_saves`` puts a complete copy back.
-- ``recover_interrupted_saves``: run under the lock before every save and before resuming; restores or removes what
-  a killed save left, and logs every step. A copy is "complete" when its manifest (written last) verifies.
+- ``recover_interrupted_saves``: run under the lock (``durable.output_dir_lock``) before every save and before
+  resuming; restores or removes what a killed save left, and logs every step. A copy is "complete" when its
+  manifest (written last) verifies (``manifest.verify_checkpoint``).
 - ``rotate_checkpoints``: ``save_total_limit`` rotation; a folder is renamed to ``<name>.del-...`` before it is
   deleted, so a kill mid-delete never leaves a half-deleted ``checkpoint-N`` that looks like a checkpoint.
 """
@@ -16,116 +13,20 @@
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
 import re
 import shutil
-import socket
 import tempfile
-import threading
-import time
 from typing import Callable, Iterator
+
+from .durable import fsync_dir, fsync_tree, pid_alive
+from .manifest import verify_checkpoint
+from .names import MANIFEST, CheckpointError
 
 logger = logging.getLogger(__name__)
 
-LOCK_NAME = "_megatrain.lock"  # leading "_": Trainer's Hub pushes ignore "_*"
 _LEFTOVER = re.compile(r"(?P<final>.+)\.(?P<kind>tmp|old|del)-(?:(?P<pid>\d+)-)?[A-Za-z0-9_]+")
-
-
-class OutputDirBusy(RuntimeError):
-    """Another process holds the lock of an output folder."""
-
-
-# -- fsync -----------------------------------------------------------------------------------------------------------
-def fsync_dir(path: str) -> None:
-    """Make the folder's entries (renames, new and removed files) durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(path: str) -> None:
-    """fsync every file and folder under ``path`` (files other libraries wrote, e.g. tokenizers, are not)."""
-    for root, dirs, files in os.walk(path):
-        for f in files:
-            with open(os.path.join(root, f), "rb") as fh:
-                os.fsync(fh.fileno())
-        fsync_dir(root)
-
-
-def pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        return True
-    return True
-
-
-# -- one writer per folder -------------------------------------------------------------------------------------------
-_held: dict[str, list[int]] = {}  # realpath -> [fd, depth]
-_held_guard = threading.Lock()
-
-
-def _acquire(path: str) -> None:
-    lock = os.path.join(path, LOCK_NAME)
-    while True:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            try:
-                owner = os.pread(fd, 512, 0).decode(errors="replace").strip() or "unknown process"
-            finally:
-                os.close(fd)
-            raise OutputDirBusy(
-                f"{path} is in use by another hf_megatrain run ({owner}); two runs in one output_dir overwrite each "
-                "other's checkpoints. Give this run its own output_dir, or wait until the other run ends.") from None
-        try:
-            same = os.stat(lock).st_ino == os.fstat(fd).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:
-            break
-        os.close(fd)  # the previous holder removed the file between our open and flock: lock the new one
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.ctime()}\n".encode(), 0)
-    _held[path] = [fd, 1]
-
-
-@contextlib.contextmanager
-def output_dir_lock(folder: str) -> Iterator[None]:
-    """Hold the exclusive lock of ``folder`` (created if missing) for the ``with`` block; raises ``OutputDirBusy``
-    naming the holder when another process has it. Re-entrant; a no-op inside a folder this process has locked."""
-    path = os.path.realpath(folder)
-    os.makedirs(path, exist_ok=True)
-    with _held_guard:
-        if path in _held:
-            _held[path][1] += 1
-            owned = True
-        elif any(path.startswith(h + os.sep) for h in _held):
-            owned = False  # (a checkpoint's temp folder inside the locked output_dir)
-        else:
-            _acquire(path)
-            owned = True
-    try:
-        yield
-    finally:
-        if owned:
-            with _held_guard:
-                entry = _held[path]
-                entry[1] -= 1
-                if entry[1] == 0:
-                    del _held[path]
-                    with contextlib.suppress(OSError):
-                        os.unlink(os.path.join(path, LOCK_NAME))  # while still locked: see _acquire's inode check
-                    os.close(entry[0])
 
 
 # -- committing and recovering checkpoint folders --------------------------------------------------------------------
@@ -160,8 +61,6 @@ def atomic_directory(final: str) -> Iterator[str]:
 
 
 def _complete(path: str) -> bool:
-    from .folders import CheckpointError, MANIFEST, verify_checkpoint
-
     if not os.path.isfile(os.path.join(path, MANIFEST)):
         return False
     try:

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from .safetensors_io import CheckpointError
+from .names import CheckpointError
 
 __all__ = ["ConvertGroup", "KeyPlan", "plan_keys", "run_group"]
 

@@ -5,8 +5,11 @@
 - ``record_crc32`` / ``recorded_crc32``: the CRC a writer computed over the bytes it wrote, keyed by the file's
   inode (renames and hard links keep it) and checked against its size and mtime, so that ``write_manifest`` reads
   back only the files nobody recorded (the small JSON / torch files other code writes).
-- ``crc32_files``: CRC-32 of whole files, one pass, large files split into ranges read in parallel
-  (``read_into``'s pipeline: ``preadv`` into reused buffers, the CRC on another thread; both release the GIL).
+- the readers' settings (``READERS``, ``READ_CHUNK``, ``READ_SEQUENTIAL``), read by ``read_into`` at every call, so
+  that benchmarks can A/B them here.
+
+The ground floor of the byte path: the writers (``safetensors_io``) and the readers (``read_into``, which also gives
+the CRC-32 of whole files: ``crc32_files``) build on it; it imports neither.
 """
 
 from __future__ import annotations
@@ -97,13 +100,3 @@ def recorded_crc32(path: str) -> str | None:
     if rec is None or rec[:2] != (st.st_size, st.st_mtime_ns):
         return None
     return rec[2]
-
-
-# -- reading ---------------------------------------------------------------------------------------------------------
-def crc32_files(paths: list[str], workers: int | None = None, chunk: int | None = None) -> list[str]:
-    """CRC-32 (8 hex digits) of each file, reading every byte once: files and ranges of large files on
-    ``READERS`` readers, each CRC computed on the reader's lane while its next read waits on the disk
-    (``read_into``'s pipeline)."""
-    from .read_into import read_into  # (read_into builds on this module)
-
-    return [c or "" for c in read_into([(p, None, True) for p in paths], workers, chunk)]

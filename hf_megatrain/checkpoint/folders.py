@@ -9,10 +9,11 @@ straight into its slice of the store, shards and ranges in parallel, computing C
 
 A Trainer checkpoint folder additionally holds the engine's training state (FP32 master when the export dtype is
 not FP32, the flat AdamW moments as safetensors, the optimizer hyper-state as JSON) and a manifest of every file
-with its size and CRC-32, written last. Folders are committed atomically (``atomic.py``); exports into an existing
-folder go through a staging folder (``staged.py``). ``verify_checkpoint`` checks a folder against its manifest
-before anything is loaded, so a corrupt or edited folder raises before any state is overwritten; a folder with
-hf_megatrain state and no manifest is refused too (unless the caller accepts it knowingly).
+with its size and CRC-32, written last (``manifest.py``: ``verify_checkpoint`` checks a folder against it before
+anything is loaded). Folders are committed atomically (``atomic.py``); exports into an existing folder go through a
+staging folder (``staged.py``).
+
+This module is also the package's list of public names (``__all__``: ``hf_megatrain.checkpoint`` hands them on).
 """
 
 from __future__ import annotations
@@ -22,33 +23,30 @@ import copy
 import json
 import logging
 import os
-from typing import Any, Callable, Collection, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
 from ..core.engine_view import EngineView
 from ..core.memory import available_host_bytes
-from .atomic import (OutputDirBusy, atomic_directory, output_dir_lock, recover_interrupted_saves,
-                     remove_stale_temp_dirs, rotate_checkpoints)
-from .fast_io import crc32_files, recorded_crc32
+from .atomic import atomic_directory, recover_interrupted_saves, remove_stale_temp_dirs, rotate_checkpoints
+from .convert_keys import plan_keys, run_group
+from .durable import OutputDirBusy, output_dir_lock
 from .hub_layout import hub_layout, layer_runs
+from .manifest import file_crc32, manifest_crcs, verify_checkpoint, write_manifest  # noqa: F401 (folders.file_crc32)
+from .names import (MANIFEST, MASTER_PREFIX, OPTIMIZER_HYPER, OPTIMIZER_TENSORS,  # noqa: F401 (folders.MANIFEST)
+                    WEIGHTS_PREFIX, CheckpointError)
 from .read_into import HeaderError, ReadStats, Target, read_into, read_stats
-from .safetensors_io import (DEFAULT_MAX_SHARD_SIZE, WEIGHTS_PREFIX, CheckpointError,
-                             open_safetensors, parse_size, read_json_key, save_weights, weight_files, write_json,
-                             write_safetensors, write_weights)
+from .safetensors_io import (DEFAULT_MAX_SHARD_SIZE, open_safetensors, parse_size, save_weights, weight_files,
+                             write_json, write_safetensors, write_weights)
 from .staged import staged_export
 
 logger = logging.getLogger(__name__)
 
-MASTER_PREFIX = "megatrain_master"  # FP32 master, written only when the exported weights are not FP32
-OPTIMIZER_TENSORS = "megatrain_optimizer.safetensors"
-OPTIMIZER_HYPER = "megatrain_optimizer.json"
-MANIFEST = "megatrain_manifest.json"
-
 __all__ = ["CheckpointError", "DEFAULT_MAX_SHARD_SIZE", "parse_size", "save_weights", "write_safetensors",
            "weight_files", "save_pretrained_streamed", "save_training_state", "write_manifest", "atomic_directory",
-           "remove_stale_temp_dirs", "verify_checkpoint", "files_checked_on_load", "read_stats", "ReadStats", "load_pretrained_into_engine", "check_training_state",
-           "load_training_state", "output_dir_lock", "OutputDirBusy", "recover_interrupted_saves",
+           "remove_stale_temp_dirs", "verify_checkpoint", "files_checked_on_load", "read_stats", "ReadStats",
+           "load_pretrained_into_engine", "check_training_state", "load_training_state", "output_dir_lock", "OutputDirBusy", "recover_interrupted_saves",
            "rotate_checkpoints", "staged_export", "write_weights"]
 
 
@@ -97,126 +95,7 @@ def save_training_state(engine: EngineView, save_dir: str, *, master: bool) -> l
     return files
 
 
-def file_crc32(path: str, chunk: int = 64 << 20) -> str:
-    """CRC-32 of a file's bytes (8 hex digits), read once in large chunks, ranges of a large file in parallel."""
-    return crc32_files([path], chunk=chunk)[0]
-
-
-def _crc32_all(paths: list[str]) -> list[str]:
-    """CRC-32 of each file: all files and ranges of large ones read in parallel, every byte once (``fast_io``)."""
-    return crc32_files(paths)
-
-
-def write_manifest(save_dir: str) -> None:
-    """Record every file in ``save_dir`` with its size and CRC-32; ``verify_checkpoint`` checks against both, so
-    a truncated file and a same-size corrupt one are refused before anything is loaded.
-
-    The safetensors writers computed their files' CRC-32 over the bytes as they wrote them (``fast_io``): those
-    files are not read back. Only the others (JSON, torch files, a file changed since it was written) are read."""
-    names = [f for f in sorted(os.listdir(save_dir)) if os.path.isfile(os.path.join(save_dir, f)) and f != MANIFEST]
-    sums = {f: recorded_crc32(os.path.join(save_dir, f)) for f in names}
-    unknown = [f for f in names if sums[f] is None]
-    sums.update(zip(unknown, _crc32_all([os.path.join(save_dir, f) for f in unknown])))
-    files = {f: os.path.getsize(os.path.join(save_dir, f)) for f in names}
-    write_json(os.path.join(save_dir, MANIFEST), {"format": 2, "files": files, "crc32": {f: sums[f] for f in names}})
-
-
 # -- verifying and loading -------------------------------------------------------------------------------------------
-def _plain_trainer_checkpoint(names: list[str]) -> bool:
-    """A checkpoint of plain ``transformers.Trainer`` (its optimizer state, no hf_megatrain file): it never has a
-    manifest, and loading its weights stays allowed (what can be checked is: the safetensors headers)."""
-    return (not any(f.startswith("megatrain_") for f in names)
-            and any(f.startswith(("optimizer.", "optimizer_")) for f in names))
-
-
-def _unverified(path: str, why: str, allow_unverified: bool) -> None:
-    if not allow_unverified:
-        raise CheckpointError(f"{why}. Resume from another checkpoint, or accept this folder knowingly: "
-                              "MegaTrainTrainingArguments(megatrain_allow_unverified_checkpoint=True), or "
-                              "verify_checkpoint(path, allow_unverified=True)")
-    logger.warning("hf_megatrain: %s; loading it anyway (allow_unverified)", why)
-
-
-def verify_checkpoint(path: str, *, training_state: bool = True, allow_unverified: bool = False,
-                      crc_on_load: Collection[str] = ()) -> None:
-    """Raise ``CheckpointError`` naming the first missing, corrupt or unexpected file of checkpoint folder ``path``.
-
-    Folders hf_megatrain wrote carry ``megatrain_manifest.json`` (written last): every listed file must exist with
-    its recorded size and CRC-32, and a file it does not list (say a second weight index put there later) is
-    refused, since it could change what is loaded. A Trainer checkpoint (``trainer_state.json``) or a folder with
-    hf_megatrain state (``megatrain_*``) without a manifest is refused: it is incomplete or was edited, and nothing
-    in it can be checked. Exempt: plain HF folders (a ``save_pretrained`` export, a plain ``Trainer`` checkpoint
-    with its ``optimizer.pt``), where only the safetensors headers are checked. ``allow_unverified`` turns these
-    refusals into warnings. ``training_state`` also requires ``trainer_state.json`` (resuming needs it).
-
-    ``crc_on_load``: files (``files_checked_on_load``) whose CRC-32 the caller's load checks while reading them
-    whole, so that resuming reads the checkpoint once: their presence, size and header are checked here, their
-    bytes by the load (which refuses them, naming the file, before training starts)."""
-    if not os.path.isdir(path):
-        raise CheckpointError(f"checkpoint folder {path} does not exist")
-    names = sorted(f for f in os.listdir(path) if os.path.isfile(os.path.join(path, f)))
-    manifest_path = os.path.join(path, MANIFEST)
-    if os.path.isfile(manifest_path):
-        files = read_json_key(manifest_path, "files")
-        for fname, size in files.items():
-            p = os.path.join(path, fname)
-            if not os.path.isfile(p):
-                raise CheckpointError(f"checkpoint {path} is incomplete: missing {fname}")
-            if os.path.getsize(p) != size:
-                raise CheckpointError(f"checkpoint {path} is corrupt: {fname} has {os.path.getsize(p)} bytes, "
-                                      f"{size} were written")
-        for fname in names:
-            if fname != MANIFEST and fname not in files:
-                _unverified(path, f"checkpoint {path} holds {fname}, which its manifest does not list: it was put "
-                                  "there after the save, and could change what is loaded (remove it)",
-                            allow_unverified)
-        with open(manifest_path) as fh:
-            sums = json.load(fh).get("crc32")
-        if sums is None:  # a manifest of an earlier release: sizes only
-            logger.warning("hf_megatrain: %s records no checksums (an earlier release wrote it): only file sizes "
-                           "are verified", manifest_path)
-            sums = {}
-        deferred = set(crc_on_load)
-        crc_names = sorted(f for f in sums if f not in deferred)
-        for fname, got in zip(crc_names, _crc32_all([os.path.join(path, f) for f in crc_names])):
-            if got != sums[fname]:
-                raise CheckpointError(f"checkpoint {path} is corrupt: {fname} does not hold the bytes that were "
-                                      f"written (CRC-32 {got}, recorded {sums[fname]}); resume from an earlier "
-                                      "checkpoint")
-    elif (any(f.startswith("megatrain_") for f in names) or "trainer_state.json" in names) \
-            and not _plain_trainer_checkpoint(names):
-        _unverified(path, f"checkpoint {path} has no {MANIFEST}, so none of its files can be verified (every "
-                          "hf_megatrain save writes it last: the folder is incomplete, or was edited)",
-                    allow_unverified)
-    if training_state and not os.path.isfile(os.path.join(path, "trainer_state.json")):
-        raise CheckpointError(f"{path} has no trainer_state.json, so training cannot resume from it (it is a "
-                              "model export, not a Trainer checkpoint); start a new run from it instead")
-    shards = weight_files(path)
-    if shards is None and not os.path.isfile(os.path.join(path, "adapter_model.safetensors")):  # PEFT: adapters
-        raise CheckpointError(f"checkpoint {path} has no weights ({WEIGHTS_PREFIX}.safetensors or "
-                              f"{WEIGHTS_PREFIX}.safetensors.index.json)")
-    for prefix in (WEIGHTS_PREFIX, MASTER_PREFIX):
-        for fname, names in (weight_files(path, prefix) or {}).items():
-            with open_safetensors(os.path.join(path, fname)) as f:
-                missing = set(names) - set(f.keys())
-            if missing:
-                raise CheckpointError(f"{os.path.join(path, fname)} lacks tensors its index lists: "
-                                      f"{sorted(missing)[:5]}")
-    opt = os.path.join(path, OPTIMIZER_TENSORS)
-    if os.path.isfile(opt):
-        with open_safetensors(opt):
-            pass
-
-
-def _manifest_crcs(path: str) -> dict[str, str]:
-    """{file: CRC-32} from ``path``'s manifest (empty without one: a plain HF folder)."""
-    manifest = os.path.join(path, MANIFEST)
-    if not os.path.isfile(manifest):
-        return {}
-    with open(manifest) as fh:
-        return json.load(fh).get("crc32") or {}
-
-
 def _moment_targets(engine: EngineView, live: dict[str, torch.Tensor]) -> dict[str, Target]:
     """Where ``load_training_state`` reads each AdamW moment: the optimizer's own buffer, or this data-parallel
     rank's shard of it (``Target.first``)."""
@@ -242,7 +121,7 @@ def files_checked_on_load(engine: EngineView, path: str, *, page_cache_bytes: in
     (a 120B model's 1.4 TB of master and moments), the second read would come from the disk again: read once.
     Also none where this process does not write every master or holds a shard of the optimizer state (data
     parallel), where the loads read only part of a file."""
-    sums = _manifest_crcs(path)
+    sums = manifest_crcs(path)
     if not sums or not all(engine.writes_master(n) for n in engine.store.names()):
         return []
     prefix = MASTER_PREFIX if weight_files(path, MASTER_PREFIX) is not None else WEIGHTS_PREFIX
@@ -293,8 +172,6 @@ def load_pretrained_into_engine(engine: EngineView, path: str, *, prefix: str | 
     converted ones (per-expert tensors -> fused experts) are built one target tensor at a time from their sources.
     ``extra_names``: the names ``extra_sink`` accepts, so that renamed / converted keys can reach it too. The whole
     plan (names, shapes, converted shapes on meta tensors) is checked before any master is written."""
-    from .convert_keys import plan_keys, run_group
-
     if prefix is None:
         prefix = MASTER_PREFIX if weight_files(path, MASTER_PREFIX) is not None else WEIGHTS_PREFIX
     shards = weight_files(path, prefix)
@@ -337,7 +214,7 @@ def load_pretrained_into_engine(engine: EngineView, path: str, *, prefix: str | 
     unused: list[str] = []
     converted = plan.converted_keys
     writes = engine.writes_master  # (data parallel: local rank 0 fills the shared masters)
-    sums = _manifest_crcs(path)
+    sums = manifest_crcs(path)
     jobs, others = [], []
     for fname, names in shards.items():  # masters: read straight into them, every shard at once (read_into.py)
         targets = {key: Target(masters[plan.direct[key]]) for key in names
@@ -402,7 +279,7 @@ def load_training_state(engine: EngineView, path: str) -> bool:
         live = opt.state_tensors()  # (waits for a step in flight) the moments themselves: read straight into them
         targets = _moment_targets(engine, live)
         whole = all(t.first == 0 for t in targets.values())
-        sums = _manifest_crcs(path)
+        sums = manifest_crcs(path)
         _read_checked([(tensors, targets, whole and OPTIMIZER_TENSORS in sums)], sums)
         # The moments are in place (loading a tensor into itself copies nothing); the small rest from the file.
         opt.load_state_tensors({**{k: f.get_tensor(k) for k in f.keys() if k not in targets},

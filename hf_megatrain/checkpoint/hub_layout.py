@@ -24,7 +24,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from .safetensors_io import CheckpointError
+from .names import CheckpointError
 
 __all__ = ["hub_layout", "layer_runs"]
 

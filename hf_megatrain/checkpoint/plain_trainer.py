@@ -27,7 +27,7 @@ from typing import Iterator, Mapping
 import torch
 
 from ..core.engine_view import EngineView
-from .safetensors_io import CheckpointError
+from .names import CheckpointError
 
 OPTIMIZER_NAME = "optimizer.pt"  # transformers.trainer.OPTIMIZER_NAME (checkpoint/ does not import transformers)
 

@@ -350,3 +350,9 @@ def read_into(jobs: list[tuple[str, dict[str, Target] | None, bool]], workers: i
             for key, v in phases.t.items():
                 setattr(stats, key, getattr(stats, key) + v)
     return [f"{c & 0xFFFFFFFF:08x}" if crc else None for c, (_, _, crc) in zip(crcs, plans)]
+
+
+def crc32_files(paths: list[str], workers: int | None = None, chunk: int | None = None) -> list[str]:
+    """CRC-32 (8 hex digits) of each file, reading every byte once: files and ranges of large files on
+    ``READERS`` readers, each CRC computed on the reader's lane while its next read waits on the disk."""
+    return [c or "" for c in read_into([(p, None, True) for p in paths], workers, chunk)]

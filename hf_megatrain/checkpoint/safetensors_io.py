@@ -26,10 +26,9 @@ import torch
 from safetensors import safe_open
 
 from .fast_io import DEFAULT_WORKERS, crc32_combine, record_crc32
-
+from .names import WEIGHTS_PREFIX, CheckpointError
 from .staged import check_free_space, disk_full, staged_export, write_json
 
-WEIGHTS_PREFIX = "model"  # HF: model.safetensors / model-0000x-of-0000y.safetensors
 DEFAULT_MAX_SHARD_SIZE = "50GB"  # transformers 5 save_pretrained default
 CHUNK_BYTES = 64 << 20  # casts/copies happen in pieces of this size, never a whole large tensor at once
 # Each written chunk's pages are handed to writeback at once (POSIX_FADV_DONTNEED starts it without waiting), so
@@ -40,10 +39,6 @@ _ADVISE = hasattr(os, "posix_fadvise")
 _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
               torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
               torch.bool: "BOOL"}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint folder is missing a file, has a truncated/corrupt file, or does not match the model."""
 
 
 def parse_size(size: int | str) -> int:

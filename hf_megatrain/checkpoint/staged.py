@@ -30,7 +30,7 @@ import shutil
 import tempfile
 from typing import Iterator
 
-from .atomic import fsync_dir, fsync_tree, output_dir_lock, pid_alive
+from .durable import fsync_dir, fsync_tree, output_dir_lock, pid_alive
 
 logger = logging.getLogger(__name__)
 

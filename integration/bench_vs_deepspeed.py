@@ -154,8 +154,12 @@ def child_env(a: argparse.Namespace) -> dict[str, str]:
 
 
 def run_child(system: str, spec: dict, a: argparse.Namespace, timeout: float, log_path: str) -> dict[str, Any]:
-    run = child.run_child(os.path.join(HERE, "bench", RUNNERS[system]), spec, log_path, child_env(a), timeout)
+    n = int(spec.get("nproc", 1))
+    run = child.run_child(os.path.join(HERE, "bench", RUNNERS[system]), spec, log_path, child_env(a), timeout,
+                          nproc=n)
     record = run.record or run.error_record(timeout, system=system, batch=spec["batch"], spec=spec)
+    record["processes"] = n
+    record["host_added_peak_gib"] = run.host_added_bytes / 2 ** 30  # (the host's, every process counted once)
     record["subprocess_wall_s"] = run.wall_s
     record["log"] = os.path.relpath(log_path, ROOT) if log_path.startswith(ROOT) else log_path
     return record
@@ -187,9 +191,35 @@ def record_regime(rec: dict) -> str:
 
 
 def record_key(rec: dict) -> str:
-    """``system@batch``; hf_megatrain's rows also name their regime: ``megatrain:streamed@4``."""
+    """``system@batch``; hf_megatrain's rows also name their regime: ``megatrain:streamed@4``; runs of N > 1
+    processes (one GPU each, ``batch`` per process) end in ``xN``: ``megatrain:streamed@16x2``."""
     regime = record_regime(rec)
-    return f"{rec['system']}{':' + regime if regime else ''}@{rec['batch']}"
+    n = int(rec.get("processes") or (rec.get("spec") or {}).get("nproc") or 1)
+    return f"{rec['system']}{':' + regime if regime else ''}@{rec['batch']}" + (f"x{n}" if n > 1 else "")
+
+
+def scaling(records: dict[str, dict]) -> list[dict[str, Any]]:
+    """Per (system, batch per GPU, N > 1): tokens/s of N processes over one process on the same machine, host
+    memory added over one process's, and hf_megatrain over DeepSpeed at the same N."""
+    ok = {k: r for k, r in records.items() if r.get("status") == "ok"}
+    out = []
+    for key, r in sorted(ok.items()):
+        base, _, n = key.rpartition("x")
+        if "@" not in base or not n.isdigit():
+            continue
+        one = ok.get(base)
+        row: dict[str, Any] = {"key": key, "processes": int(n), "tokens_per_s": r["tokens_per_s"],
+                               "mfu_per_gpu": r.get("mfu")}
+        if one:
+            row.update(one_process_tokens_per_s=one["tokens_per_s"], speedup=r["tokens_per_s"] / one["tokens_per_s"],
+                       host_ratio=(r.get("host_added_peak_gib") or 0) / max(one.get("host_added_peak_gib") or 0,
+                                                                            1e-9))
+        if r["system"] == "megatrain":
+            ds = ok.get(f"deepspeed@{r['batch']}x{n}")
+            if ds:
+                row["vs_deepspeed"] = r["tokens_per_s"] / ds["tokens_per_s"]
+        out.append(row)
+    return out
 
 
 def ratios(records: dict[str, dict]) -> dict[str, Any]:
@@ -288,10 +318,13 @@ def markdown(doc: dict) -> str:
     for k in keys:
         r = recs[k]
         b = int(r["batch"])
-        tokens = step_tokens(spec, b)
+        nproc = int(r.get("processes") or 1)
+        tokens = step_tokens(spec, b) * nproc
         label = LABEL[r["system"]]
         if r["system"] == "megatrain":
             label += f" ({record_regime(r)})"
+        if nproc > 1:
+            label += f", {nproc} GPUs"
         if r.get("status") != "ok":
             why = (r.get("error") or r.get("status", "")).splitlines()[0][:90]
             lines.append(f"| {tokens:,} | {label} | — | — | **{r.get('status')}**: {why} | | | | | |")
@@ -334,6 +367,15 @@ def markdown(doc: dict) -> str:
                          f"{_f(h.get('bytes_per_param'), '{:.1f}')} | {_f(h.get('gb_per_s'), '{:.1f}')} | "
                          f"{_f(h.get('host_dram_gb_per_step'), '{:.1f}')} ({_f(h.get('dma_gb_per_step'), '{:.1f}')} DMA)"
                          f", {_f(h.get('host_dram_gb_per_s'), '{:.0f}')} |")
+    if doc.get("scaling"):
+        lines += ["", "Several GPUs of this machine (batch per GPU; one process per GPU through torchrun; host memory "
+                  "= MemTotal - MemAvailable added at the peak, shared pages once):", "",
+                  "| run | tokens/s | MFU per GPU | over one process | host memory over one process | "
+                  "hf_megatrain over DeepSpeed (same N) |", "|---|---:|---:|---:|---:|---:|"]
+        for row in doc["scaling"]:
+            lines.append(f"| {row['key']} | {row['tokens_per_s']:,.0f} | {_f(row.get('mfu_per_gpu'), '{:.1%}')} | "
+                         f"{_f(row.get('speedup'))}x | {_f(row.get('host_ratio'))}x | "
+                         f"{_f(row.get('vs_deepspeed'))}x |")
     lines += ["", f"Updated {doc['date']}. Commands:", ""] + [f"    {c['command']}" for c in doc["runs"][-6:]]
     return "\n".join(lines) + "\n"
 
@@ -365,6 +407,7 @@ def merge_and_write(path_json: str, doc_new: dict, fresh: bool) -> dict:
     else:
         doc["runs"][-1] = doc_new["run"]
     doc["ratios"] = ratios(doc["records"])
+    doc["scaling"] = scaling(doc["records"])
     doc.pop("run", None)
     tmp = path_json + ".tmp"
     with open(tmp, "w") as f:
@@ -421,7 +464,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "many times the GPU's memory; the headline, vs the offload peers); streamed_gpu_step = "
                          "the same with layer 0 stepped on the GPU, its state streamed each step; auto = the planner's "
                          "placement (the model fits; vs plain). The peers run once whatever the regime")
-    ap.add_argument("--sizes", default="4,16", help="sequences per optimizer step (x seq tokens)")
+    ap.add_argument("--sizes", default="4,16", help="sequences per optimizer step (x seq tokens), per process")
+    ap.add_argument("--nproc", default="1", help="comma list of process counts (one GPU each, through torchrun as "
+                    "accelerate launch --multi_gpu starts them); each system runs once per count")
     ap.add_argument("--data", choices=("fixed", "finetune"), default="fixed",
                     help="fixed: random tokens, --seq each (the headline); finetune: variable lengths from "
                          "bench/sft_lengths.json, --tokens REAL tokens per step, hf_megatrain on the config's "
@@ -539,12 +584,13 @@ def main(argv: list[str] | None = None) -> int:
         if argv is None else "bench_vs_deepspeed.main(" + shlex.join(argv) + ")"
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     # hf_megatrain once per regime; the peers once (their placement does not depend on it).
-    plan = [(s, r, b, attempts(s, b, a, r or "streamed")) for s in systems
-            for r in (a.regimes if s == "megatrain" else [""]) for b in sizes]
+    nprocs = [int(n) for n in a.nproc.split(",") if n.strip()]
+    plan = [(s, r, b, [{**t, "nproc": n} for t in attempts(s, b, a, r or "streamed")]) for n in nprocs
+            for s in systems for r in (a.regimes if s == "megatrain" else [""]) for b in sizes]
     print(f"[bench] {gpu_name}: {len(plan)} runs -> {path_json}", flush=True)
     for s, r, b, tries in plan:
         print(f"[bench]   {s}{' ' + r if r else ''} batch {b} ({b if a.data == 'finetune' else b * seq:,} "
-              f"tokens/step): attempts {tries}",
+              f"tokens/step per process) x{tries[0]['nproc']}: attempts {tries}",
               flush=True)
     if a.dry_run:
         return 0
@@ -557,7 +603,7 @@ def main(argv: list[str] | None = None) -> int:
     for system, regime, batch, tries in plan:
         record: dict[str, Any] = {}
         history = []
-        name = system + (f"_{regime}" if regime else "")
+        name = system + (f"_{regime}" if regime else "") + (f"_x{tries[0]['nproc']}" if tries[0]["nproc"] > 1 else "")
         for i, over in enumerate(tries):
             left = a.budget - (time.perf_counter() - t_start)
             if left < 60:
@@ -596,6 +642,8 @@ def main(argv: list[str] | None = None) -> int:
             mirror(a.mirror, [path_json, path_json[:-5] + ".md"], logs)
     if doc:
         print(f"[bench] wrote {path_json} and {path_json[:-5]}.md\n", flush=True)
+        for row in doc.get("scaling") or []:
+            print("[bench] scaling " + json.dumps(row), flush=True)
         print(markdown(doc), flush=True)
     return 0
 

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,36 @@ def log_tail(path: str, n: int = 40) -> str:
         return ""
 
 
+def host_used_bytes() -> int:
+    """MemTotal - MemAvailable: what every process of the host holds, shared pages (the data-parallel store, which
+    each rank maps) counted once."""
+    info = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            k, v = line.split(":")
+            info[k] = int(v.split()[0]) * 1024
+    return info["MemTotal"] - info["MemAvailable"]
+
+
+class HostPeak:
+    """Peak of ``host_used_bytes`` above its value at the start, sampled every 50 ms while a run lasts."""
+
+    def __init__(self) -> None:
+        self.base = self.peak = host_used_bytes()
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            self.peak = max(self.peak, host_used_bytes())
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._t.join()
+        return self.peak - self.base
+
+
 @dataclass
 class ChildRun:
     record: dict[str, Any] | None  # the runner's JSON record; None when none came back
@@ -36,6 +67,7 @@ class ChildRun:
     returncode: int | None
     wall_s: float
     log_path: str
+    host_added_bytes: int = 0  # peak host memory the run added, every process of it counted once
 
     def error_record(self, timeout: float, **keys: Any) -> dict[str, Any]:
         """The record of a run that returned none: ``keys`` (what identifies the run), the status, whether the log
@@ -47,13 +79,18 @@ class ChildRun:
                 "error": why + "\n" + tail[-3000:]}
 
 
-def run_child(script: str, spec: dict, log_path: str, env: dict[str, str], timeout: float) -> ChildRun:
+def run_child(script: str, spec: dict, log_path: str, env: dict[str, str], timeout: float,
+              nproc: int = 1) -> ChildRun:
     """``script`` with ``spec`` in its own process group, output to ``log_path``; SIGTERM then SIGKILL to the whole
-    group on timeout (a runner's own children die with it)."""
+    group on timeout (a runner's own children die with it). ``nproc`` > 1: that many processes of one host through
+    torchrun (``torch.distributed.run --standalone``), as ``accelerate launch --multi_gpu`` starts them; rank 0
+    writes the record."""
     prefix = os.path.splitext(os.path.basename(script))[0] + "_"
     result = tempfile.NamedTemporaryFile(prefix=prefix, suffix=".json", delete=False).name
-    cmd = [sys.executable, os.path.abspath(script), "--spec", json.dumps(spec), "--result", result]
-    t0, timed_out = time.perf_counter(), False
+    launcher = [sys.executable] if nproc <= 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                    f"--nproc_per_node={nproc}"]
+    cmd = launcher + [os.path.abspath(script), "--spec", json.dumps(spec), "--result", result]
+    t0, timed_out, peak = time.perf_counter(), False, HostPeak()
     with open(log_path, "w") as log:
         log.write("$ " + shlex.join(cmd) + "\n")
         log.flush()
@@ -69,6 +106,7 @@ def run_child(script: str, spec: dict, log_path: str, env: dict[str, str], timeo
                     break
                 except (subprocess.TimeoutExpired, ProcessLookupError):
                     continue
+    added = peak.stop()
     record = None
     try:
         with open(result) as f:
@@ -78,4 +116,4 @@ def run_child(script: str, spec: dict, log_path: str, env: dict[str, str], timeo
     finally:
         if os.path.exists(result):
             os.remove(result)
-    return ChildRun(record, timed_out, p.returncode, time.perf_counter() - t0, log_path)
+    return ChildRun(record, timed_out, p.returncode, time.perf_counter() - t0, log_path, added)

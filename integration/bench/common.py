@@ -136,6 +136,11 @@ def token_rows(spec: dict, n_steps: int) -> torch.Tensor:
     return torch.randint(0, vocab, (n_steps * int(spec["batch"]), int(spec["seq"])), generator=gen)
 
 
+def processes(spec: dict) -> int:
+    """Processes of the run (``nproc``: one per GPU, data parallel); ``batch`` is per process."""
+    return max(int(spec.get("nproc", 1) or 1), 1)
+
+
 def is_finetune(spec: dict) -> bool:
     """The fine-tune regime (``--data finetune``, bench/finetune_data.py): variable lengths, ``spec['tokens']`` real
     tokens per step; ``spec['batch']`` then names that budget, not a sequence count."""
@@ -153,8 +158,11 @@ def trainer_data(spec: dict, n_steps: int, micro: int, ga: int) -> tuple[dict[st
     """(Trainer kwargs, TrainingArguments kwargs) for ``n_steps`` steps of ``micro`` x ``ga``. Fine-tune: the step's
     rows in ``ga`` pre-collated micro-batches, one Trainer item each, taken in order (a step's micro-batches
     together, every system the same steps in the same order)."""
-    if not is_finetune(spec):
-        return {"train_dataset": TokenDataset(token_rows(spec, n_steps))}, {"per_device_train_batch_size": micro}
+    if not is_finetune(spec):  # (N processes: N x the rows, each rank its own micro-batches)
+        rows = token_rows({**spec, "batch": int(spec["batch"]) * processes(spec)}, n_steps)
+        return {"train_dataset": TokenDataset(rows)}, {"per_device_train_batch_size": micro}
+    if processes(spec) > 1:
+        raise NotImplementedError("the fine-tune data with several processes is not built in the bench yet")
     from bench.finetune_data import MicroBatchDataset, unwrap
 
     return ({"train_dataset": MicroBatchDataset(finetune_steps(spec, n_steps), ga), "data_collator": unwrap},
@@ -256,11 +264,13 @@ def throughput(spec: dict, n_params: int, periods: list[float]) -> dict[str, Any
                 "timed_padding_frac": 1 - tokens * len(timed) / sum(total), "data": data,
                 "first_step_over_steady": periods[0] / med if periods else None,
                 "model_tflops": tflops, "mfu": tflops / peak, "peak_tflops": peak}
-    tokens = int(spec["batch"]) * int(spec["seq"])
+    world = processes(spec)  # (several processes: tokens of every rank; MFU per GPU)
+    tokens = int(spec["batch"]) * int(spec["seq"]) * world
     tps = tokens / med
     tflops = 6.0 * n_params * tps / 1e12
     return {"tokens_per_step": tokens, "step_time_s": med, "step_times_s": timed, "warmup_times_s": periods[:warm],
-            "tokens_per_s": tps, "model_tflops": tflops, "mfu": tflops / peak, "peak_tflops": peak,
+            "tokens_per_s": tps, "model_tflops": tflops, "mfu": tflops / world / peak, "peak_tflops": peak,
+            "processes": world,
             "model_tflops_with_attention": (6.0 * n_params + attention_flops_per_token(spec)) * tps / 1e12}
 
 
@@ -442,7 +452,8 @@ def runner_main(system: str, run: Callable[[dict], dict]) -> None:
     record.update(wall_s=time.perf_counter() - t0, gpu=device_name(), versions=versions(),
                   date=time.strftime("%Y-%m-%d %H:%M:%S"))
     line = json.dumps(record, default=str)
-    with open(a.result, "w") as f:
+    rank = int(os.environ.get("RANK", "0"))  # (torchrun's; rank 0 writes the record, the others a side file)
+    with open(a.result if rank == 0 else f"{a.result}.rank{rank}", "w") as f:
         f.write(line + "\n")
     print("BENCH_RESULT " + line[:4000], flush=True)
     sys.stdout.flush()

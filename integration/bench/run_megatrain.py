@@ -322,6 +322,9 @@ def run_trainer(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str
     t = time.perf_counter()
     trainer = MegaTrainTrainer(model=model, args=args, **data, callbacks=[Timer()])
     setup_s = time.perf_counter() - t
+    if trainer._train_batch_size != batch:  # (the rates assume it: a larger step would read as a slow one)
+        raise RuntimeError(f"the Trainer runs {trainer._train_batch_size} sequences per process and step, the bench "
+                           f"counts {batch}")
     result = trainer.train()
     opt = state.get("opt")
     if opt is not None and hasattr(opt, "wait"):
@@ -349,6 +352,8 @@ def run(spec: dict) -> dict[str, Any]:
     if mode == "trainer":
         res = run_trainer(spec, model, mt_config)
     elif mode == "engine":
+        if int(spec.get("nproc", 1) or 1) > 1:
+            raise ValueError("several processes run through the Trainer (--megatrain-mode trainer), as users launch")
         res = run_engine(spec, model, mt_config)
     else:
         raise ValueError(f"megatrain mode {mode!r}: use 'engine' or 'trainer'")

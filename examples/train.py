@@ -43,6 +43,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, HfArg
 from transformers.trainer_callback import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
+from hf_megatrain.config import describe_sources
 from hf_megatrain.hf import default_job
 from hf_megatrain.hf.trainer import MegaTrainTrainer, MegaTrainTrainingArguments, from_pretrained_streamed
 
@@ -128,8 +129,8 @@ def resume_checkpoint(args: MegaTrainTrainingArguments, overwrite_output_dir: bo
     if overwrite_output_dir and word is None:
         return None
     folder = args.output_dir
-    found = os.path.isdir(folder) and any(
-        e.startswith(PREFIX_CHECKPOINT_DIR + "-") and os.path.isdir(os.path.join(folder, e)) for e in os.listdir(folder))
+    found = os.path.isdir(folder) and any(e.startswith(PREFIX_CHECKPOINT_DIR + "-") and
+                                          os.path.isdir(os.path.join(folder, e)) for e in os.listdir(folder))
     if not found:
         return None
     # True, not the path: the trainer lists the checkpoints once it has finished saves a kill interrupted (a
@@ -269,10 +270,9 @@ def main(argv: list[str] | None = None) -> dict:
         compute_metrics=compute_metrics, preprocess_logits_for_metrics=preprocess_logits_for_metrics)
     engine = getattr(trainer, "engine", None)
     n_params = engine.num_parameters() if engine is not None else sum(p.numel() for p in trainer.model.parameters())
-    source = args.megatrain_config or os.environ.get("MEGATRAIN_CONFIG") or "defaults"
-    env_keys = sorted(k for k in os.environ if k.startswith("MEGATRAIN_") and k != "MEGATRAIN_CONFIG")
+    source = describe_sources(args.megatrain_base_config()) if engine is not None else "megatrain=False"
     print(f"[train.py] effective MegaTrainConfig: {engine.config if engine is not None else 'megatrain=False'} "
-          f"(from: {source}{'; env overrides ' + str(env_keys) if env_keys else ''})", flush=True)
+          f"(from: {source})", flush=True)
     print(f"[train.py] model: {margs.model_name_or_path or 'embedded tiny Llama'} ({n_params / 1e6:.2f}M params); "
           f"device: {args.device}; train blocks: {len(train_ds)} x {block_size} tokens; eval blocks: {len(eval_ds)}",
           flush=True)

@@ -5,11 +5,12 @@
 
 ``launch`` reads ONE yaml holding the standard ``accelerate config`` keys plus a ``megatrain:`` section. The
 section is validated up front by ``config.resolve_config``, with any ``MEGATRAIN_<KEY>`` env variables (unknown
-keys fail before any process starts), and written to a temp yaml whose path the training process receives as
-``MEGATRAIN_CONFIG`` (resolved there by the same ``resolve_config``); the rest is written to a temp accelerate
-config handed to ``accelerate launch`` (``accelerate.commands.launch``, run in-process) together with every other
-argument, unchanged. So anything ``accelerate launch`` accepts still works, and ``accelerate launch --config_file``
-users lose nothing.
+keys fail before any process starts), and the training process receives the yaml's path as ``MEGATRAIN_CONFIG``
+(its section resolved there by the same ``resolve_config``, as the base layer under whatever ``megatrain_config``
+the script passes: the script's keys override the section's, each logged with where it came from); the rest is
+written to a temp accelerate config handed to ``accelerate launch`` (``accelerate.commands.launch``, run
+in-process) together with every other argument, unchanged. So anything ``accelerate launch`` accepts still works,
+and ``accelerate launch --config_file`` users lose nothing.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import sys
 import tempfile
 from typing import Any
 
-from .config import CONFIG_ENV, SECTION, MegaTrainConfig, read_launch_yaml, resolve_config
+from .config import CONFIG_ENV, SECTION, MegaTrainConfig, did_you_mean, read_launch_yaml, resolve_config
 
 # Filled in when the accelerate part leaves them out: single process, precision left to hf_megatrain.
 _ACCELERATE_DEFAULTS = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "NO", "mixed_precision": "no",
@@ -63,8 +64,9 @@ def split_combined(path: str) -> tuple[dict[str, Any], MegaTrainConfig, dict[str
     except ValueError as e:  # a missing file (ConfigFileNotFoundError is a ValueError too), not a mapping
         raise ConfigError(str(e)) from e
     section = section or {}
-    try:
-        config = resolve_config(section)
+    try:  # (the section replaces a MEGATRAIN_CONFIG of the launching shell: see launch)
+        config = resolve_config(section, environ={k: v for k, v in os.environ.items() if k != CONFIG_ENV},
+                                name=f"{path}'s '{SECTION}:' section")
     except (ValueError, TypeError) as e:
         raise ConfigError(f"{path}: invalid '{SECTION}:' section: {e}") from e
 
@@ -85,7 +87,9 @@ def _check_accelerate_keys(path: str, accel: dict[str, Any]) -> None:
     known = set(ClusterConfig.__dataclass_fields__) | {"fp16", "dynamo_backend"}
     unknown = sorted(set(accel) - known)
     if unknown:
-        raise ConfigError(f"{path}: unknown top-level keys {unknown}: a combined yaml holds accelerate config keys "
+        named = ", ".join(repr(k) + (" (a megatrain key)" if k in MegaTrainConfig.valid_keys() else
+                                     did_you_mean(k, sorted(known))) for k in unknown)
+        raise ConfigError(f"{path}: unknown top-level keys [{named}]: a combined yaml holds accelerate config keys "
                           f"({sorted(known)}) plus a '{SECTION}:' section with MegaTrainConfig keys "
                           f"({MegaTrainConfig.valid_keys()}). Move hf_megatrain keys under '{SECTION}:'.")
 
@@ -100,18 +104,22 @@ def launch(argv: list[str]) -> int:
     if path is None:  # nothing to split: behave exactly like `accelerate launch`
         return _run_accelerate(launch_command_parser, launch_command, rest)
     accel, _, section = split_combined(path)
+    _, has_section = read_launch_yaml(path)
     import yaml
 
+    shell = os.environ.get(CONFIG_ENV)
+    # The training process resolves the section from the yaml itself (a combined yaml's section is what
+    # resolve_config reads from it), so the run summary names the user's file; no section: the defaults.
+    sent = os.path.abspath(path) if has_section is not None else ""
     with tempfile.TemporaryDirectory(prefix="megatrain_launch_") as tmp:
         accel_path = os.path.join(tmp, "accelerate.yaml")
-        mt_path = os.path.join(tmp, "megatrain.yaml")
         with open(accel_path, "w") as f:
             yaml.safe_dump(accel, f)
-        with open(mt_path, "w") as f:
-            yaml.safe_dump(section, f)
-        os.environ[CONFIG_ENV] = mt_path  # accelerate's launchers copy os.environ into the child
-        print(f"[megatrain] {path}: accelerate part -> {accel_path}; megatrain section -> {CONFIG_ENV}={mt_path} "
-              f"({section if section else 'empty: MegaTrainConfig defaults'})", file=sys.stderr, flush=True)
+        os.environ[CONFIG_ENV] = sent  # accelerate's launchers copy os.environ into the child
+        print(f"[megatrain] {path}: accelerate part -> {accel_path}; megatrain section -> "
+              f"{CONFIG_ENV}={sent or '(none)'} ({section if section else 'empty: MegaTrainConfig defaults'}; the "
+              "keys of a megatrain_config the script passes override these)"
+              + (f"; replaces {CONFIG_ENV}={shell} of this shell" if shell else ""), file=sys.stderr, flush=True)
         return _run_accelerate(launch_command_parser, launch_command, ["--config_file", accel_path, *rest])
 
 

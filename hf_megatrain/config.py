@@ -12,6 +12,7 @@ narrow gradients, speculation, lean units) is decided once per engine from this 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import json
 import logging
@@ -35,6 +36,18 @@ def parse_dtype(name: str | torch.dtype, what: str, allowed: tuple[str, ...] = (
     if dtype is None or str(dtype).replace("torch.", "") not in allowed:
         raise ValueError(f"{what}={name!r} is not supported; use one of {list(allowed)}")
     return dtype
+
+
+def did_you_mean(name: str, choices: list[str]) -> str:
+    """" (did you mean 'x'?)" for the closest of ``choices`` to a mistyped ``name`` (difflib), else ""."""
+    close = difflib.get_close_matches(name, choices, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def unknown_keys_error(keys: list[str], where: str = "") -> ValueError:
+    """The error for config keys ``MegaTrainConfig`` does not have: each with its closest valid key, then all."""
+    named = ", ".join(repr(k) + did_you_mean(k, MegaTrainConfig.valid_keys()) for k in sorted(keys))
+    return ValueError(f"unknown MegaTrain config keys [{named}]{where}; valid keys: {MegaTrainConfig.valid_keys()}")
 
 
 LOSS_IMPLS = ("auto", "chunked", "liger", "cce")  # model/loss_impl.LossImpl (config stays free of model imports)
@@ -389,7 +402,7 @@ class MegaTrainConfig:
         if self.activation_prefetch < 1:
             raise ValueError(f"activation_prefetch={self.activation_prefetch} must be >= 1 (layers fetched ahead)")
         if self.extra:
-            raise ValueError(f"unknown MegaTrain config keys {sorted(self.extra)}; valid keys: {self.valid_keys()}")
+            raise unknown_keys_error(list(self.extra))
 
     # -- typed views -------------------------------------------------------------------------------------------------
     def compiles(self, device_type: str) -> bool:
@@ -435,8 +448,8 @@ class MegaTrainConfig:
                 continue
             name = key[len(prefix):].lower()
             if name not in types or name == "extra":
-                raise ValueError(f"unknown environment variable {key}; valid: "
-                                 f"{[prefix + k.upper() for k in cls.valid_keys()]}")
+                valid = [prefix + k.upper() for k in cls.valid_keys()]
+                raise ValueError(f"unknown environment variable {key};{did_you_mean(key, valid)} valid: {valid}")
             kind = str(types[name].type)
             value = parse_value(name, None if raw == "" and kind == "str | None" else raw, kind, f" (env {key})")
             try:
@@ -459,6 +472,17 @@ class MegaTrainConfig:
         the model's dtype, see ``MegaTrainTrainingArguments.megatrain_resolved_config``) read this.
         ``dataclasses.replace`` counts every key as given."""
         return self.__dict__.get("_explicit", frozenset(self.valid_keys()))
+
+    @property
+    def key_sources(self) -> dict[str, str]:
+        """Where each key ``resolve_config`` assembled came from (``{key: "env MEGATRAIN_CONFIG=a.yaml"}``, in the
+        order of its layers); empty for a config built otherwise."""
+        return dict(self.__dict__.get("_sources", {}))
+
+    @property
+    def key_overrides(self) -> list[str]:
+        """Keys a higher ``resolve_config`` layer set to another value than a lower one did, in words."""
+        return list(self.__dict__.get("_overrides", []))
 
     def explicit_dict(self) -> dict[str, Any]:
         """``to_dict()`` restricted to ``explicit_keys``: rebuilding from it gives an equal config with the same
@@ -537,31 +561,89 @@ def _source_values(source: Any) -> dict[str, Any]:
                     "a JSON string or a yaml path")
 
 
-def resolve_config(source: Any = None, environ: Mapping[str, str] | None = None) -> MegaTrainConfig:
-    """THE config resolution, used by every entry point that takes a config from the user.
+def _label(source: Any, name: str) -> str:
+    """How the key sources name an explicit config source (the run summary, the log)."""
+    if isinstance(source, MegaTrainConfig):
+        return f"{name} (a MegaTrainConfig)"
+    if isinstance(source, Mapping):
+        return f"{name} (a dict)"
+    text = os.fspath(source) if isinstance(source, (str, os.PathLike)) else str(source)
+    return f"{name} (JSON)" if text.lstrip().startswith("{") else f"{name}={text}"
 
-    1. ``source`` when given: a ``MegaTrainConfig``, a dict, a JSON object string, a yaml path, or a combined
-       accelerate + megatrain launch yaml (its ``megatrain:`` section is used); a path that does not exist raises
-       ``ConfigFileNotFoundError``. Otherwise the yaml named by env ``MEGATRAIN_CONFIG``; otherwise the defaults.
-    2. Then single ``MEGATRAIN_<KEY>`` env variables override keys (typed by the field's default, see
-       ``MegaTrainConfig.from_env``).
 
-    ``environ`` defaults to ``os.environ``; pass ``{}`` for the explicit source alone. Unknown keys (in the
-    source or the environment) raise, listing the valid ones. The result's ``explicit_keys`` are the keys the
-    source and the env variables set (all others hold their defaults)."""
+def resolve_config(source: Any = None, environ: Mapping[str, str] | None = None,
+                   name: str = "the given config") -> MegaTrainConfig:
+    """THE config resolution, used by every entry point that takes a config from the user. Three layers, merged
+    key by key, a later one winning:
+
+    1. the yaml named by env ``MEGATRAIN_CONFIG`` (a MegaTrainConfig yaml or a combined launch yaml's
+       ``megatrain:`` section: what ``megatrain launch --config`` passes to the training process);
+    2. ``source`` when given (``name`` says what the caller calls it, e.g. "megatrain_config"): a
+       ``MegaTrainConfig`` (its explicit keys), a dict, a JSON object string, a yaml path, or a combined launch
+       yaml (its ``megatrain:`` section); the script's own keys override the launch yaml's, as
+       ``Accelerator(mixed_precision=...)`` in code overrides ``accelerate launch``'s config;
+    3. single ``MEGATRAIN_<KEY>`` env variables (typed by the field, see ``MegaTrainConfig.from_env``): a one-key
+       override given at launch, over both.
+
+    A path that does not exist raises ``ConfigFileNotFoundError``. ``environ`` defaults to ``os.environ``; pass
+    ``{}`` for the explicit source alone. Unknown keys (in any layer) raise, naming the layer, the closest valid
+    key and all valid ones. The result's ``explicit_keys`` are the keys any layer set (all others hold their
+    defaults), ``key_sources`` which layer each came from; every key is logged with its layer at INFO, and a key
+    a later layer sets to another value than an earlier one at WARNING (``key_overrides``)."""
     environ = os.environ if environ is None else environ
-    from_env = source is None
-    if from_env:
-        source = environ.get(CONFIG_ENV) or None
-    try:
-        values = _source_values(source)
-    except ConfigFileNotFoundError as e:
-        if from_env:
+    types = {f.name: str(f.type) for f in fields(MegaTrainConfig) if f.name != "extra"}
+    layers: list[tuple[str, dict[str, Any]]] = []
+    env_path = environ.get(CONFIG_ENV) or None
+    if env_path is not None:
+        try:
+            layers.append((f"env {CONFIG_ENV}={env_path}", _source_values(env_path)))
+        except ConfigFileNotFoundError as e:
             raise ConfigFileNotFoundError(f"env {CONFIG_ENV}: {e}") from e
-        raise
-    values.update(MegaTrainConfig.from_env(environ))
+    if source is not None:
+        layers.append((_label(source, name), _source_values(source)))
+    for key, value in MegaTrainConfig.from_env(environ).items():
+        layers.append((f"env MEGATRAIN_{key.upper()}", {key: value}))
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    overrides: list[str] = []
+    for label, layer in layers:
+        unknown = [k for k in layer if k not in types]
+        if unknown:
+            raise unknown_keys_error(unknown, f" in {label}")
+        for key, value in layer.items():
+            try:
+                value = parse_value(key, value, types[key])
+            except ValueError as e:
+                raise ValueError(f"{label}: {e}") from None
+            if key in values and not _same(key, values[key], value):
+                overrides.append(f"{key}={value!r} from {label} overrides {key}={values[key]!r} from {sources[key]}")
+            values[key] = value
+            sources.pop(key, None)  # (listed in the order of the layer that set it last)
+            sources[key] = label
     config = MegaTrainConfig.from_dict(values)
+    config.__dict__["_sources"] = sources
+    config.__dict__["_overrides"] = overrides
     # (one record per resolution: an entry point resolves once and hands the MegaTrainConfig down; tests count these)
-    logger.debug("hf_megatrain: config resolved from %s", f"env {CONFIG_ENV}" if from_env and source
-                 else "the defaults" if source is None else type(source).__name__)
+    logger.debug("hf_megatrain: config resolved from %s", " < ".join(label for label, _ in layers) or "the defaults")
+    for line in overrides:
+        logger.warning("hf_megatrain: config: %s (precedence: MEGATRAIN_CONFIG yaml < %s < MEGATRAIN_<KEY> env; "
+                       "docs/configuration.md)", line, name)
+    if sources:
+        logger.info("hf_megatrain: config keys: %s", describe_sources(config))
     return config
+
+
+def _same(key: str, a: Any, b: Any) -> bool:
+    """Whether two layers' values of ``key`` mean the same ("bf16" and "bfloat16" do)."""
+    if key.endswith("_dtype") and isinstance(a, str) and isinstance(b, str):
+        return _DTYPES.get(a.lower(), a) == _DTYPES.get(b.lower(), b)
+    return a == b
+
+
+def describe_sources(config: MegaTrainConfig) -> str:
+    """``key_sources`` in words, grouped by layer: "env MEGATRAIN_CONFIG=a.yaml: num_slots, save_dtype;
+    megatrain_config (a dict): micro_batch_size"; "the defaults" when no layer set a key."""
+    groups: dict[str, list[str]] = {}
+    for key, label in config.key_sources.items():
+        groups.setdefault(label, []).append(key)
+    return "; ".join(f"{label}: {', '.join(keys)}" for label, keys in groups.items()) or "the defaults"

@@ -127,7 +127,7 @@ def test_trl_sft_script_with_the_swap_matches_the_plain_script(tmp_path):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a, b)
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * abs(b["grad_norm"]), (a, b)
     # what hf_megatrain decided is on record in the output folder (the start-of-training summary)
-    with open(tmp_path / "ours" / "megatrain_run.json") as f:
+    with open(tmp_path / "ours" / "_megatrain_run.json") as f:
         summary = json.load(f)
     assert summary["compute_dtype"] == "float32"
 

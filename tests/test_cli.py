@@ -116,7 +116,7 @@ def test_launch_example_yaml_end_to_end(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     sent = re.search(r"MEGATRAIN_CONFIG=(\S+)", r.stderr).group(1)
     line = _effective(r.stdout)
-    assert f"from: {sent}" in line  # the child read the section the launcher wrote
+    assert f"env MEGATRAIN_CONFIG={sent}" in line  # the child read the section of the yaml the launcher named
     expected = resolve_config(str(COMBINED), environ={})
     assert f"compute_dtype='{expected.compute_dtype}'" in line and f"num_slots={expected.num_slots}" in line
     assert "checkpoint:" in r.stdout

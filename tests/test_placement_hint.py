@@ -37,7 +37,7 @@ def test_placement_tokens_come_from_the_longest_row(tmp_path):
                                data_collator=_pad)
     assert trainer.engine.config.placement_tokens == 3 * 128  # (70 rounded up to 128, x 3 rows)
     trainer.train()  # (the collated batches fit what was planned)
-    summary = json.loads((tmp_path / "megatrain_run.json").read_text())
+    summary = json.loads((tmp_path / "_megatrain_run.json").read_text())
     assert "placement_tokens=384 from the train dataset" in json.dumps(summary)
 
 

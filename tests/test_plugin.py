@@ -163,9 +163,10 @@ def test_env_filling(clean_env, tmp_path):
     cfg = MegaTrainPlugin().config
     assert (cfg.num_slots, cfg.micro_batch_size, cfg.compute_dtype) == (3, 2, "float32")
 
-    # An explicit config replaces the MEGATRAIN_CONFIG file (env keys still apply, as in the Trainer).
+    # An explicit config's keys go over the MEGATRAIN_CONFIG file's, key by key (env keys over both, as in the
+    # Trainer): the file is never dropped (issue 47, item 4).
     cfg = MegaTrainPlugin({"loss_chunk_tokens": 64}).config
-    assert (cfg.num_slots, cfg.loss_chunk_tokens, cfg.micro_batch_size) == (2, 64, 2)
+    assert (cfg.num_slots, cfg.loss_chunk_tokens, cfg.micro_batch_size) == (3, 64, 2)
     cfg = MegaTrainPlugin('{"num_slots": 4}').config
     assert cfg.num_slots == 4
     assert isinstance(MegaTrainPlugin(MegaTrainConfig(num_slots=5)).config, MegaTrainConfig)

@@ -57,7 +57,9 @@ from .pretrained import from_pretrained_streamed, load_weights
 from ..config import parse_dtype
 from .training_args import MegaTrainTrainingArguments, check_lean_accumulation, model_param_dtype
 
-RUN_SUMMARY = "megatrain_run.json"  # what hf_megatrain decided, written at the start of training (_mt_report)
+# What hf_megatrain decided, written into output_dir at the start of training (_mt_report). The leading underscore
+# keeps it out of what push_to_hub uploads (Trainer ignores "_*" there), so it never lands beside the exported model.
+RUN_SUMMARY = "_megatrain_run.json"
 
 __all__ = ["MegaTrainTrainer", "MegaTrainTrainingArguments", "from_pretrained_streamed"]
 
@@ -231,12 +233,14 @@ class MegaTrainTrainer(Trainer):
 
     def _mt_report(self) -> None:
         """Say what hf_megatrain decided (precision, placement, host bytes, loss, optimizer, config source) at the
-        start of training: in the log and as ``megatrain_run.json`` in ``output_dir``, so a run through someone
-        else's script shows it, and a user can paste it into an issue."""
-        source = self.args.megatrain_config_source(self._mt_model_dtype)
+        start of training: in the log (INFO: it is a record, not a warning) and as ``_megatrain_run.json`` in
+        ``output_dir`` (not uploaded by push_to_hub), so a run through someone else's script shows it, and a user
+        can paste it into an issue."""
+        source = self.args.megatrain_config_source(self._mt_model_dtype, self.engine.compute_dtype)
         if self._mt_placement_note:
             source += "; " + self._mt_placement_note
         summary = run_summary(self.engine, config_source=source)
+        summary["config_key_sources"] = self.args.megatrain_base_config().key_sources
         if self._mt_reference_note:
             summary["reference"] = self._mt_reference_note
         summary["versions"] = {name: getattr(sys.modules.get(name), "__version__", None)
@@ -244,7 +248,7 @@ class MegaTrainTrainer(Trainer):
                                if name in sys.modules}
         if not self.is_world_process_zero():
             return
-        logger.warning("%s", format_summary(summary))
+        logger.info("%s", format_summary(summary))
         if self.args.output_dir:
             os.makedirs(self.args.output_dir, exist_ok=True)
             write_json(os.path.join(self.args.output_dir, RUN_SUMMARY), summary)

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 from dataclasses import dataclass, field
 
 import torch
 from transformers import TrainingArguments
 
 from ..checkpoint.folders import DEFAULT_MAX_SHARD_SIZE
-from ..config import CONFIG_ENV, MegaTrainConfig, resolve_config
+from ..config import MegaTrainConfig, describe_sources, resolve_config
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +55,9 @@ class MegaTrainTrainingArguments(TrainingArguments):
     megatrain: bool = field(default=True, metadata={"help": "Train with hf_megatrain's streamed engine."})
     megatrain_config: dict | str | None = field(
         default=None, metadata={"help": "MegaTrainConfig as a dict, a JSON string or a yaml path (export dtype: "
-                                        "its save_dtype key). Defaults to the MEGATRAIN_CONFIG env var; "
-                                        "MEGATRAIN_<KEY> env vars override keys."})
+                                        "its save_dtype key). Its keys override those of the yaml named by the "
+                                        "MEGATRAIN_CONFIG env var (what `megatrain launch --config` sets); "
+                                        "MEGATRAIN_<KEY> env vars override both."})
     megatrain_max_shard_size: str = field(
         default=DEFAULT_MAX_SHARD_SIZE, metadata={"help": "Largest safetensors shard written, e.g. '5GB'."})
     megatrain_allow_unverified_checkpoint: bool = field(
@@ -147,8 +147,8 @@ class MegaTrainTrainingArguments(TrainingArguments):
         return "bfloat16"
 
     def megatrain_base_config(self) -> MegaTrainConfig:
-        """``config.resolve_config(megatrain_config)``: that source, else env MEGATRAIN_CONFIG, then the
-        MEGATRAIN_<KEY> env variables; ``explicit_keys`` are what the user set, before the precision flags.
+        """``config.resolve_config(megatrain_config)``: the yaml of env MEGATRAIN_CONFIG, this source's keys over it,
+        then the MEGATRAIN_<KEY> env variables; ``explicit_keys`` are what the user set, before the precision flags.
 
         Resolved once, when the arguments are built (that is when a bad key fails), and kept: the Trainer, its
         engine and the run summary read this one resolution. Assigning another ``megatrain_config`` (or changing
@@ -157,7 +157,7 @@ class MegaTrainTrainingArguments(TrainingArguments):
         source = self.megatrain_config
         held = self.__dict__.get("_mt_resolution")  # (source as resolved, its config); not a dataclass field
         if held is None or held[0] != source:
-            held = (copy.deepcopy(source), resolve_config(source))
+            held = (copy.deepcopy(source), resolve_config(source, name="megatrain_config"))
             self.__dict__["_mt_resolution"] = held
         return held[1]
 
@@ -172,29 +172,25 @@ class MegaTrainTrainingArguments(TrainingArguments):
             return config
         return MegaTrainConfig.from_dict({**config.explicit_dict(), "compute_dtype": dtype})
 
-    def megatrain_config_source(self, model_dtype: torch.dtype | None = None) -> str:
-        """Where this run's config came from and how its compute dtype was decided, in words (the run summary)."""
-        src = self.megatrain_config
-        if src is None:
-            env = os.environ.get(CONFIG_ENV)
-            where = f"env {CONFIG_ENV}={env}" if env else "the defaults"
-        elif isinstance(src, dict):
-            where = "megatrain_config (a dict)"
-        elif str(src).lstrip().startswith("{"):
-            where = "megatrain_config (JSON)"
-        else:
-            where = f"megatrain_config={src}"
-        overrides = sorted(k for k in os.environ if k.startswith("MEGATRAIN_") and k not in (CONFIG_ENV,
-                                                                                              "MEGATRAIN_ENABLED"))
-        if overrides:
-            where += " + env " + ", ".join(overrides)
+    def megatrain_config_source(self, model_dtype: torch.dtype | None = None,
+                                compute_dtype: torch.dtype | None = None) -> str:
+        """Where this run's config came from (each key's layer, see ``config.resolve_config``) and how its compute
+        dtype was decided, in words (the run summary). ``model_dtype``: the unconverted model's; ``compute_dtype``:
+        the engine's, for a model converted before the Trainer saw it."""
         config = self.megatrain_base_config()
+        where = describe_sources(config)
+        for line in config.key_overrides:
+            where += f" ({line})"
         if "compute_dtype" in config.explicit_keys:
             why = "compute_dtype set explicitly"
         elif self.bf16:
             why = "compute dtype from bf16=True"
-        else:
+        elif model_dtype is not None:
             why = f"compute dtype from the model's dtype ({str(model_dtype).replace('torch.', '')}; bf16 not set)"
+        elif compute_dtype is not None:  # (a model converted before the Trainer saw it: from_pretrained_streamed)
+            why = f"compute dtype {str(compute_dtype).replace('torch.', '')}, as the model was converted (bf16 not set)"
+        else:
+            why = "compute dtype from the model's dtype (bf16 not set)"
         return f"{where}; {why}"
 
     @property

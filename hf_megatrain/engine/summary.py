@@ -12,7 +12,9 @@ from typing import Any
 
 import torch
 
+from ..core.memory import format_bytes
 from ..core.plan import Stepper, Where
+from ..parallel.shards import shard_range
 
 __all__ = ["run_summary", "format_summary"]
 
@@ -132,7 +134,6 @@ def _shard(s: dict[str, Any]) -> str:
 def format_summary(summary: dict[str, Any]) -> str:
     """The summary as a short block of text (what the Trainer logs at the start of training)."""
     s = summary
-    gib = s["host_bytes"] / 2**30
     lines = [
         f"hf_megatrain: {s['parameters']:,} parameters ({s['trainable_parameters']:,} trainable) on {s['device']}; "
         f"compute {s['compute_dtype']}, FP32 master/gradients/AdamW",

@@ -3,13 +3,13 @@ DPO's and KTO's reference model: hf/trl_reference.py).
 
 DPOTrainer, KTOTrainer and GRPOTrainer compute their losses from per-token log-probabilities of the labels, which
 they get by calling the model with TRL's fused LM head (``fused_lm_head=True``): the HF backbone runs the decoder
-loop, whose layers are the engine's streamed proxies (autograd Functions: the backward streams the layers back and recomputes
-each, as for the engine's own loss), and TRL's chunked kernel turns the final hidden states into log-probabilities
-in tiles, never forming the ``[tokens, vocab]`` logits. So the loss, its variants and the metrics are TRL's code,
-unchanged. ``TRLPort`` only keeps the engine's step bookkeeping right around that call (what
+loop, whose layers are the engine's streamed proxies (autograd Functions: the backward streams the layers back and
+recomputes each, as for the engine's own loss), and TRL's chunked kernel turns the final hidden states into
+log-probabilities in tiles, never forming the ``[tokens, vocab]`` logits. So the loss, its variants and the metrics
+are TRL's code, unchanged. ``TRLPort`` only keeps the engine's step bookkeeping right around that call (what
 ``MegaTrainTrainer.compute_loss`` does around its own loss): an accumulation step's gradients land (FP32) before the
-next forward, and the step's last backward is marked. It also makes the trainer's switches reach the streamed
-layers (dropout off; PEFT's adapters off for a reference) and refuses what the engine does not reproduce.
+next forward, and the step's last backward is marked. It also makes the trainer's switches reach the streamed layers
+(dropout off; PEFT's adapters off for a reference) and refuses what the engine does not reproduce.
 
 A port is a ``MegaTrainTrainer`` subclass placed in front of it in ``MegaTrain<Base>``'s method resolution order
 (hf/compose.py ``_PORTS``); ``super(MegaTrainTrainer, self)`` reaches the TRL trainer's own methods.

@@ -7,6 +7,7 @@ import ctypes
 import gc
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -245,7 +246,10 @@ def test_estimate_cli_table_and_verdict(tmp_path, capsys):
     out = capsys.readouterr().out
     for key in ("Host RAM", "layers kept on the GPU", "GPU memory", "weight slots", "Disk", "model export", "verdict: "):
         assert key in out, out
-    assert "fits this machine" in out
+    # "this machine" only where its own GPU was checked; without one, the planned 80 GiB GPU is named
+    here = ("this machine" if torch.cuda.is_available()
+            else "a machine with .* of host RAM available and an 80.0 GiB GPU")
+    assert re.search(f"verdict: fits {here}", out), out
     assert planner.main([os.path.join(d, "config.json"), "--compute-dtype", "float32", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["host"]["compute copy"] == 0 and data["host_fits"] is True
@@ -257,7 +261,7 @@ def test_estimate_cli_does_not_fit(tmp_path, capsys):
                     num_attention_heads=64, num_key_value_heads=8, vocab_size=128256)
     assert planner.main([d, "--seq-len", "8192"]) == 0
     out = capsys.readouterr().out
-    assert "DOES NOT FIT" in out and "verdict: does NOT fit this machine" in out
+    assert "DOES NOT FIT" in out and re.search(r"verdict: does NOT fit (this machine|a machine with)", out), out
 
 
 def test_estimate_cli_missing_path(capsys):

@@ -19,10 +19,12 @@ from ..config import MegaTrainConfig, resolve_config
 from ..core.memory import available_host_bytes, format_bytes, gpu_budget
 from .finetune_rows import Layout as RowLayout
 from .finetune_rows import load_lengths, padding_summary, sample_steps
+from .disk_tier import disk_moment_bytes, disk_tier_note, moments_cached
 from .host_layout import Layout, choose, host_layouts, is_planned, layout_lines
 from .predict import GiB, MemoryPlan, ModelShape, estimate, sum_values, unit_plans
 from .saved_graphs import saved_graph_bytes, saved_graph_count
-from .step_time import MachineProfile, StepPrediction, predict_step, predict_steps
+from .step_time import DISK_TIER, MachineProfile, StepPrediction, predict_step, predict_steps
+from .suffice import machine_words, suffice_lines, what_would_suffice
 
 __all__ = ["checkpoint_sizes", "load_shape", "main", "step_time_lines"]
 
@@ -89,9 +91,11 @@ def step_time_lines(preds: dict[str, StepPrediction], machine: MachineProfile) -
         out.append(f"  {'':<30} bottleneck: {p.bottleneck}" + (
             "; each step runs forward+backward twice (lean store, norm first)" if p.passes > 1 else ""))
     m = machine
+    disk = any(p.busy_s.get(DISK_TIER) for p in preds.values())
     out.append(f"  rates: {m.tflops:g} TFLOP/s bf16 x {m.gemm_efficiency:g} in the layers' GEMMs (--tflops), attention "
                f"{m.attention_tflops:g}, PCIe {m.pcie_h2d_gbps:g} H2D / {m.pcie_d2h_gbps:g} D2H GB/s (--pcie-gbps), "
-               f"host AdamW {m.host_adamw_gbps:g} GB/s (--host-adamw-gbps)")
+               f"host AdamW {m.host_adamw_gbps:g} GB/s (--host-adamw-gbps)"
+               + (f", disk {m.disk_gbps:g} GB/s (--disk-gbps)" if disk else ""))
     return out
 
 
@@ -146,14 +150,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--activation-offload", default=None, choices=["auto", "on", "off"],
                    help="layer inputs saved for the backward: in pinned host memory when the GPU cannot keep them")
     p.add_argument("--host-memory", type=float, default=None,
-                   help="GiB of host RAM available when planning for another machine (default: this one's)")
+                   help="GiB of host RAM available when planning for another machine (default: this one's); the "
+                        "verdict then names that machine")
     p.add_argument("--config", default=None, help="megatrain yaml (other MegaTrainConfig keys)")
     p.add_argument("--gpu-memory", type=float, default=None,
-                   help="GiB of the target GPU when planning for another machine (default: this GPU, else 80)")
+                   help="GiB of the target GPU when planning for another machine (default: this GPU; with none "
+                        "here, an 80 GiB H100). The GPU check always runs against it")
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--disk-gbps", type=float, default=1.0,
-                   help="disk write/read rate in GB/s (1e9 B/s) for the checkpoint save/load times (default 1.0; "
-                        "measure yours with integration/bench_checkpoint_io.py or dd conv=fsync)")
+                   help="disk write/read rate in GB/s (1e9 B/s) for the checkpoint save/load times and the disk "
+                        "tier's moments (optimizer_state_dir) in the step time (default 1.0; measure yours with "
+                        "integration/bench_checkpoint_io.py or dd conv=fsync)")
     p.add_argument("--tflops", type=float, default=None,
                    help="bf16 matmul TFLOP/s of the GPU for the step-time prediction (default 800: an H100's measured)")
     p.add_argument("--pcie-gbps", type=float, default=None,
@@ -221,14 +228,15 @@ def main(argv: list[str] | None = None) -> int:
     preds: dict[str, StepPrediction] = {}
     step_note = None
     layouts: list[Layout] = []
+    cached = moments_cached(plan, config, host_avail)  # (the disk tier's moments: in the page cache, or streamed)
     if plans is not None and is_planned(config, a.gpus):
         for label, clip in (("no clipping", False), ("clipping on every step", True)):
             if batches is None:
                 preds[label] = predict_step(shape, config, plans, a.seq_len, a.batch_size, machine, clipping=clip,
-                                            grad_accum=a.grad_accum, saved_graphs=graphs)
+                                            grad_accum=a.grad_accum, saved_graphs=graphs, moments_cached=cached)
             else:  # (tokens/s: real tokens, padding not counted)
                 preds[label] = predict_steps(shape, config, plans, batches, machine, clipping=clip,
-                                             grad_accum=a.grad_accum, saved_graphs=graphs)
+                                             grad_accum=a.grad_accum, saved_graphs=graphs, moments_cached=cached)
         layouts = host_layouts(shape, config, a.seq_len, a.batch_size, gpu_plan, host_avail, machine,
                                clipping=not a.no_clip)
     else:
@@ -242,9 +250,21 @@ def main(argv: list[str] | None = None) -> int:
                 **padding_summary(batches)}
     host_need = plan.host_total
     host_ok = host_need <= config.host_memory_fraction * host_avail
-    # Against this GPU, or the one --gpu-memory describes (also when this machine has none).
-    gpu_target = gpu_avail if gpu_avail is not None and not a.gpu_memory else (gpu_plan if a.gpu_memory else None)
-    gpu_ok = None if gpu_target is None else plan.device_total <= gpu_target
+    # Always against the GPU planned for: this one, the one --gpu-memory describes, or (no GPU here) the default.
+    gpu_target = gpu_plan
+    gpu_ok = plan.device_total <= gpu_target
+    fits = host_ok and gpu_ok
+    # "this machine" only when both the GPU and the RAM checked are this machine's own, as detected.
+    this_machine = gpu_here and not a.gpu_memory and not a.host_memory
+    where = "this machine" if this_machine else machine_words(host_avail, gpu_plan)
+    verdict = f"fits {where}" if fits else f"does NOT fit {where} (" + " and ".join(
+        w for w, ok in (("host RAM", host_ok), ("GPU", gpu_ok)) if not ok) + ")"
+    suffice = None
+    if not fits:
+        suffice = what_would_suffice(shape, config, plan, a.seq_len, a.batch_size, gpu_plan, host_avail, machine,
+                                     clipping=not a.no_clip, step_model=plans is not None and is_planned(config,
+                                                                                                        a.gpus))
+    disk_note = disk_tier_note(plan, config, host_avail, a.disk_gbps)
     if a.json:
         print(json.dumps({"params": {"trainable": shape.trainable, "frozen": shape.frozen, "active": shape.active},
                           "shape": asdict(shape) | {"layer_numels": None, "layer_frozen": None},
@@ -260,8 +280,17 @@ def main(argv: list[str] | None = None) -> int:
                           "step_time": {k: asdict(v) for k, v in preds.items()}, "machine": asdict(machine),
                           "fine_tune_rows": rows, "fine_tune_layouts": compared,
                           "host_layouts": [asdict(x) for x in layouts],
-                          "host_layout_choice": getattr(choose(layouts)[0], "name", None) if layouts else None},
-                         indent=1))
+                          "host_layout_choice": getattr(choose(layouts)[0], "name", None) if layouts else None,
+                          "disk_tier": {"moments_on_disk": disk_moment_bytes(plan),
+                                        "moments_cached": cached, "note": disk_note},
+                          "this_machine": this_machine, "verdict": verdict,
+                          "would_suffice": None if suffice is None else {
+                              "layouts": [asdict(x) for x in suffice.layouts],
+                              "disk_tier_layouts": [asdict(x) for x in suffice.disk_layouts],
+                              "gpu_change": suffice.gpu_change, "gpu_need": suffice.gpu_need,
+                              "layer_floor": suffice.floor, "layer_too_big": suffice.layer_too_big,
+                              "cheapest": suffice.cheapest, "least_hardware": suffice.least_hardware}},
+                         indent=1, default=str))
         return 0
     print(f"{a.model}: {shape.trainable / 1e9:.3f}B trainable parameters ({shape.num_layers} streamed layers, "
           f"{shape.resident_numel / 1e6:.1f}M resident), {config.compute_dtype} compute, seq_len={a.seq_len}, "
@@ -276,8 +305,10 @@ def main(argv: list[str] | None = None) -> int:
               "(routed experts: top_k / num_experts of theirs)")
     host_v = (("fits" if host_ok else "DOES NOT FIT") + f" ({config.host_memory_fraction:g} x "
               f"{format_bytes(host_avail)} available)")
-    gpu_v = "no GPU here" if gpu_ok is None else (("fits" if gpu_ok else "DOES NOT FIT") + (
-        f" (a {format_bytes(gpu_target)} GPU, --gpu-memory)" if a.gpu_memory else f" ({format_bytes(gpu_target)} free)"))
+    gpu_v = ("fits" if gpu_ok else "DOES NOT FIT") + (
+        f" (a {format_bytes(gpu_target)} GPU, --gpu-memory)" if a.gpu_memory else
+        f" ({format_bytes(gpu_target)} free)" if gpu_here else
+        f" (no GPU here: a {format_bytes(gpu_target)} GPU planned, --gpu-memory)")
     print("\n".join(_report(plan, host_v, gpu_v)))
     ck = checkpoint_sizes(plan, a.disk_gbps)
     print(f"Checkpoint time at {a.disk_gbps:g} GB/s (--disk-gbps; each save and each load streams these bytes)")
@@ -287,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
           f"   {_duration(ck['export_s'])}")
     f = plan.flops_per_token
     print(f"FLOPs per token: {f['model']:.3g} = 6N {f['dense_6n']:.3g} (N active) + attention {f['attention']:.3g} "
-          f"(12 x layers x heads*head_dim x seq_len: {f['attention_over_6n']:.1f}x 6N); executed with the layer "
+          f"(12 x layers x heads x (qk + v head dims) / 2 x seq_len: {f['attention_over_6n']:.1f}x 6N); executed "
+          "with the layer "
           f"recompute and a causal kernel ~{f['hardware_with_recompute_causal']:.3g}")
     if preds:
         print("\n".join(step_time_lines(preds, machine)))
@@ -301,10 +333,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"{c['padding_share']:4.0%} padding")
     if layouts:
         print("\n".join(layout_lines(layouts, clipping=not a.no_clip)))
-    no_gpu = [] if gpu_here else [f"no GPU here: placement planned for a {format_bytes(gpu_plan)} GPU (--gpu-memory)"]
-    for note in plan.notes + ([step_note] if step_note else []) + no_gpu:
+    if suffice is not None:
+        print("\n".join(suffice_lines(suffice, shape, config, gpu_plan, host_avail, a.disk_gbps, where)))
+    no_gpu = [] if gpu_here else [f"no GPU here: placement planned and checked for a {format_bytes(gpu_plan)} GPU "
+                                  "(--gpu-memory)"]
+    for note in plan.notes + ([disk_note] if disk_note else []) + ([step_note] if step_note else []) + no_gpu:
         print("note:", note)
-    fits = host_ok and gpu_ok is not False
-    where = "this machine's RAM and the planned GPU" if a.gpu_memory else "this machine"
-    print("verdict:", f"fits {where}" if fits else f"does NOT fit {where}")
+    print("verdict:", verdict)
     return 0

@@ -25,6 +25,7 @@ import torch
 
 from ..config import MegaTrainConfig
 from ..core.plan import Where
+from .disk_tier import moments_cached
 from .predict import ModelShape, estimate, unit_plans
 from .step_time import MachineProfile, predict_step
 
@@ -44,14 +45,21 @@ class Layout:
     keys: dict[str, object]  # the config keys that select it
     bytes_per_param: float  # host bytes per streamed-layer parameter
     host_total: int
-    fits: bool
+    fits: bool  # host RAM and GPU both
     step_s: float  # predicted step, clipping as asked
     passes: int  # forward+backward passes per step
+    gpu_total: int = 0  # the step's planned GPU peak
+    host_fits: bool = True
+    gpu_fits: bool = True
+    disk_bytes: int = 0  # AdamW moments on disk (optimizer_state_dir)
+    bottleneck: str = ""
 
 
 def host_layouts(shape: ModelShape, config: MegaTrainConfig, seq_len: int, batch_size: int, gpu_free: int | None,
                  host_free: int, machine: MachineProfile, clipping: bool = True) -> list[Layout]:
-    """Every layout of ``LAYOUTS`` planned for this model, GPU and ``host_free`` bytes of RAM (bf16 compute)."""
+    """Every layout of ``LAYOUTS`` planned for this model, a ``gpu_free``-byte GPU and ``host_free`` bytes of RAM
+    (bf16 compute). It fits when its host plan fits ``host_memory_fraction`` of the RAM and its step's GPU peak the
+    GPU; with ``optimizer_state_dir`` in ``config`` its step counts the moments' disk traffic (disk_tier.py)."""
     out = []
     for name, keys in LAYOUTS:
         cfg = dataclasses.replace(config, **keys)
@@ -59,9 +67,13 @@ def host_layouts(shape: ModelShape, config: MegaTrainConfig, seq_len: int, batch
         mem = estimate(shape, cfg, seq_len, batch_size, device_type="cuda", gpu_free=gpu_free, plans=plans)
         numel = sum(p.numel for p in plans.layers) or 1
         per = sum(p.nbytes(Where.HOST, cfg.torch_compute_dtype) for p in plans.layers) / numel
-        pred = predict_step(shape, cfg, plans, seq_len, batch_size, machine, clipping=clipping)
-        out.append(Layout(name, keys, per, mem.host_total, mem.host_total <= cfg.host_memory_fraction * host_free,
-                          pred.step_s, pred.passes))
+        pred = predict_step(shape, cfg, plans, seq_len, batch_size, machine, clipping=clipping,
+                            moments_cached=moments_cached(mem, cfg, host_free))
+        host_ok = mem.host_total <= cfg.host_memory_fraction * host_free
+        gpu_ok = gpu_free is None or mem.device_total <= gpu_free
+        out.append(Layout(name, keys, per, mem.host_total, host_ok and gpu_ok, pred.step_s, pred.passes,
+                          mem.device_total, host_ok, gpu_ok, sum(p.nbytes(Where.DISK, cfg.torch_compute_dtype)
+                                                                 for p in plans.units), pred.bottleneck))
     return out
 
 
@@ -69,12 +81,15 @@ def choose(layouts: list[Layout]) -> tuple[Layout | None, str]:
     """The fastest layout that fits, and why (None: none fits)."""
     fitting = [x for x in layouts if x.fits]
     if not fitting:
-        return None, "no exact host layout fits this host's RAM"
+        if any(x.host_fits for x in layouts):
+            return None, "no exact host layout fits: those that fit the RAM do not fit the GPU"
+        return None, "no exact host layout fits the RAM"
     best = min(fitting, key=lambda x: x.step_s)
     faster = [x for x in layouts if x.step_s < best.step_s and not x.fits]
     why = f"the fastest predicted step ({best.step_s:.3f} s) of the layouts that fit"
     if faster:
-        why += "; faster but too large for the RAM: " + ", ".join(f"{x.name} ({x.step_s:.3f} s)" for x in faster)
+        why += "; faster but too large for the RAM or GPU: " + ", ".join(f"{x.name} ({x.step_s:.3f} s)"
+                                                                       for x in faster)
     if best.passes > 1:
         why += "; its clipping steps re-run forward+backward (no room for a gradient plane)"
     return best, why
@@ -88,8 +103,10 @@ def layout_lines(layouts: list[Layout], clipping: bool) -> list[str]:
     out = [f"Host layouts (exact; predicted step {'with clipping on every step' if clipping else 'without clipping'})"]
     for x in layouts:
         mark = "->" if x is best else "  "
+        verdict = "fits" if x.fits else "DOES NOT FIT" + ("" if x.host_fits else " RAM") + (
+            "" if x.gpu_fits else " GPU")
         out.append(f"{mark} {x.bytes_per_param:4.1f} B/param  {x.name:<30} host {format_bytes(x.host_total):>11} "
-                   f"{'fits' if x.fits else 'DOES NOT FIT':<12} {x.step_s:8.3f} s/step"
+                   f"GPU {format_bytes(x.gpu_total):>11} {verdict:<20} {x.step_s:8.3f} s/step"
                    + (" (re-runs forward+backward)" if x.passes > 1 else ""))
     if best is not None:
         keys = ", ".join(f"{k}={v!r}" for k, v in best.keys.items())

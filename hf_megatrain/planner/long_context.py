@@ -8,7 +8,8 @@
   the budget (none without a GPU: there the device *is* host memory). The first layers are the offloaded ones.
 - ``flops_per_token``: 6N for the weights (N: the parameters one token runs through; an MoE's routed experts
   count top_k / num_experts of theirs: active.py) plus attention, 12 x layers x (heads x head_dim) x seq per token (the
-  QK^T and AV products, forward + backward, full T x T as in PaLM's MFU convention; a causal kernel does half).
+  QK^T and AV products, forward + backward, full T x T as in PaLM's MFU convention; a causal kernel does half;
+  MLA's q/k and v head dims differ, 192 and 128 in DeepSeek-V3: their mean, ``ModelShape.attention_dim``).
   At 512k tokens and 7B width that term is ~14x the 6N one. The hardware also runs the layer recompute (one
   more forward: +2N and a third more attention), reported apart.
 """
@@ -88,7 +89,7 @@ def flops_per_token(shape: ModelShape, seq_len: int) -> dict[str, float]:
     through top_k of num_experts routed experts (planner/active.py), not all of them."""
     n = shape.active
     dense = 6.0 * n
-    attention = 12.0 * shape.num_layers * shape.q_dim * seq_len
+    attention = 12.0 * shape.num_layers * shape.attention_dim * seq_len
     return {"params_active": float(n), "params_total": float(shape.trainable + shape.frozen),
             "dense_6n": dense, "attention": attention, "model": dense + attention,
             "attention_over_6n": attention / dense if dense else 0.0,

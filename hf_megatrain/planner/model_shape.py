@@ -31,13 +31,21 @@ class ModelShape:
     resident_frozen: int
     vocab: int
     hidden: int
-    q_dim: int  # num_attention_heads * head_dim
-    kv_dim: int  # num_key_value_heads * head_dim
+    q_dim: int  # num_attention_heads * the q/k head dim (MLA: qk_nope_head_dim + qk_rope_head_dim)
+    kv_dim: int  # num_key_value_heads * head_dim (MLA / v_head_dim: the mean of the k and v head dims)
     intermediate: int  # MLP width one token goes through (MoE: top_k experts + shared expert)
     max_weight: int  # largest single weight of a layer (its gradient is one transient of the recompute)
     tied: bool = False  # lm_head shares the input embedding
     # parameters of routed experts a token does not go through (active.py; 0: dense): FLOPs count the others
     routed_inactive: int = 0
+    # num_attention_heads * (q/k head dim + v head dim) / 2: QK^T runs over the q/k head dim, AV over the v head dim
+    # (MLA, DeepSeek-V2/V3: 192 and 128, where head_dim is the 64-wide RoPE part); 0: q_dim (the two are equal)
+    attn_dim: int = 0
+
+    @property
+    def attention_dim(self) -> int:
+        """The width causal attention's FLOPs scale with: 2 * attention_dim * S * T per forward."""
+        return self.attn_dim or self.q_dim
 
     @property
     def num_layers(self) -> int:
@@ -91,19 +99,30 @@ class ModelShape:
         # HF's per_layer_config): the planner plans for the largest layer, so each dimension is the largest value
         # any layer has. Every layer's own sizes still come from the unit layouts; only activations use these.
         layer_cfgs = _per_layer_configs(cfg) or [cfg]  # per-layer configs carry every value of their layer
-        q_dim = kv_dim = inter = 0
+        q_dim = kv_dim = attn = inter = 0
         for c in layer_cfgs:
             get = lambda k, d=None, c=c: _largest(_config_attr(c, k)) or d  # noqa: E731
             heads = get("num_attention_heads", max(1, hidden // 128))
-            head_dim = get("head_dim", hidden // heads)
-            q_dim, kv_dim = max(q_dim, heads * head_dim), max(kv_dim, get("num_key_value_heads", heads) * head_dim)
+            qk_dim, v_dim = _head_dims(get, hidden // heads)
+            kv_heads = get("num_key_value_heads", heads)
+            q_dim, kv_dim = max(q_dim, heads * qk_dim), max(kv_dim, kv_heads * (qk_dim + v_dim) // 2)
+            attn = max(attn, heads * (qk_dim + v_dim) // 2)
             width = get("intermediate_size", 4 * hidden)
             if get("num_experts_per_tok") and get("moe_intermediate_size"):
                 width = (get("num_experts_per_tok") * get("moe_intermediate_size")
                          + get("shared_expert_intermediate_size", 0))
             inter = max(inter, width)
         return cls(layers, frozen, resident, resident_frozen, int(vocab), int(hidden), int(q_dim), int(kv_dim),
-                   int(inter), max_weight, tied, routed_inactive)
+                   int(inter), max_weight, tied, routed_inactive, int(attn) if attn != q_dim else 0)
+
+
+def _head_dims(get: Any, default: int) -> tuple[int, int]:
+    """(q/k head dim, v head dim) of one layer config. Multi-head latent attention (DeepSeek-V2/V3 and the models
+    built on it) sets ``qk_nope_head_dim`` + ``qk_rope_head_dim`` for q and k and ``v_head_dim`` for v; its
+    ``head_dim`` is the RoPE part alone (64 of 192), so it must not size the attention."""
+    nope, rope = get("qk_nope_head_dim"), get("qk_rope_head_dim")
+    qk = nope + rope if nope and rope else get("head_dim", default)
+    return qk, get("v_head_dim", qk)
 
 
 def _largest(value: Any) -> int | None:

@@ -135,6 +135,8 @@ def _unit_plans(shape: ModelShape, config: MegaTrainConfig, device_type: str, gp
     return plans  # (none fits: the smallest share; check_fits / activation offload speak for the step itself)
 
 
+DISK_MOMENTS_ROW = "AdamW moments while training (optimizer_state_dir)"  # the disk tier's row (disk_tier.py)
+
 # The host rows that are the unit store: once per host however many data-parallel processes share it.
 STORE_ROWS = ("master fp32", "grad fp32", "exp_avg fp32", "exp_avg_sq fp32", "compute copy",
               "frozen params (compute dtype)")
@@ -312,7 +314,7 @@ def estimate(shape: ModelShape, config: MegaTrainConfig, seq_len: int, batch_siz
             sum(v for n, v in d.items() if n != "CUDA context") + max(map(sum_values, plan.phases.values()))))
     s = config.torch_save_dtype
     if on_disk:
-        plan.disk["AdamW moments while training (optimizer_state_dir)"] = on_disk
+        plan.disk[DISK_MOMENTS_ROW] = on_disk
     plan.disk["model export (save_dtype)"] = shape.trainable * _elt(s) + shape.frozen * c
     plan.disk["training state (AdamW m, v [+ fp32 master])"] = (
         8 * shape.trainable + (4 * shape.trainable if s != torch.float32 else 0))

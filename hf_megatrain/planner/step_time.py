@@ -6,7 +6,8 @@ Per streamed decoder layer (``layer_costs``), for ``T`` tokens of sequences of `
 - GPU: the forward pass runs the layer once without grad; its backward visit recomputes the forward, then runs the
   backward (engine/executor.py): matmul FLOPs 2N*T (forward) + 2N*T (recompute) + 4N*T (backward: input and weight
   gradients; frozen weights get no weight gradient) = 8N*T for a trainable layer, at ``tflops * gemm_efficiency``;
-  causal attention ``A = 2 * q_dim * S * T`` per forward (QK^T and AV, half the square), A + A + 2A at
+  causal attention ``A = 2 * attention_dim * S * T`` per forward (QK^T over the q/k head dim and AV over
+  the v head dim, half the square; model_shape.py), A + A + 2A at
   ``attention_tflops``; and element-wise memory traffic (norms, RoPE, SiLU*up, residual adds, their gradients) at
   ``hbm_gbps``: bytes per token estimated from the layer's widths, ~4x fewer when the layer is compiled (fused).
 - PCIe: the weights cross H2D in the forward and again in the backward (the compute copy, or the FP32 master of a
@@ -14,6 +15,10 @@ Per streamed decoder layer (``layer_costs``), for ``T`` tokens of sequences of `
   once (bf16 when ``narrow_grads`` applies, else ``grad_offload_dtype``).
 - Host: AdamW moves ``kernels.host_bytes_per_param`` bytes per parameter (FP32 master, moments, gradient, the
   compute copy it writes) at ``host_adamw_gbps``.
+- Disk (``optimizer_state_dir``): the moments are memory-mapped files. While the RAM beside the plan holds them
+  in the page cache a step runs as in RAM (measured, docs/lean_store.md); once it cannot (``moments_cached=False``),
+  every step reads them in and writes them back, 16 bytes per parameter at ``disk_gbps``, inside the update that
+  faults them in (the worker waits on the disk).
 
 The head (lm_head forward + gradient, 6*H*V*T, and the chunked loss's [chunk, vocab] traffic) and the GPU-stepped
 units' AdamW run on the GPU. ``simulate`` then plays the overlap the engine builds, step after step until it
@@ -59,6 +64,7 @@ _COMPILED = (8, 8, 12, 6)
 # more per step at 32k tokens x 152k vocabulary, measured).
 _LOSS_BYTES = {True: 12, False: 72}
 _GPU_ADAMW_BYTES = 36  # torch's fused AdamW on the GPU: master, grad, m, v read + written, the compute copy
+DISK_TIER = "disk tier"  # the busy row of the moments' disk traffic (optimizer_state_dir)
 
 
 @dataclass(frozen=True)
@@ -86,7 +92,8 @@ class MachineProfile:
     # Host AdamW DRAM traffic while the step runs (DMA both ways beside it): bench runs of sessions 11-12 report
     # 131-157 GB/s (5.0 G param/s at 28 B/param; e.g. finetune_packed_ds_h100.json 140.0).
     host_adamw_gbps: float = 140.0
-    # Checkpoint writes (issue 29): a Trainer checkpoint is written at this rate (integration/bench_checkpoint_io.py).
+    # Checkpoint writes (issue 29): a Trainer checkpoint is written at this rate (integration/bench_checkpoint_io.py);
+    # the disk tier's moments stream at it too (0.82 GB/s measured on the CPU box: results/disk_tier/).
     disk_gbps: float = 1.0
     # Host time between the end of the backward and optimizer.step() (Trainer bookkeeping; ~40 ms measured in the
     # session-10 timeline, bench_streamed_native_timeline_h100.json).
@@ -111,6 +118,7 @@ class LayerCost:
     # The halves of its host update run split (optim/split_update.py; 0: it cannot be): new weights, then state.
     split_weights: float = 0.0
     split_state: float = 0.0
+    disk: float = 0.0  # of ``host_update`` (or ``load``): its disk-tier moments read and written back
 
 
 @dataclass
@@ -137,18 +145,19 @@ def _elementwise_bytes(shape: ModelShape, compiled: bool, c: int) -> float:
 def layer_costs(shape: ModelShape, config: MegaTrainConfig, plans: Plans, seq_len: int, tokens: int,
                 machine: MachineProfile, clipping: bool, grad_accum: int = 1,
                 attention_s: float | None = None, modes: StepModes | None = None,
-                saved_graphs: int = 0) -> list[LayerCost]:
+                saved_graphs: int = 0, moments_cached: bool = False) -> list[LayerCost]:
     """One ``LayerCost`` per decoder layer (see the module docstring). ``attention_s``: one forward's attention
     seconds where the rows are not ``tokens / seq_len`` causal sequences (``attention_seconds``); ``modes``: the
     engine's step modes for these plans (decided here when not given); ``saved_graphs``: the last layers that keep
-    their forward's graph (planner/saved_graphs.py): their backward skips the recompute."""
+    their forward's graph (planner/saved_graphs.py): their backward skips the recompute; ``moments_cached``: the
+    disk tier's moments stay in the page cache (no disk traffic; planner/disk_tier.py decides)."""
     m = machine
     c = _elt(config.torch_compute_dtype)
     gemm, attn = m.tflops * m.gemm_efficiency * 1e12, m.attention_tflops * 1e12
     hbm, h2d, d2h, host = m.hbm_gbps * 1e9, m.pcie_h2d_gbps * 1e9, m.pcie_d2h_gbps * 1e9, m.host_adamw_gbps * 1e9
     total = sum(shape.layer_numels) + sum(shape.layer_frozen)
     active = 1.0 - shape.routed_inactive / total if total else 1.0  # (MoE: a token runs top_k of the experts)
-    A = 2.0 * shape.q_dim * seq_len * tokens  # causal attention FLOPs of one forward
+    A = 2.0 * shape.attention_dim * seq_len * tokens  # causal attention FLOPs of one forward
     attn_s = A / attn if attention_s is None else attention_s
     elem = _elementwise_bytes(shape, config.compiles("cuda"), c) * tokens
     o = _elt(config.torch_grad_offload_dtype)
@@ -158,6 +167,7 @@ def layer_costs(shape: ModelShape, config: MegaTrainConfig, plans: Plans, seq_le
     whole = not 0 < config.micro_batch_size < tokens // max(seq_len, 1)
     narrow = modes.narrow is not None and grad_accum == 1 and whole
     g = c if narrow else o
+    disk = 0.0 if moments_cached else m.disk_gbps * 1e9 / 2  # (bytes on disk per second: each is read and written)
     out = []
     first_saved = len(plans.layers) - saved_graphs
     for li, up in enumerate(plans.layers):
@@ -179,12 +189,17 @@ def layer_costs(shape: ModelShape, config: MegaTrainConfig, plans: Plans, seq_le
         elif up.numel:
             gpu_s = up.numel * _GPU_ADAMW_BYTES / hbm
         state = 12 * up.numel if up.stepper is Stepper.DEVICE_STREAMED else 0  # master + moments in and out
+        disk_s = up.nbytes(Where.DISK, config.torch_compute_dtype) / disk if disk else 0.0
+        if disk_s and host_s:  # (the update faults its moments in and dirties them: the worker waits on the disk)
+            host_s += disk_s
+            if split_w:  # (the weights half reads the moments, the state half writes them)
+                split_w, split_s = split_w + disk_s / 2, split_s + disk_s / 2
         # (a lean layer with a gradient plane and a clip: updated from the plane in step(), like a host one)
         speculative = (up.stepper is Stepper.LEAN and not (clipping and _plane_used(modes, narrow, up))) or (
             up.stepper is Stepper.HOST and modes.speculate and config.overlap_optimizer and not clipping)
-        out.append(LayerCost(fwd, bwd, (weights + state) / h2d,
+        out.append(LayerCost(fwd, bwd, (weights + state) / h2d + (0.0 if host_s else disk_s),
                              (0 if up.grad is Where.DEVICE or kept else g * up.numel + state) / d2h,
-                             host_s, gpu_s, speculative, li >= first_saved, split_w, split_s))
+                             host_s, gpu_s, speculative, li >= first_saved, split_w, split_s, disk_s))
     return out
 
 
@@ -308,16 +323,17 @@ def attention_seconds(shape: ModelShape, batch: BatchRows, kernel: AttentionKern
     """One layer forward's attention over ``batch`` with ``kernel``, at that kernel's measured rate."""
     rate = {AttentionKernel.FLASH: machine.attention_tflops, AttentionKernel.FLEX: machine.flex_tflops,
             AttentionKernel.DENSE_MASK: machine.dense_mask_tflops}[kernel]
-    return attention_flops(shape.q_dim, batch, kernel) / (rate * 1e12)
+    return attention_flops(shape.attention_dim, batch, kernel) / (rate * 1e12)
 
 
 def predict_steps(shape: ModelShape, config: MegaTrainConfig, plans: Plans, batches: list[BatchRows],
                   machine: MachineProfile | None = None, *, clipping: bool = False, grad_accum: int = 1,
-                  kernel: AttentionKernel | None = None, saved_graphs: int = 0) -> StepPrediction:
+                  kernel: AttentionKernel | None = None, saved_graphs: int = 0,
+                  moments_cached: bool = False) -> StepPrediction:
     """The mean of ``predict_step`` over a fine-tune's micro-steps (``finetune_rows.sample_steps``): step seconds
     averaged, tokens/s and MFU over all of their real tokens; the bottleneck and busy shares of the median step."""
     preds = [predict_step(shape, config, plans, 0, 0, machine, clipping=clipping, grad_accum=grad_accum, rows=b,
-                          kernel=kernel, saved_graphs=saved_graphs) for b in batches]
+                          kernel=kernel, saved_graphs=saved_graphs, moments_cached=moments_cached) for b in batches]
     total = sum(p.step_s for p in preds)
     mid = sorted(preds, key=lambda p: p.step_s)[len(preds) // 2]
     return replace(mid, step_s=total / len(preds),
@@ -330,13 +346,16 @@ def predict_steps(shape: ModelShape, config: MegaTrainConfig, plans: Plans, batc
 def predict_step(shape: ModelShape, config: MegaTrainConfig, plans: Plans, seq_len: int, batch_size: int,
                  machine: MachineProfile | None = None, *, clipping: bool = False,
                  grad_accum: int = 1, rows: BatchRows | None = None,
-                 kernel: AttentionKernel | None = None, saved_graphs: int = 0) -> StepPrediction:
+                 kernel: AttentionKernel | None = None, saved_graphs: int = 0,
+                 moments_cached: bool = False) -> StepPrediction:
     """Predicted steady-state optimizer step for ``batch_size`` sequences of ``seq_len`` tokens per micro-step;
     ``clipping``: the global-norm clip applies on every step (updates wait for the norm). ``rows``: a fine-tune's
     micro-step instead (padded or packed rows: finetune_rows.py; ``seq_len`` and ``batch_size`` are then ignored),
     its attention run by ``kernel`` (default: what the engine's defaults choose for its layout); tokens per
     second count its real (non-padding) tokens. ``saved_graphs``: the last layers whose backward skips the
-    recompute (``saved_graph_layers``; the planner's count for the step: planner/saved_graphs.py)."""
+    recompute (``saved_graph_layers``; the planner's count for the step: planner/saved_graphs.py).
+    ``moments_cached``: with ``optimizer_state_dir``, the moments fit the page cache beside the plan (else every
+    step reads and writes them at ``machine.disk_gbps``: planner/disk_tier.py)."""
     if config.torch_compute_dtype == torch.float32:
         raise ValueError("the step-time model covers bf16 compute only (float32 matmul rates are not measured)")
     m = machine or MachineProfile()
@@ -348,7 +367,7 @@ def predict_step(shape: ModelShape, config: MegaTrainConfig, plans: Plans, seq_l
         attention_s = attention_seconds(shape, rows, kernel or default_kernel(config, rows.layout), m)
     modes = decide_modes(config, plans, "cuda", data_parallel=False, probe=False)
     layers = layer_costs(shape, config, plans, seq_len, tokens, m, clipping, grad_accum, attention_s, modes,
-                         saved_graphs)
+                         saved_graphs, moments_cached)
     # A lean layer updated as its gradient lands on a clipping step had no gradient plane: the step re-runs.
     rerun = any(up.stepper is Stepper.LEAN and c.speculative for up, c in zip(plans.layers, layers))
     passes = 2 if rerun and clipping else 1
@@ -360,6 +379,12 @@ def predict_step(shape: ModelShape, config: MegaTrainConfig, plans: Plans, seq_l
         layers[0].host_update += res.numel * 28 / (m.host_adamw_gbps * 1e9)
         if layers[0].split_weights:  # (the resident unit is updated whole, before layer 0's weights half)
             layers[0].split_weights += res.numel * 28 / (m.host_adamw_gbps * 1e9)
+        if not moments_cached:  # (its moments on disk: read and written back by its update)
+            res_disk = 2 * res.nbytes(Where.DISK, config.torch_compute_dtype) / (m.disk_gbps * 1e9)
+            layers[0].host_update += res_disk
+            layers[0].disk += res_disk
+            if layers[0].split_weights:
+                layers[0].split_weights += res_disk
     step, wait = simulate(layers, head, res_gpu, num_slots=config.num_slots, passes=passes,
                           overlap=config.overlap_optimizer, overhead_s=m.step_overhead_s,
                           split=modes.split)
@@ -369,14 +394,17 @@ def predict_step(shape: ModelShape, config: MegaTrainConfig, plans: Plans, seq_l
     from .long_context import flops_per_token
 
     fpt = flops_per_token(shape, seq_len)
-    if rows is not None:  # (attention per sequence, not per row: 12 x layers x q_dim x sum L^2 over real tokens)
-        fpt["model"] = fpt["dense_6n"] + 12.0 * shape.num_layers * shape.q_dim * sum(
+    if rows is not None:  # (attention per sequence, not per row: 12 x layers x its width x sum L^2 / real tokens)
+        fpt["model"] = fpt["dense_6n"] + 12.0 * shape.num_layers * shape.attention_dim * sum(
             n * n for row in rows.rows for n in row) / real
     peak = m.tflops * 1e12
+    host_disk = sum(c.disk for c in layers if c.host_update)  # (the disk's share of the host updates ...)
+    load_disk = sum(c.disk for c in layers) - host_disk  # (... and of GPU-stepped layers' state loads)
     busy = {"GPU compute": passes * (sum(c.forward + c.backward for c in layers) + head) + res_gpu
             + sum(c.gpu_update for c in layers),
-            "PCIe H2D": passes * 2 * sum(c.load for c in layers), "PCIe D2H": passes * sum(c.d2h for c in layers),
-            "host AdamW": sum(c.host_update for c in layers)}
+            "PCIe H2D": passes * 2 * (sum(c.load for c in layers) - load_disk),
+            "PCIe D2H": passes * sum(c.d2h for c in layers),
+            "host AdamW": sum(c.host_update for c in layers) - host_disk, DISK_TIER: host_disk + load_disk}
     if grad_accum > 1:
         for k in ("GPU compute", "PCIe H2D", "PCIe D2H"):
             busy[k] *= grad_accum
@@ -384,6 +412,11 @@ def predict_step(shape: ModelShape, config: MegaTrainConfig, plans: Plans, seq_l
     why = top
     if top == "GPU compute" and wait > 0.05 * step:
         why = f"GPU compute + the forward's wait for the host AdamW ({wait / step:.0%} of the step)"
+    elif top == DISK_TIER:
+        moved = busy[DISK_TIER] * m.disk_gbps  # (GB read + written per step)
+        why = (f"{DISK_TIER} (optimizer_state_dir: {moved:,.0f} GB of AdamW moments read and written back per "
+               f"step at {m.disk_gbps:g} GB/s, --disk-gbps; {busy[top] / step:.0%} of the step busy; the GPU "
+               f"{busy['GPU compute'] / step:.0%})")
     elif top != "GPU compute":
         why = f"{top} ({busy[top] / step:.0%} of the step busy; the GPU {busy['GPU compute'] / step:.0%})"
     tps = real * grad_accum / step

@@ -322,9 +322,10 @@ def run_trainer(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str
     t = time.perf_counter()
     trainer = MegaTrainTrainer(model=model, args=args, **data, callbacks=[Timer()])
     setup_s = time.perf_counter() - t
-    if trainer._train_batch_size != batch:  # (the rates assume it: a larger step would read as a slow one)
-        raise RuntimeError(f"the Trainer runs {trainer._train_batch_size} sequences per process and step, the bench "
-                           f"counts {batch}")
+    want = data_args["per_device_train_batch_size"]  # (the rates assume it: a larger step would read as slow)
+    if trainer._train_batch_size != want:
+        raise RuntimeError(f"the Trainer runs {trainer._train_batch_size} items per process and step, the bench "
+                           f"counts {want}")
     result = trainer.train()
     opt = state.get("opt")
     if opt is not None and hasattr(opt, "wait"):

@@ -290,13 +290,14 @@ def test_megatrain_false_is_plain_trainer(tmp_path):
     assert losses(off) == losses(ref)
 
 
-def test_one_process_on_a_multi_gpu_host_keeps_the_per_device_batch(tmp_path, caplog):
+def test_one_process_on_a_multi_gpu_host_keeps_the_per_device_batch(tmp_path, caplog, monkeypatch):
     """Trainer sizes its batch per_device x n_gpu when one process sees several GPUs (nn.DataParallel). The engine
     drives one GPU: it must run the per-device batch, not n_gpu times it on that one device, and say how to use the
     others (a 2-GPU host ran a double batch this way, read as a step twice as slow)."""
+    # Two visible GPUs and no launcher, as TrainingArguments sees them, until the trainer sets the count to 1.
+    monkeypatch.setattr(transformers.TrainingArguments, "n_gpu",
+                        property(lambda self: 1 if vars(self).get("_n_gpu") == 1 else 2))
     args = mt_args(tmp_path, max_steps=1)
-    _ = args.device
-    args._n_gpu = 2  # (what TrainingArguments sets with two visible GPUs and no launcher)
     with caplog.at_level("WARNING"):
         trainer = MegaTrainTrainer(model=tiny("llama"), args=args, train_dataset=dataset())
     assert args.n_gpu == 1 and args.train_batch_size == 2

@@ -118,6 +118,12 @@ def compare_row_layouts(shape: ModelShape, config: MegaTrainConfig, plans: Any, 
     return out
 
 
+def _layout_json(x: Layout) -> dict[str, Any]:
+    row = asdict(x)
+    row["step_s"] = None if x.step_s != x.step_s else x.step_s  # (NaN: not predicted; JSON has no NaN)
+    return row
+
+
 def _duration(s: float) -> str:
     return f"{s:.1f} s" if s < 120 else (f"{s / 60:.1f} min" if s < 7200 else f"{s / 3600:.1f} h")
 
@@ -238,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
                 preds[label] = predict_steps(shape, config, plans, batches, machine, clipping=clip,
                                              grad_accum=a.grad_accum, saved_graphs=graphs, moments_cached=cached)
         layouts = host_layouts(shape, config, a.seq_len, a.batch_size, gpu_plan, host_avail, machine,
-                               clipping=not a.no_clip)
+                               clipping=not a.no_clip, grad_accum=a.grad_accum)
     else:
         step_note = "step time: not predicted for float32 compute or several GPUs (the model covers one GPU, bf16)"
     rows, compared = None, []
@@ -263,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     if not fits:
         suffice = what_would_suffice(shape, config, plan, a.seq_len, a.batch_size, gpu_plan, host_avail, machine,
                                      clipping=not a.no_clip, step_model=plans is not None and is_planned(config,
-                                                                                                        a.gpus))
+                                                                                                        a.gpus),
+                                     gpus=a.gpus, grad_accum=a.grad_accum)
     disk_note = disk_tier_note(plan, config, host_avail, a.disk_gbps)
     if a.json:
         print(json.dumps({"params": {"trainable": shape.trainable, "frozen": shape.frozen, "active": shape.active},
@@ -285,12 +292,13 @@ def main(argv: list[str] | None = None) -> int:
                                         "moments_cached": cached, "note": disk_note},
                           "this_machine": this_machine, "verdict": verdict,
                           "would_suffice": None if suffice is None else {
-                              "layouts": [asdict(x) for x in suffice.layouts],
-                              "disk_tier_layouts": [asdict(x) for x in suffice.disk_layouts],
+                              "layouts": [_layout_json(x) for x in suffice.layouts],
+                              "disk_tier_layouts": [_layout_json(x) for x in suffice.disk_layouts],
                               "gpu_change": suffice.gpu_change, "gpu_need": suffice.gpu_need,
                               "layer_floor": suffice.floor, "layer_too_big": suffice.layer_too_big,
+                              "disk_tier_refused": suffice.disk_refused or None,
                               "cheapest": suffice.cheapest, "least_hardware": suffice.least_hardware}},
-                         indent=1, default=str))
+                         indent=1))
         return 0
     print(f"{a.model}: {shape.trainable / 1e9:.3f}B trainable parameters ({shape.num_layers} streamed layers, "
           f"{shape.resident_numel / 1e6:.1f}M resident), {config.compute_dtype} compute, seq_len={a.seq_len}, "

@@ -56,19 +56,27 @@ class Layout:
 
 
 def host_layouts(shape: ModelShape, config: MegaTrainConfig, seq_len: int, batch_size: int, gpu_free: int | None,
-                 host_free: int, machine: MachineProfile, clipping: bool = True) -> list[Layout]:
+                 host_free: int, machine: MachineProfile, clipping: bool = True, grad_accum: int = 1) -> list[Layout]:
     """Every layout of ``LAYOUTS`` planned for this model, a ``gpu_free``-byte GPU and ``host_free`` bytes of RAM
     (bf16 compute). It fits when its host plan fits ``host_memory_fraction`` of the RAM and its step's GPU peak the
-    GPU; with ``optimizer_state_dir`` in ``config`` its step counts the moments' disk traffic (disk_tier.py)."""
+    GPU; with ``optimizer_state_dir`` in ``config`` its step counts the moments' disk traffic (disk_tier.py).
+    Layouts the other keys rule out (the lean store with ``device_layers`` > 0, a bf16 gradient offload, or
+    gradient accumulation) are left out: the engine would refuse them."""
     out = []
     for name, keys in LAYOUTS:
-        cfg = dataclasses.replace(config, **keys)
+        if keys["lean_store"] and grad_accum > 1:
+            continue  # (lean_store refuses gradient accumulation: hf/training_args.py)
+        try:
+            cfg = dataclasses.replace(config, **keys)
+        except ValueError:  # (a combination config validation refuses)
+            continue
         plans = unit_plans(shape, cfg, "cuda", gpu_free, host_free=host_free)
-        mem = estimate(shape, cfg, seq_len, batch_size, device_type="cuda", gpu_free=gpu_free, plans=plans)
+        mem = estimate(shape, cfg, seq_len, batch_size, device_type="cuda", gpu_free=gpu_free, plans=plans,
+                       grad_accum=grad_accum)
         numel = sum(p.numel for p in plans.layers) or 1
         per = sum(p.nbytes(Where.HOST, cfg.torch_compute_dtype) for p in plans.layers) / numel
         pred = predict_step(shape, cfg, plans, seq_len, batch_size, machine, clipping=clipping,
-                            moments_cached=moments_cached(mem, cfg, host_free))
+                            grad_accum=grad_accum, moments_cached=moments_cached(mem, cfg, host_free))
         host_ok = mem.host_total <= cfg.host_memory_fraction * host_free
         gpu_ok = gpu_free is None or mem.device_total <= gpu_free
         out.append(Layout(name, keys, per, mem.host_total, host_ok and gpu_ok, pred.step_s, pred.passes,

@@ -46,7 +46,7 @@ class Suffice:
     layer_too_big: bool = False
     cheapest: str = ""
     least_hardware: str = ""
-    lines: list[str] = field(default_factory=list)
+    disk_refused: str = ""  # why the disk tier cannot serve this run (data parallel), else empty
 
 
 def layer_floor(shape: ModelShape, config: MegaTrainConfig) -> int:
@@ -78,8 +78,9 @@ def _need_ram(x: Layout, fraction: float) -> int:
 
 def what_would_suffice(shape: ModelShape, config: MegaTrainConfig, plan: MemoryPlan, seq_len: int, batch_size: int,
                        gpu: int, host_available: int, machine: MachineProfile, *, clipping: bool,
-                       step_model: bool) -> Suffice:
-    """Plan the options for a run that does not fit ``host_available`` bytes of RAM and a ``gpu``-byte GPU.
+                       step_model: bool, gpus: int = 1, grad_accum: int = 1) -> Suffice:
+    """Plan the options for a run that does not fit ``host_available`` bytes of RAM and a ``gpu``-byte GPU
+    (``gpus`` data-parallel processes, ``grad_accum`` micro-steps per step, as ``estimate`` takes them).
     ``step_model``: the step time is predicted (bf16, one GPU); else only the memory is."""
     out = Suffice(gpu_need=plan.device_total, floor=layer_floor(shape, config))
     out.layer_too_big = out.floor > gpu
@@ -88,18 +89,25 @@ def what_would_suffice(shape: ModelShape, config: MegaTrainConfig, plan: MemoryP
     elif not out.layer_too_big:
         for change in GPU_CHANGES:
             cfg = dataclasses.replace(config, **change)
-            if estimate(shape, cfg, seq_len, batch_size, device_type="cuda", gpu_free=gpu).device_total <= gpu:
+            if estimate(shape, cfg, seq_len, batch_size, device_type="cuda", gpu_free=gpu, grad_accum=grad_accum,
+                        gpus=gpus).device_total <= gpu:
                 out.gpu_change = change
                 break
     base = dataclasses.replace(config, **(out.gpu_change or {}))
     frac = config.host_memory_fraction
     if step_model:
-        out.layouts = host_layouts(shape, base, seq_len, batch_size, gpu, host_available, machine, clipping)
+        out.layouts = host_layouts(shape, base, seq_len, batch_size, gpu, host_available, machine, clipping,
+                                   grad_accum)
         out.disk_layouts = host_layouts(shape, with_disk_tier(base), seq_len, batch_size, gpu, host_available,
-                                        machine, clipping)
+                                        machine, clipping, grad_accum)
     else:  # (memory only: the configured layout, with and without the disk tier)
         for cfg, into in ((base, out.layouts), (with_disk_tier(base), out.disk_layouts)):
-            mem = estimate(shape, cfg, seq_len, batch_size, device_type="cuda", gpu_free=gpu)
+            try:
+                mem = estimate(shape, cfg, seq_len, batch_size, device_type="cuda", gpu_free=gpu,
+                               grad_accum=grad_accum, gpus=gpus)
+            except ValueError as e:  # (data parallel refuses the disk tier)
+                out.disk_refused = str(e)
+                continue
             host_ok, gpu_ok = mem.host_total <= frac * host_available, mem.device_total <= gpu
             into.append(Layout("as configured", {}, mem.store_host_bytes / max(shape.trainable, 1), mem.host_total,
                                host_ok and gpu_ok, float("nan"), 1, mem.device_total, host_ok, gpu_ok,
@@ -112,6 +120,8 @@ def what_would_suffice(shape: ModelShape, config: MegaTrainConfig, plan: MemoryP
         out.cheapest = f"{_keys(keys) or 'the configured layout'}" + (
             f" ({x.name}{' + disk tier' if disk else ''}: {_step(x)})" if x.name != "as configured" else "")
     # The least hardware: the layout (moments in RAM) that needs the least RAM, then the fastest; its GPU peak.
+    if not out.layouts:
+        return out
     x = min(out.layouts, key=lambda t: (t.host_total, t.step_s if t.step_s == t.step_s else 0.0))
     out.least_hardware = (f"{format_bytes(_need_ram(x, frac))} of host RAM available and a GPU of "
                           f"{format_bytes(x.gpu_total)} or more ({x.name}"
@@ -142,9 +152,12 @@ def suffice_lines(s: Suffice, shape: ModelShape, config: MegaTrainConfig, gpu: i
                 f"GPU {format_bytes(x.gpu_total):>11}  {_step(x):<34} {state}")
 
     out += [row(x, False) for x in s.layouts]
-    out.append(f"  with the disk tier (optimizer_state_dir: AdamW m, v on disk; every step reads and writes them "
-               f"at {disk_gbps:g} GB/s, --disk-gbps, unless the page cache holds them):")
-    out += [row(x, True) for x in s.disk_layouts]
+    if s.disk_refused:
+        out.append(f"  the disk tier (optimizer_state_dir): not supported for this run: {s.disk_refused}")
+    else:
+        out.append(f"  with the disk tier (optimizer_state_dir: AdamW m, v on disk; every step reads and writes "
+                   f"them at {disk_gbps:g} GB/s, --disk-gbps, unless the page cache holds them):")
+        out += [row(x, True) for x in s.disk_layouts]
     n_max = max(shape.layer_numels, default=0)
     if s.layer_too_big:
         out.append(f"  GPU: one decoder layer ({n_max / 1e9:.2f}B parameters) needs {format_bytes(s.floor)} of "
@@ -161,5 +174,6 @@ def suffice_lines(s: Suffice, shape: ModelShape, config: MegaTrainConfig, gpu: i
                    f"{format_bytes(s.gpu_need)} or more")
     out.append(f"  cheapest change that fits: {s.cheapest}" if s.cheapest
                else f"  cheapest change that fits: none of config alone on {where}")
-    out.append(f"  least hardware that fits (moments in RAM): {s.least_hardware}")
+    if s.least_hardware:
+        out.append(f"  least hardware that fits (moments in RAM): {s.least_hardware}")
     return out

@@ -13,6 +13,7 @@ import pytest
 
 from hf_megatrain import MegaTrainConfig, MegaTrainEngine
 from hf_megatrain.core.engine_view import ENGINE_VIEW_MEMBERS, EngineView, LayerStackView, OptimizerStateIO
+from hf_megatrain.engine.model_view import PresentingEngine
 
 from .models import tiny
 
@@ -56,6 +57,7 @@ def engine() -> MegaTrainEngine:
 
 def test_engine_satisfies_the_view(engine):
     assert isinstance(engine, EngineView)
+    assert isinstance(engine, PresentingEngine)  # (what the converted model's presented methods read: model_view.py)
     assert isinstance(engine.stack, LayerStackView)
     assert engine.optimizer is None  # until create_optimizer
     assert isinstance(engine.create_optimizer(lr=1e-3), OptimizerStateIO)

@@ -10,8 +10,9 @@ package ``__init__`` is at the top, where they may point anywhere.
 Rules: a module imports only from its own component or a lower layer, or a sibling of its layer where that makes
 no cycle; ``config`` is a leaf; the graph between components has no cycle; nothing below ``hf`` imports
 accelerate, TRL or transformers' Trainer (the same checked at run time, in a fresh interpreter, by
-tests/test_entry_points.py::test_import_does_not_pull_in_accelerate_or_the_trainer, marked slow). Cycles between
-modules of one package (function-level or TYPE_CHECKING imports) are not checked here.
+tests/test_entry_points.py::test_import_does_not_pull_in_accelerate_or_the_trainer, marked slow). Between modules
+no cycle either, inside a package too: a module that needs a type of one above it takes it from a protocol below
+both (``core/engine_view.py``), so each module can be read knowing only what it imports.
 """
 
 from __future__ import annotations
@@ -140,8 +141,8 @@ def test_nothing_imports_upward():
     assert not bad, "upward imports: " + "; ".join(bad)
 
 
-def test_no_cycle_between_components():
-    graph = component_graph()
+def _find_cycle(graph: dict[str, dict[str, str]]) -> list[str] | None:
+    """One cycle of ``graph`` (node -> {node it imports: where}), as the nodes along it, or None."""
     state: dict[str, int] = {}  # 1: on the current path, 2: done
 
     def visit(c: str, path: list[str]) -> list[str] | None:
@@ -159,8 +160,30 @@ def test_no_cycle_between_components():
     for c in sorted(graph):
         if c not in state:
             cycle = visit(c, [c])
-            assert cycle is None, "import cycle: " + " -> ".join(
-                f"{x} ({graph[x][y]})" for x, y in zip(cycle, cycle[1:]))
+            if cycle:
+                return cycle
+    return None
+
+
+def _say_cycle(graph: dict[str, dict[str, str]], cycle: list[str]) -> str:
+    return "import cycle: " + " -> ".join(f"{x} ({graph[x][y]})" for x, y in zip(cycle, cycle[1:]))
+
+
+def test_no_cycle_between_components():
+    graph = component_graph()
+    cycle = _find_cycle(graph)
+    assert cycle is None, _say_cycle(graph, cycle)
+
+
+def test_no_cycle_between_modules():
+    """Every import statement (in functions and under TYPE_CHECKING too) between the package's modules; the
+    package's own ``__init__`` is left out (it sits at the top and loads lazily)."""
+    graph: dict[str, dict[str, str]] = {}
+    for mod, target, line in package_imports():
+        if target.startswith(ROOT + ".") and target != mod:
+            graph.setdefault(mod, {}).setdefault(target, f"{mod}:{line} -> {target}")
+    cycle = _find_cycle(graph)
+    assert cycle is None, _say_cycle(graph, cycle)
 
 
 def _trainer_stack(name: str) -> bool:

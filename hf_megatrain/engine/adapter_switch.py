@@ -16,14 +16,12 @@ PEFT is imported lazily (an integration; the core never imports it).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from torch import nn
 
+from ..core.engine_view import EngineView
 from ..export.peft_support import is_peft_model
-
-if TYPE_CHECKING:
-    from .runtime import MegaTrainEngine
 
 _FOLLOWING = "_megatrain_follows_adapter_switches"  # set on the tuner model once patched
 
@@ -42,14 +40,14 @@ def _tuner_layers(modules: list[nn.Module]) -> Iterator[nn.Module]:
                 yield m
 
 
-def follows_adapter_switches(engine: MegaTrainEngine) -> bool:
+def follows_adapter_switches(engine: EngineView) -> bool:
     """Whether ``engine.model`` is a PEFT model whose adapter switches reach the streamed layers."""
     model = engine.model
     return is_peft_model(model) and (getattr(model.base_model, _FOLLOWING, False)
                                      or model.active_peft_config.is_prompt_learning)
 
 
-def follow_adapter_switches(engine: MegaTrainEngine) -> bool:
+def follow_adapter_switches(engine: EngineView) -> bool:
     """Patch ``engine.model``'s tuner model (a PEFT LoRA-style model) so its adapter switches reach the streamed
     layers' templates. Returns whether the model is a PEFT model (and now follows); idempotent."""
     model = engine.model
@@ -60,7 +58,7 @@ def follow_adapter_switches(engine: MegaTrainEngine) -> bool:
         return True
     if model.active_peft_config.is_prompt_learning:  # (its switch swaps forwards; no tuner layer to reach)
         return True
-    templates = [t.module for t in engine.executor.templates]
+    templates = list({id(t): t for t in engine.layer_templates()}.values())  # (layers of one kind share one)
 
     def switched(original: Callable[..., Any], enabled: bool) -> Callable[..., Any]:
         def switch(*args: Any, **kwargs: Any) -> Any:
@@ -85,8 +83,8 @@ def follow_adapter_switches(engine: MegaTrainEngine) -> bool:
         layers = engine.stack.layers
         proxies = list(layers)
         try:
-            for i, kind in enumerate(engine.executor.kinds):
-                layers[i] = engine.executor.templates[kind].module
+            for i, template in enumerate(engine.layer_templates()):
+                layers[i] = template
             return original_status()
         finally:
             for i, proxy in enumerate(proxies):

@@ -29,17 +29,35 @@ from __future__ import annotations
 
 import types
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 from .proxy import StreamedLayer
+from ..core.engine_view import EngineView
+from ..core.step_state import StepState
 from ..export.weights import export_model, model_tensors
 from ..export.peft_support import adapter_key_aliases, is_peft_model
 
-if TYPE_CHECKING:
-    from ..engine.runtime import MegaTrainEngine
+
+@runtime_checkable
+class PresentingEngine(EngineView, Protocol):
+    """What the presented methods read of the engine (``engine/runtime.py`` ``MegaTrainEngine`` satisfies it): the
+    ``EngineView`` plus the parameters outside the layers and what makes values final before they are read. Typed
+    here, not as the engine's class, so this module stays below the runtime that calls it."""
+
+    resident_params: dict[str, nn.Parameter]  # trainable parameters outside the layers (device working copies)
+    frozen_resident: dict[str, nn.Parameter]  # frozen ones (device, compute dtype)
+    state: StepState  # the units' lifecycle: ``wait_all`` before a layer's master is read
+
+    def publish_resident(self) -> None:
+        """The resident unit's finished masters into its device working parameters."""
+        ...
+
+    def widen_gradients(self) -> None:
+        """Every narrow host gradient made FP32 in place, for readers of ``.grad``."""
+        ...
 
 # HF / PEFT save_pretrained arguments that are accepted at their default value (anything else is refused).
 _ACCEPTED_DEFAULTS: dict[str, Any] = {"variant": None, "token": None, "save_peft_format": True,
@@ -50,7 +68,7 @@ _ACCEPTED_DEFAULTS: dict[str, Any] = {"variant": None, "token": None, "save_peft
 LayerParams = list[list[tuple[str, nn.Parameter, "torch.Tensor | None"]]]  # per layer: (local name, param, grad)
 
 
-def _layer_parameters(engine: MegaTrainEngine) -> LayerParams:
+def _layer_parameters(engine: PresentingEngine) -> LayerParams:
     """Per streamed layer, (name inside the layer, parameter, its gradient buffer) in the layer's own order:
     trainable parameters are their FP32 masters, frozen ones the compute-dtype host copy, all sharing the store's
     memory; the gradient is the unit's FP32 host buffer where the plan keeps one beside the master, else None."""
@@ -70,7 +88,7 @@ def _layer_parameters(engine: MegaTrainEngine) -> LayerParams:
     return out
 
 
-def _named_parameters(engine: MegaTrainEngine, layers: LayerParams, prefix: str = "", recurse: bool = True,
+def _named_parameters(engine: PresentingEngine, layers: LayerParams, prefix: str = "", recurse: bool = True,
                       remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
     """``nn.Module.named_parameters`` of the converted model (see the module docstring); a generator, so each wait
     happens only when the caller gets that far."""
@@ -102,7 +120,7 @@ def _named_parameters(engine: MegaTrainEngine, layers: LayerParams, prefix: str 
             yield (f"{mname}.{n}" if mname else n), p
 
 
-def _state_dict(engine: MegaTrainEngine, *args: Any, destination: dict | None = None, prefix: str = "",
+def _state_dict(engine: PresentingEngine, *args: Any, destination: dict | None = None, prefix: str = "",
                 keep_vars: bool = False) -> dict[str, torch.Tensor]:
     """``nn.Module.state_dict`` semantics (also when a wrapper module recurses into this one with ``destination``
     and ``prefix``), values from the export's tensors."""
@@ -119,7 +137,7 @@ def _state_dict(engine: MegaTrainEngine, *args: Any, destination: dict | None = 
     return out
 
 
-def _aliases(engine: MegaTrainEngine) -> dict[str, str]:
+def _aliases(engine: PresentingEngine) -> dict[str, str]:
     """Tied names the store holds once: alias -> the name its master is kept under."""
     model = engine.model
     first = {id(p): n for n, p in {**engine.resident_params, **engine.frozen_resident}.items()}
@@ -129,13 +147,13 @@ def _aliases(engine: MegaTrainEngine) -> dict[str, str]:
     return {name: first[id(t)] for name, t in named.items() if id(t) in first and first[id(t)] != name}
 
 
-def _shared_of(engine: MegaTrainEngine, index: int) -> dict[str, nn.Parameter]:
+def _shared_of(engine: PresentingEngine, index: int) -> dict[str, nn.Parameter]:
     """The parameters streamed layer ``index`` shares with other layers, by name inside it (resident parameters:
     model/shared_blocks.py)."""
     return getattr(engine.stack.layers[index], "shared_params", {})
 
 
-def _load_state_dict(engine: MegaTrainEngine, state_dict: dict[str, torch.Tensor], strict: bool = True,
+def _load_state_dict(engine: PresentingEngine, state_dict: dict[str, torch.Tensor], strict: bool = True,
                      assign: bool = False) -> Any:
     """``nn.Module.load_state_dict`` over what ``state_dict()`` presents (moments untouched, as in torch)."""
     from torch.nn.modules.module import _IncompatibleKeys
@@ -173,7 +191,7 @@ def _load_state_dict(engine: MegaTrainEngine, state_dict: dict[str, torch.Tensor
     return _IncompatibleKeys(missing, unexpected)
 
 
-def _save_pretrained(engine: MegaTrainEngine, save_directory: str, is_main_process: bool = True,
+def _save_pretrained(engine: PresentingEngine, save_directory: str, is_main_process: bool = True,
                      state_dict: dict | None = None, push_to_hub: bool = False, max_shard_size: int | str | None = None,
                      *, dtype: torch.dtype | str | None = None, **kwargs: Any) -> list[str]:
     """``save_pretrained`` of the converted model: ``export_model`` (the files ``trainer.save_model()`` writes).
@@ -200,7 +218,7 @@ def _save_pretrained(engine: MegaTrainEngine, save_directory: str, is_main_proce
     return export_model(engine, save_directory, dtype=dtype, max_shard_size=max_shard_size, adapter_kwargs=kwargs)
 
 
-def present_weights(engine: MegaTrainEngine) -> None:
+def present_weights(engine: PresentingEngine) -> None:
     """Give ``engine.model`` the methods of the module docstring (bound to this engine)."""
     model = engine.model
     layers = _layer_parameters(engine)
@@ -249,7 +267,7 @@ def present_weights(engine: MegaTrainEngine) -> None:
         object.__setattr__(model, fn.__name__, types.MethodType(fn, model))
 
 
-def extra_sink(engine: MegaTrainEngine):
+def extra_sink(engine: PresentingEngine):
     """Load checkpoint tensors the store does not hold (frozen params, persistent buffers, the streamed layers'
     included) into the model."""
     model = engine.model

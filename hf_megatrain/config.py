@@ -484,6 +484,14 @@ class MegaTrainConfig:
         """Keys a higher ``resolve_config`` layer set to another value than a lower one did, in words."""
         return list(self.__dict__.get("_overrides", []))
 
+    def resolved(self, **values: Any) -> "MegaTrainConfig":
+        """A copy with ``values`` the library chose (an automatic setting resolved for this run), what the user set
+        unchanged: ``explicit_keys`` and the key sources stay this config's (``dataclasses.replace`` alone would
+        count every key as given, and the run summary would list them all as set)."""
+        out = dataclasses.replace(self, **values)
+        out.__dict__.update({k: v for k, v in self.__dict__.items() if k in ("_explicit", "_sources", "_overrides")})
+        return out
+
     def explicit_dict(self) -> dict[str, Any]:
         """``to_dict()`` restricted to ``explicit_keys``: rebuilding from it gives an equal config with the same
         explicit keys (how ``MegaTrainTrainingArguments`` stores a config object given to it)."""

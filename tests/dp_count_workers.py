@@ -24,10 +24,19 @@ from tests.models import tiny
 ROWS, GA, STEPS = 4, 2, 3  # rows of one global micro-batch, accumulation steps (of the N processes), steps
 
 
+def build_model(family: str = "llama", tie: bool = False, lora: bool = False) -> torch.nn.Module:
+    model = tiny(family, tie=tie)
+    if lora:
+        from tests.test_peft import lora as with_lora
+        model = with_lora(model)
+    return model
+
+
 def trainer_run(out: str, family: str = "llama", tie: bool = False, processes: int = 1, reference_for: int = 1,
-                resume: str | None = None) -> dict:
+                resume: str | None = None, lora: bool = False) -> dict:
     """``STEPS`` steps of MegaTrainTrainer (fp32, clipped, weight decay, warm-up, in-order samples) on the tiny
-    ``family`` model, a checkpoint at step 2 in ``out``. ``processes``: how many run this (the launch's);
+    ``family`` model (``lora``: its LoRA adapters, the frozen base in the shared store), a checkpoint at step 2 in
+    ``out``. ``processes``: how many run this (the launch's);
     ``reference_for``: one process stepping the micro-batches of that many (see the module docstring). Returns the
     final FP32 masters, the logged (loss, grad_norm) of every step, how many steps this run made, this process's run summary and the bytes of the
     shared store's files it maps."""
@@ -52,7 +61,7 @@ def trainer_run(out: str, family: str = "llama", tie: bool = False, processes: i
     earlier = mapped_run_files()  # (stores of earlier runs in this process, not yet collected)
     steps = []  # (the optimizer steps this run made: a resumed run makes only those after its checkpoint)
     count = type("CountSteps", (TrainerCallback,), {"on_step_end": lambda self, *a, **k: steps.append(1)})
-    trainer = InOrder(model=tiny(family, tie=tie), args=args, train_dataset=dataset(), callbacks=[count()])
+    trainer = InOrder(model=build_model(family, tie, lora), args=args, train_dataset=dataset(), callbacks=[count()])
     assert trainer.args.world_size == processes, (trainer.args.world_size, processes)
     trainer.train(resume_from_checkpoint=resume)
     assert trainer.model is trainer.engine.model  # (never DDP-wrapped)

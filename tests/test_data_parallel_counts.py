@@ -17,7 +17,6 @@ import torch
 from hf_megatrain.engine.summary import format_summary
 from hf_megatrain.hf.trainer import RUN_SUMMARY
 from tests import dp_count_workers as C
-from tests.models import tiny
 from tests.parity import rel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,48 +56,61 @@ def _assert_same_run(got: dict, ref: dict, what: str, tol: float = 1e-5, steps_r
             (what, step, loss, rloss, norm, rnorm)
 
 
-# tiny families the one-process path trains, each with what makes it differ: a MoE (router, experts some rank's
+# Tiny families the one-process path trains, each with what makes it differ: a MoE (router, experts some rank's
 # tokens never reach, the load-balancing loss), tied embeddings with soft-capping and sliding windows, biases, a
-# hybrid stack of unequal layer classes (Mamba / attention, dense / MoE: units of different sizes to shard).
-FAMILIES = [("mixtral", False), ("gemma2", True), ("qwen2", False), ("jamba", False)]
+# hybrid stack of unequal layer classes (Mamba / attention, dense / MoE: units of different sizes to shard), LoRA
+# (the frozen base streamed from the shared store). (Every other family of tests/models.py matched too, once.)
+MODELS = [dict(family="mixtral"), dict(family="gemma2", tie=True), dict(family="qwen2"), dict(family="jamba"),
+          dict(family="llama", lora=True)]
+
+
+def _name(spec: dict) -> str:
+    return spec["family"] + "_lora" * spec.get("lora", False)
 
 
 @pytest.mark.slow  # (launches 2 processes)
 def test_families_through_accelerate_launch_match_one_process(tmp_path):
     """``accelerate launch --multi_gpu --num_processes 2`` of MegaTrainTrainer (fp32, every step clipped, weight
-    decay): each family ends where one process stepping the same micro-batches ends (1e-5 relative per tensor, and
-    per logged loss and gradient norm)."""
+    decay): each model ends where one process stepping the same micro-batches ends (1e-5 relative per tensor, and
+    per logged loss and gradient norm). The run summary of the 2 processes says so, each rank's shard, and host
+    bytes counted once."""
     tmp = str(tmp_path)
-    runs = [dict(out=os.path.join(tmp, f"{f}_2proc"), family=f, tie=tie) for f, tie in FAMILIES]
+    runs = [dict(out=os.path.join(tmp, f"{_name(spec)}_2proc"), **spec) for spec in MODELS]
     _launch(2, runs)
-    for (family, tie), run in zip(FAMILIES, runs):
-        ref = C.trainer_run(os.path.join(tmp, f"{family}_1proc"), family, tie, reference_for=2)
-        _assert_same_run(_result(run["out"]), ref, f"{family}: 2 processes vs 1")
-    # The run summary (RUN_SUMMARY, written by the main process; each rank's own from run_summary): the
-    # process count, each rank's shard, host bytes counted once (the shared files once, not once per process).
-    for family, run in ((f, r["out"]) for (f, _), r in zip(FAMILIES, runs)):
-        written = json.load(open(os.path.join(run, RUN_SUMMARY)))
-        ranks = [torch.load(os.path.join(run, f"rank{r}.pt")) for r in range(2)]
-        s0, s1 = (r["summary"] for r in ranks)
-        assert {k: written[k] for k in ("processes", "rank", "shard_elements", "host_bytes")} == \
-            {k: s0[k] for k in ("processes", "rank", "shard_elements", "host_bytes")}, family
-        assert (s0["processes"], s0["processes_on_host"], s0["rank"], s1["rank"]) == (2, 2, 0, 1), family
-        layers = written["shard_elements_per_layer"]
-        assert len(layers) == written["layers"] and s0["shard_elements"] == sum(layers), family
-        assert s0["shard_elements_by_rank"] == s1["shard_elements_by_rank"] == \
-            [s0["shard_elements"], s1["shard_elements"]], family
-        # every element of every layer stepped by one rank: the two shards make the layers' parameters
-        in_layers = sum(p.numel() for n, p in tiny(family, tie=dict(FAMILIES)[family]).named_parameters()
-                        if ".layers." in n)
-        resident = s0["trainable_parameters"] - in_layers
-        assert s0["shard_elements"] + s1["shard_elements"] == in_layers and resident > 0, family
-        assert s0["shard_bytes"] == 16 * s0["shard_elements"], family  # (fp32: master, gradient, 2 moments)
-        # one store on the host: what each rank maps is the shared part, counted once in the total
-        assert ranks[0]["mapped_store_bytes"] == ranks[1]["mapped_store_bytes"] == s0["host_bytes_shared"] > 0
-        assert s0["host_bytes"] == s0["host_bytes_shared"] + 2 * s0["host_bytes_per_process"], family
-        assert s0["host_bytes_per_process"] == 16 * resident, family  # (the CPU "device"'s replicated resident unit)
-        assert s0["host_bytes_per_trainable_parameter"] == round(s0["host_bytes"] / s0["trainable_parameters"], 2)
-        assert "2 processes (2 on this host" in format_summary(written) and "counted once" in format_summary(written)
+    for spec, run in zip(MODELS, runs):
+        ref = C.trainer_run(os.path.join(tmp, f"{_name(spec)}_1proc"), reference_for=2, **spec)
+        _assert_same_run(_result(run["out"]), ref, f"{_name(spec)}: 2 processes vs 1")
+        _assert_summary(run["out"], spec)
+
+
+def _assert_summary(out: str, spec: dict) -> None:
+    """The run summary (RUN_SUMMARY, written by the main process; each rank's own from run_summary): the process
+    count, each rank's shard, host bytes counted once (the shared files once, not once per process)."""
+    what = _name(spec)
+    written = json.load(open(os.path.join(out, RUN_SUMMARY)))
+    ranks = [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(2)]
+    s0, s1 = (r["summary"] for r in ranks)
+    keys = ("processes", "rank", "shard_elements", "shard_elements_by_rank", "host_bytes", "host_bytes_shared")
+    assert {k: written[k] for k in keys} == {k: s0[k] for k in keys}, what
+    assert (s0["processes"], s0["processes_on_host"], s0["rank"], s1["rank"]) == (2, 2, 0, 1), what
+    layers = written["shard_elements_per_layer"]
+    assert len(layers) == written["layers"] and s0["shard_elements"] == sum(layers), what
+    assert s0["shard_elements_by_rank"] == s1["shard_elements_by_rank"] == \
+        [s0["shard_elements"], s1["shard_elements"]], what
+    # every trainable element of every layer stepped by one rank: the two shards make the layers' parameters
+    in_layers = sum(p.numel() for n, p in C.build_model(**spec).named_parameters()
+                    if ".layers." in n and p.requires_grad)
+    resident = s0["trainable_parameters"] - in_layers
+    assert s0["shard_elements"] + s1["shard_elements"] == in_layers and resident >= 0, what
+    assert s0["shard_bytes"] == 16 * s0["shard_elements"], what  # (fp32: master, gradient, 2 moments)
+    # one store on the host: what each rank maps is the shared part, counted once in the total
+    assert ranks[0]["mapped_store_bytes"] == ranks[1]["mapped_store_bytes"] == s0["host_bytes_shared"] > 0, what
+    assert s0["host_bytes"] == s0["host_bytes_shared"] + 2 * s0["host_bytes_per_process"], what
+    assert s0["host_bytes_per_process"] == 16 * resident, what  # (the CPU "device"'s replicated resident unit)
+    assert s0["host_bytes_per_trainable_parameter"] == round(s0["host_bytes"] / s0["trainable_parameters"], 2)
+    assert written["config_explicit_keys"] == ["compute_dtype", "shared_memory_dir"], what  # (what the test set)
+    text = format_summary(written)
+    assert "2 processes (2 on this host" in text and "counted once" in text, text
 
 
 @pytest.mark.slow  # (launches 2, then 4 processes)
@@ -120,3 +132,16 @@ def test_checkpoints_resume_with_another_process_count(tmp_path):
         _assert_same_run(_result(run["out"]), ref, what, steps_run=1 if run.get("resume") else C.STEPS)
     resumed = C.trainer_run(os.path.join(tmp, "4to1"), resume=ckpt("4proc"))
     _assert_same_run(resumed, ref, "resumed 4 -> 1", steps_run=1)
+
+
+def test_data_parallel_config_keeps_what_the_user_set():
+    """N processes resolve the automatic layer placement to none on the GPU; the keys the user set stay the ones
+    the run summary lists (a copy by ``dataclasses.replace`` counted every key as set)."""
+    from hf_megatrain import MegaTrainConfig
+    from hf_megatrain.parallel import DataParallel
+    from hf_megatrain.parallel.setup import data_parallel_config
+
+    given = MegaTrainConfig(compute_dtype="float32", micro_batch_size=2)
+    cfg = data_parallel_config(given, DataParallel(0, 2, 0, torch.device("cpu")))
+    assert (cfg.device_layers, cfg.device_step_layers, cfg.micro_batch_size) == (0, 0, 2)
+    assert cfg.explicit_keys == given.explicit_keys == {"compute_dtype", "micro_batch_size"}

@@ -7,7 +7,6 @@ change: every decoder layer is host-stepped (sharded over the ranks), the reside
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import torch
@@ -39,7 +38,7 @@ def data_parallel_config(config: MegaTrainConfig, dp: DataParallel) -> MegaTrain
     if config.resident_placement == "host":
         raise ValueError(f"resident_placement='host' is not supported with {n} (data parallel): the embeddings, "
                          "final norm and lm_head are replicated on each rank's device. Use 'device' or 'auto'.")
-    return dataclasses.replace(config, device_layers=0, device_step_layers=0)
+    return config.resolved(device_layers=0, device_step_layers=0)
 
 
 def check_plans(plans: Plans) -> None:

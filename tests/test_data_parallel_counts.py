@@ -145,3 +145,19 @@ def test_data_parallel_config_keeps_what_the_user_set():
     cfg = data_parallel_config(given, DataParallel(0, 2, 0, torch.device("cpu")))
     assert (cfg.device_layers, cfg.device_step_layers, cfg.micro_batch_size) == (0, 0, 2)
     assert cfg.explicit_keys == given.explicit_keys == {"compute_dtype", "micro_batch_size"}
+
+
+def test_processes_each_run_alone_are_refused(tmp_path, monkeypatch):
+    """``accelerate launch --multi_gpu --num_processes 2`` on a machine without GPUs and no ``use_cpu``: every
+    process has a process group of 2 but Trainer's ``world_size`` is 1, and each would train the whole model alone
+    into the same output_dir (the second then stopped by the output_dir lock, naming the wrong cause). Refused
+    saying what to change (the group of 2 faked here; a real launch ends in the same error)."""
+    from hf_megatrain import MegaTrainTrainer
+    from tests.test_trainer import dataset, mt_args
+
+    args = mt_args(tmp_path, use_cpu=False)
+    assert args.world_size == 1 and args.device.type == "cpu"
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    with pytest.raises(ValueError, match="use_cpu=True"):
+        MegaTrainTrainer(model=C.build_model(), args=args, train_dataset=dataset())

@@ -66,6 +66,20 @@ __all__ = ["MegaTrainTrainer", "MegaTrainTrainingArguments", "from_pretrained_st
 logger = logging.getLogger(__name__)
 
 
+def _check_launched_alone(args: TrainingArguments) -> None:
+    """Refuse processes launched together that Trainer runs each alone: ``accelerate launch --multi_gpu`` on a
+    machine without GPUs and no ``use_cpu`` gives every process a process group of N but ``world_size`` 1, and each
+    would train the whole model on the whole batch into the same output_dir."""
+    dist = torch.distributed
+    launched = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if args.world_size == 1 and launched > 1:
+        raise ValueError(
+            f"{launched} processes were launched together, but TrainingArguments runs each alone (world_size=1: "
+            "accelerate found no GPU for them), so each would train the whole model by itself. On a machine "
+            "without GPUs pass use_cpu=True (--use_cpu) to train as one group of processes (gloo); or launch one "
+            "process.")
+
+
 class MegaTrainTrainer(Trainer):
     """``transformers.Trainer`` with the model run by ``MegaTrainEngine`` (see the module docstring)."""
 
@@ -161,6 +175,7 @@ class MegaTrainTrainer(Trainer):
                 args.per_device_train_batch_size)
             decay = set(self.get_decay_parameter_names(model))  # Trainer's rule, on the unconverted model
             device = args.device  # (initialises torch.distributed in a multi-process launch)
+            _check_launched_alone(args)
             dp = DataParallel.from_process_group() if args.world_size > 1 else None
             engine = MegaTrainEngine(model, self._mt_config, device=device, decay_names=decay, dp=dp)
         given = args.megatrain_base_config()  # what the user set (explicit_keys), before the flags

@@ -84,17 +84,33 @@ def test_a_zombie_is_dead_and_a_reused_pid_is_not_the_peer(child):
     assert "died" in me.gone()[0]
 
 
-def test_a_failed_peer_is_named_with_its_error_first(child):
+def test_a_failed_peer_is_named_with_its_error():
     cells = torch.zeros(3, L.WORDS, dtype=torch.int64)
     me = _me(cells)
     for local in (1, 2):
-        _row(cells, local, local, child.pid)
-    L.Liveness(cells, 2, 2).fail("stopped because of rank 1", L.STOPPED)
+        _row(cells, local, local, os.getpid())  # (a row is written by its own process: here, this one)
+    L.Liveness(cells, 2, 2).fail(L.PREFIX + "rank 1 (pid 7) failed: ...; stopping this rank (2)", L.STOPPED)
+    assert me.gone() == ["rank 2 (pid %d) stopped: rank 1 (pid 7) failed: ...; stopping this rank (2)" % os.getpid()]
     L.Liveness(cells, 1, 1).fail("OutOfMemoryError: CUDA out of memory. " + "x" * 5000)  # (cut to the row)
-    gone = me.gone()
-    assert gone[0].startswith(f"rank 1 (pid {child.pid}) failed: OutOfMemoryError: CUDA out of memory. xx")
+    gone = me.gone()  # (the cause alone: rank 2 stopped because of it)
+    assert len(gone) == 1 and gone[0].startswith(f"rank 1 (pid {os.getpid()}) failed: OutOfMemoryError: CUDA out "
+                                                 "of memory. xx")
     assert len(gone[0]) < L.MESSAGE_BYTES + 100
-    assert gone[1] == f"rank 2 (pid {child.pid}) stopped: stopped because of rank 1"
+
+
+def test_a_forked_child_ending_does_not_speak_for_the_rank():
+    """A process forked by a rank (a DataLoader worker, a user's fork) inherits the hooks and the shared row: its
+    normal exit or its exception must not mark the rank done or failed."""
+    cells = torch.zeros(2, L.WORDS, dtype=torch.int64).share_memory_()
+    me = _me(cells)
+    pid = os.fork()
+    if pid == 0:
+        L.finished()
+        L._on_exception(ValueError, ValueError("in the child"))
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert me.state == L.RUNNING
+    me.finish()
 
 
 def test_a_peer_in_another_pid_namespace_is_judged_by_its_heartbeat():

@@ -52,6 +52,7 @@ WORDS = HEADER + MESSAGE_BYTES // 8
 # States (0: not registered yet).
 RUNNING, DONE, FAILED, STOPPED = 1, 2, 3, 4
 
+PREFIX = "hf_megatrain data parallel: "
 EXIT_CODE = 75  # this rank was stopped because another one died or failed (EX_TEMPFAIL: retrying may work)
 POLL_S = 1.0
 HEARTBEAT_TIMEOUT_S = 30.0
@@ -109,7 +110,7 @@ class Liveness:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         # A collected Liveness (its engine gone) no longer speaks for this process: its row says done, its watch
-        # ends (the thread holds only a weak reference).
+        # ends (the thread holds only a weak reference). (Also at interpreter exit: weakref.finalize's atexit.)
         self._finalizer = weakref.finalize(self, _retire, cells, local_rank, self._stop)
 
     # -- this rank's row ---------------------------------------------------------------------------------------------
@@ -134,6 +135,11 @@ class Liveness:
     def state(self) -> int:
         return int(self.cells[self.local_rank, STATE])
 
+    @property
+    def mine(self) -> bool:
+        """Whether this process wrote the row (not a child forked from it, which inherits the hooks)."""
+        return int(self.cells[self.local_rank, PID]) == os.getpid()
+
     def finish(self) -> None:
         """This rank ended normally: the others must not take its exit for a death."""
         self._set(DONE, "", only_from=RUNNING)
@@ -146,7 +152,7 @@ class Liveness:
 
     def _set(self, state: int, message: str, only_from: int) -> None:
         row = self.cells[self.local_rank]
-        if int(row[STATE]) != only_from:
+        if int(row[STATE]) != only_from or not self.mine:  # (a forked child's exit is not the rank's)
             return
         data = message.encode("utf-8", "replace")[:MESSAGE_BYTES]
         if data:
@@ -157,22 +163,25 @@ class Liveness:
     # -- the others --------------------------------------------------------------------------------------------------
     def gone(self) -> list[str]:
         """One line per other rank of the host that died or failed (or stopped because of another)."""
-        out, now, rows = [], _now_ms(), self.cells.tolist()
+        causes, stopped, now, rows = [], [], _now_ms(), self.cells.tolist()
         for local, row in enumerate(rows):
             if local == self.local_rank or row[STATE] in (0, DONE):
                 continue
             who = f"rank {row[RANK]} (pid {row[PID]})"
             if row[STATE] in (FAILED, STOPPED):
                 text = bytes(self.cells[local, HEADER:].view(torch.uint8)[:row[MSGLEN]].tolist()).decode(
-                    "utf-8", "replace")
-                out.append(f"{who} {'failed' if row[STATE] == FAILED else 'stopped'}: {text}")
+                    "utf-8", "replace").removeprefix(PREFIX)
+                if row[STATE] == FAILED:
+                    causes.append(f"{who} failed: {text}")
+                else:
+                    stopped.append(f"{who} stopped: {text}")
             elif row[PIDNS] and row[PIDNS] == rows[self.local_rank][PIDNS]:
                 if _process_gone(row[PID], row[STARTED]):
-                    out.append(f"{who} died (killed, or it exited without finishing)")
+                    causes.append(f"{who} died (killed, or it exited without finishing)")
             elif now - row[HEARTBEAT] > self.heartbeat_timeout_s * 1000:
-                out.append(f"{who} stopped answering ({(now - row[HEARTBEAT]) / 1000:.0f} s without a heartbeat)")
-        # A rank that failed or died is the cause; one that stopped is its consequence: name causes first.
-        return sorted(out, key=lambda line: " stopped: " in line)
+                causes.append(f"{who} stopped answering ({(now - row[HEARTBEAT]) / 1000:.0f} s without a heartbeat)")
+        # A rank that failed or died is the cause; one that stopped is its consequence (named when no cause shows).
+        return causes or stopped
 
     def check(self) -> None:
         """Raise ``PeerGone`` naming the ranks gone (PeerCells' waits ask this)."""
@@ -181,7 +190,7 @@ class Liveness:
             raise PeerGone(self._message(gone))
 
     def _message(self, gone: list[str]) -> str:
-        return f"hf_megatrain data parallel: {'; '.join(gone)}; stopping this rank ({self.rank})"
+        return f"{PREFIX}{'; '.join(gone)}; stopping this rank ({self.rank})"
 
     def _beat(self) -> list[str]:
         self.cells[self.local_rank, HEARTBEAT] = _now_ms()
@@ -208,7 +217,7 @@ def _watch(ref: "weakref.ref[Liveness]", stop: threading.Event, poll_s: float) -
 
 def _retire(cells: torch.Tensor, local_rank: int, stop: threading.Event) -> None:
     stop.set()
-    if int(cells[local_rank, STATE]) == RUNNING:
+    if int(cells[local_rank, STATE]) == RUNNING and int(cells[local_rank, PID]) == os.getpid():
         cells[local_rank, STATE] = DONE
 
 
@@ -235,7 +244,7 @@ def finished() -> None:
 def _on_exception(exc_type: type[BaseException], exc: BaseException) -> None:
     """An uncaught exception ends this process: the others hear why (or, if it came from another rank's death,
     that this one stopped because of it)."""
-    running = [live for live in list(_live) if live.state == RUNNING]
+    running = [live for live in list(_live) if live.state == RUNNING and live.mine]
     if not running:
         return
     deadline = time.monotonic() + EXCEPTION_GRACE_S

@@ -89,7 +89,7 @@ def test_manifest_reads_back_only_unrecorded_files(tmp_path, monkeypatch):
             json.dump({"global_step": 1}, f)
         read: list[str] = []
         real = manifest_io.crc32_files
-        monkeypatch.setattr(manifest_io, "crc32_files", lambda paths: read.extend(paths) or real(paths))
+        monkeypatch.setattr(manifest_io, "crc32_files", lambda paths, **kw: read.extend(paths) or real(paths, **kw))
         ckpt.write_manifest(tmp)
     assert not [p for p in read if p.endswith(".safetensors")], read  # their CRCs were recorded while writing
     assert any(p.endswith("trainer_state.json") for p in read)

@@ -29,6 +29,7 @@ import torch
 
 from ..core.engine_view import EngineView
 from ..core.memory import available_host_bytes
+from ..core.progress import Progress, byte_progress
 from .atomic import atomic_directory, recover_interrupted_saves, remove_stale_temp_dirs, rotate_checkpoints
 from .convert_keys import plan_keys, run_group
 from .durable import OutputDirBusy, output_dir_lock
@@ -37,8 +38,8 @@ from .manifest import file_crc32, manifest_crcs, verify_checkpoint, write_manife
 from .names import (MANIFEST, MASTER_PREFIX, OPTIMIZER_HYPER, OPTIMIZER_TENSORS,  # noqa: F401 (folders.MANIFEST)
                     WEIGHTS_PREFIX, CheckpointError)
 from .read_into import HeaderError, ReadStats, Target, read_into, read_stats
-from .safetensors_io import (DEFAULT_MAX_SHARD_SIZE, open_safetensors, parse_size, save_weights, weight_files,
-                             write_json, write_safetensors, write_weights)
+from .safetensors_io import (DEFAULT_MAX_SHARD_SIZE, data_bytes, open_safetensors, parse_size, save_weights,
+                             stored_nbytes, weight_files, write_json, write_safetensors, write_weights)
 from .staged import staged_export
 
 logger = logging.getLogger(__name__)
@@ -46,23 +47,27 @@ logger = logging.getLogger(__name__)
 __all__ = ["CheckpointError", "DEFAULT_MAX_SHARD_SIZE", "parse_size", "save_weights", "write_safetensors",
            "weight_files", "save_pretrained_streamed", "save_training_state", "write_manifest", "atomic_directory",
            "remove_stale_temp_dirs", "verify_checkpoint", "files_checked_on_load", "read_stats", "ReadStats",
-           "load_pretrained_into_engine", "check_training_state", "load_training_state", "output_dir_lock", "OutputDirBusy", "recover_interrupted_saves",
-           "rotate_checkpoints", "staged_export", "write_weights"]
+           "load_pretrained_into_engine", "check_training_state", "load_training_state", "output_dir_lock",
+           "OutputDirBusy", "recover_interrupted_saves", "rotate_checkpoints", "staged_export", "write_weights"]
 
 
 def save_pretrained_streamed(engine: EngineView, save_dir: str, *, dtype: torch.dtype = torch.float32,
                              max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-                             extra: Iterable[tuple[str, torch.Tensor]] = ()) -> list[str]:
+                             extra: Iterable[tuple[str, torch.Tensor]] = (), show_progress: bool = True) -> list[str]:
     """Standard HF checkpoint of ``engine.model``: weights from the FP32 master (cast to ``dtype``), ``extra``
     tensors (frozen parameters, persistent buffers), ``config.json`` recording ``dtype`` and, when the model can
     generate, ``generation_config.json``. Tied weights appear once (the store keeps the first name), as HF saves.
 
     ``save_dir`` may hold an earlier export and the user's files: the export is staged and committed so that a kill
-    at any instant leaves the old or the new model loadable, never a mix (``staged.py``)."""
+    at any instant leaves the old or the new model loadable, never a mix (``staged.py``).
+
+    ``show_progress``: a bar of the bytes written (``core/progress.py``: on a terminal, unless transformers' bars
+    are off); the caller's policy (``TrainingArguments.disable_tqdm``, the main process only)."""
     # (waits for updates in flight) In the layout transformers' save_pretrained writes (hub_layout.py).
     items = list(hub_layout(engine.model, layer_runs(list(engine.named_master_tensors()) + list(extra))))
     with staged_export(save_dir) as stage:
-        files = write_weights(stage, items, dtype=dtype, max_shard_size=max_shard_size)
+        with byte_progress("Saving model", data_bytes(items, dtype), enabled=show_progress) as progress:
+            files = write_weights(stage, items, dtype=dtype, max_shard_size=max_shard_size, progress=progress)
         model = engine.model
         cfg = getattr(model, "config", None)
         if cfg is not None and hasattr(cfg, "save_pretrained"):
@@ -79,19 +84,23 @@ def save_pretrained_streamed(engine: EngineView, save_dir: str, *, dtype: torch.
     return files
 
 
-def save_training_state(engine: EngineView, save_dir: str, *, master: bool) -> list[str]:
+def save_training_state(engine: EngineView, save_dir: str, *, master: bool, show_progress: bool = True) -> list[str]:
     """AdamW moments + step counts (safetensors), hyper-state (JSON) and, if ``master``, the FP32 master, written
-    straight into ``save_dir`` (a checkpoint's new temp folder: ``atomic_directory``)."""
+    straight into ``save_dir`` (a checkpoint's new temp folder: ``atomic_directory``). ``show_progress``: one bar
+    of the bytes of both (as ``save_pretrained_streamed``)."""
     files: list[str] = []
-    if master:
-        files += write_weights(save_dir, list(engine.named_master_tensors()), dtype=torch.float32,
-                               max_shard_size=DEFAULT_MAX_SHARD_SIZE, prefix=MASTER_PREFIX)
+    masters = list(engine.named_master_tensors()) if master else []  # (waits for updates in flight)
     opt = engine.optimizer
-    if opt is not None:
-        tensors = opt.state_tensors()  # waits for an overlapped step
-        write_safetensors(os.path.join(save_dir, OPTIMIZER_TENSORS), list(tensors.items()))
-        write_json(os.path.join(save_dir, OPTIMIZER_HYPER), opt.hyper_state())
-        files += [OPTIMIZER_TENSORS, OPTIMIZER_HYPER]
+    moments = list(opt.state_tensors().items()) if opt is not None else []  # (waits for an overlapped step)
+    total = data_bytes(masters, torch.float32) + data_bytes(moments, None)
+    with byte_progress("Saving training state", total, enabled=show_progress) as progress:
+        if master:
+            files += write_weights(save_dir, masters, dtype=torch.float32, max_shard_size=DEFAULT_MAX_SHARD_SIZE,
+                                   prefix=MASTER_PREFIX, progress=progress)
+        if opt is not None:
+            write_safetensors(os.path.join(save_dir, OPTIMIZER_TENSORS), moments, progress=progress)
+            write_json(os.path.join(save_dir, OPTIMIZER_HYPER), opt.hyper_state())
+            files += [OPTIMIZER_TENSORS, OPTIMIZER_HYPER]
     return files
 
 
@@ -137,12 +146,13 @@ def files_checked_on_load(engine: EngineView, path: str, *, page_cache_bytes: in
     return out
 
 
-def _read_checked(jobs: list[tuple[str, dict[str, Target], bool]], sums: dict[str, str]) -> None:
+def _read_checked(jobs: list[tuple[str, dict[str, Target], bool]], sums: dict[str, str],
+                  progress: Progress | None = None) -> None:
     """``read_into`` the jobs; a file read whole whose CRC-32 (computed while reading) differs from the manifest's
     raises: it changed after the save (or after ``verify_checkpoint``), and the state it was read into is not the
     checkpoint's."""
     try:
-        got = read_into(jobs)
+        got = read_into(jobs, progress=progress)
     except HeaderError as e:
         raise CheckpointError(str(e)) from e
     for (fpath, _, crc), c in zip(jobs, got):
@@ -153,11 +163,16 @@ def _read_checked(jobs: list[tuple[str, dict[str, Target], bool]], sums: dict[st
                                   "the engine / trainer again before training without one")
 
 
+def _counted(t: torch.Tensor, progress: Progress) -> torch.Tensor:
+    progress.add(t.nbytes)
+    return t
+
+
 def load_pretrained_into_engine(engine: EngineView, path: str, *, prefix: str | None = None,
                                 strict: bool = True,
                                 extra_sink: Callable[[str, torch.Tensor], bool] | None = None,
                                 weight_mapping: list | None = None, extra_names: Iterable[str] = (),
-                                base_model_prefix: str | None = None) -> list[str]:
+                                base_model_prefix: str | None = None, show_progress: bool = True) -> list[str]:
     """Fill the engine's FP32 masters from the safetensors weights in ``path``: every master read straight into
     the store (``read_into``: one copy, ranges of the shards on a few threads; another dtype converted once). A
     shard its manifest lists and that this process reads whole is checked against its CRC-32, computed while
@@ -171,7 +186,9 @@ def load_pretrained_into_engine(engine: EngineView, path: str, *, prefix: str | 
     checkpoint keys not already named as in the model (``convert_keys``): renamed keys are copied like the others,
     converted ones (per-expert tensors -> fused experts) are built one target tensor at a time from their sources.
     ``extra_names``: the names ``extra_sink`` accepts, so that renamed / converted keys can reach it too. The whole
-    plan (names, shapes, converted shapes on meta tensors) is checked before any master is written."""
+    plan (names, shapes, converted shapes on meta tensors) is checked before any master is written.
+
+    ``show_progress``: a bar of the bytes read (as ``save_pretrained_streamed``)."""
     if prefix is None:
         prefix = MASTER_PREFIX if weight_files(path, MASTER_PREFIX) is not None else WEIGHTS_PREFIX
     shards = weight_files(path, prefix)
@@ -190,11 +207,14 @@ def load_pretrained_into_engine(engine: EngineView, path: str, *, prefix: str | 
                      for fname in dict.fromkeys(fname for _, _, fname in g.sources)}
             return run_group(g, lambda fname, key: read(files[fname], key), model=model, config=config)
 
+    later = 0  # bytes read through safe_open (not into a master): frozen parameters, buffers, converted sources
     for fname, names in shards.items():  # headers only: refuse a mismatched checkpoint before copying anything
         with open_safetensors(os.path.join(path, fname)) as f:
             for key in names:
                 name = plan.direct.get(key)
-                if name is not None and name in store.by_name:
+                if name is None or name not in store.by_name:
+                    later += stored_nbytes(f, key)
+                else:
                     shape, want = tuple(f.get_slice(key).get_shape()), store.by_name[name][1].shape
                     if shape != tuple(want):
                         raise CheckpointError(f"{os.path.join(path, fname)}: tensor {key} has shape {shape}, the "
@@ -222,22 +242,25 @@ def load_pretrained_into_engine(engine: EngineView, path: str, *, prefix: str | 
         skipped = any(plan.direct.get(key) in store.by_name and key not in targets for key in names)
         jobs.append((os.path.join(path, fname), targets, fname in sums and not skipped))
         others.append([key for key in names if plan.direct.get(key) not in store.by_name and key not in converted])
-    _read_checked(jobs, sums)
-    for (fpath, _, _), keys in zip(jobs, others):  # frozen parameters, buffers: small, through safe_open
-        if keys:
-            with open_safetensors(fpath) as f:
-                for key in keys:
-                    name = plan.direct.get(key)
-                    if extra_sink is None or not extra_sink(name or key, f.get_tensor(key)):
-                        unused.append(key)
-    for g in plan.groups:  # one target's sources in memory at a time
-        for name, t in read_group(g, lambda f, key: f.get_tensor(key)).items():
-            if name in store.by_name:
-                if writes(name):
-                    with torch.no_grad():
-                        masters[name].copy_(t)
-            elif extra_sink is None or not extra_sink(name, t):
-                unused.append(name)
+    with byte_progress("Loading weights", later, enabled=show_progress) as progress:  # (read_into adds its bytes)
+        _read_checked(jobs, sums, progress)
+        for (fpath, _, _), keys in zip(jobs, others):  # frozen parameters, buffers: small, through safe_open
+            if keys:
+                with open_safetensors(fpath) as f:
+                    for key in keys:
+                        name = plan.direct.get(key)
+                        t = f.get_tensor(key)
+                        progress.add(t.nbytes)
+                        if extra_sink is None or not extra_sink(name or key, t):
+                            unused.append(key)
+        for g in plan.groups:  # one target's sources in memory at a time
+            for name, t in read_group(g, lambda f, key: _counted(f.get_tensor(key), progress)).items():
+                if name in store.by_name:
+                    if writes(name):
+                        with torch.no_grad():
+                            masters[name].copy_(t)
+                elif extra_sink is None or not extra_sink(name, t):
+                    unused.append(name)
     engine.sync_device_()
     return unused
 
@@ -261,8 +284,9 @@ def check_training_state(engine: EngineView, path: str, f: Any | None = None) ->
                                   f"this model needs {shape}")
 
 
-def load_training_state(engine: EngineView, path: str) -> bool:
-    """Restore AdamW moments, step counts and hyper-state saved by ``save_training_state``; False if absent."""
+def load_training_state(engine: EngineView, path: str, *, show_progress: bool = True) -> bool:
+    """Restore AdamW moments, step counts and hyper-state saved by ``save_training_state``; False if absent.
+    ``show_progress``: a bar of the moments' bytes read (as ``save_pretrained_streamed``)."""
     tensors, hyper = os.path.join(path, OPTIMIZER_TENSORS), os.path.join(path, OPTIMIZER_HYPER)
     if not os.path.isfile(tensors):
         return False
@@ -280,7 +304,8 @@ def load_training_state(engine: EngineView, path: str) -> bool:
         targets = _moment_targets(engine, live)
         whole = all(t.first == 0 for t in targets.values())
         sums = manifest_crcs(path)
-        _read_checked([(tensors, targets, whole and OPTIMIZER_TENSORS in sums)], sums)
+        with byte_progress("Loading optimizer state", enabled=show_progress) as progress:  # (read_into: its bytes)
+            _read_checked([(tensors, targets, whole and OPTIMIZER_TENSORS in sums)], sums, progress)
         # The moments are in place (loading a tensor into itself copies nothing); the small rest from the file.
         opt.load_state_tensors({**{k: f.get_tensor(k) for k in f.keys() if k not in targets},
                                 **{k: live[k] for k in targets}})

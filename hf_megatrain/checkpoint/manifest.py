@@ -17,6 +17,7 @@ import logging
 import os
 from typing import Collection
 
+from ..core.progress import Progress, byte_progress
 from .fast_io import recorded_crc32
 from .names import MANIFEST, MASTER_PREFIX, OPTIMIZER_TENSORS, WEIGHTS_PREFIX, CheckpointError
 from .read_into import crc32_files
@@ -32,9 +33,9 @@ def file_crc32(path: str, chunk: int = 64 << 20) -> str:
     return crc32_files([path], chunk=chunk)[0]
 
 
-def _crc32_all(paths: list[str]) -> list[str]:
-    """CRC-32 of each file: all files and ranges of large ones read in parallel, every byte once (``fast_io``)."""
-    return crc32_files(paths)
+def _crc32_all(paths: list[str], progress: Progress | None = None) -> list[str]:
+    """CRC-32 of each file: all files and ranges of large ones read in parallel, every byte once (``read_into``)."""
+    return crc32_files(paths, progress=progress)
 
 
 def write_manifest(save_dir: str) -> None:
@@ -68,7 +69,7 @@ def _unverified(path: str, why: str, allow_unverified: bool) -> None:
 
 
 def verify_checkpoint(path: str, *, training_state: bool = True, allow_unverified: bool = False,
-                      crc_on_load: Collection[str] = ()) -> None:
+                      crc_on_load: Collection[str] = (), show_progress: bool = True) -> None:
     """Raise ``CheckpointError`` naming the first missing, corrupt or unexpected file of checkpoint folder ``path``.
 
     Folders hf_megatrain wrote carry ``megatrain_manifest.json`` (written last): every listed file must exist with
@@ -81,7 +82,10 @@ def verify_checkpoint(path: str, *, training_state: bool = True, allow_unverifie
 
     ``crc_on_load``: files (``files_checked_on_load``) whose CRC-32 the caller's load checks while reading them
     whole, so that resuming reads the checkpoint once: their presence, size and header are checked here, their
-    bytes by the load (which refuses them, naming the file, before training starts)."""
+    bytes by the load (which refuses them, naming the file, before training starts).
+
+    ``show_progress``: a bar of the bytes read for the CRC-32s (``core/progress.py``: on a terminal, unless
+    transformers' bars are off); the caller's policy (``TrainingArguments.disable_tqdm``, the main process only)."""
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint folder {path} does not exist")
     names = sorted(f for f in os.listdir(path) if os.path.isfile(os.path.join(path, f)))
@@ -108,7 +112,9 @@ def verify_checkpoint(path: str, *, training_state: bool = True, allow_unverifie
             sums = {}
         deferred = set(crc_on_load)
         crc_names = sorted(f for f in sums if f not in deferred)
-        for fname, got in zip(crc_names, _crc32_all([os.path.join(path, f) for f in crc_names])):
+        with byte_progress("Verifying checkpoint", enabled=show_progress) as progress:  # (read_into: its bytes)
+            got_all = _crc32_all([os.path.join(path, f) for f in crc_names], progress)
+        for fname, got in zip(crc_names, got_all):
             if got != sums[fname]:
                 raise CheckpointError(f"checkpoint {path} is corrupt: {fname} does not hold the bytes that were "
                                       f"written (CRC-32 {got}, recorded {sums[fname]}); resume from an earlier "

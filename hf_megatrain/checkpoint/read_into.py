@@ -38,6 +38,7 @@ from typing import Iterator
 
 import torch
 
+from ..core.progress import Progress
 from . import fast_io
 from .fast_io import crc32_combine
 
@@ -228,7 +229,8 @@ def _digest(p: _Piece, buf: torch.Tensor, slot: torch.Tensor | None, acc: list[i
 
 
 def _read_range(path: str, pieces: list[_Piece], chunk: int, crc_on: bool, lane: ThreadPoolExecutor,
-                free: queue.SimpleQueue, phases: _Phases, stop: threading.Event) -> tuple[int, int]:
+                free: queue.SimpleQueue, phases: _Phases, stop: threading.Event,
+                progress: Progress | None) -> tuple[int, int]:
     """Read ``pieces`` (consecutive in the file when a CRC is wanted) and hand each to ``lane`` (one thread: the
     pieces are digested in file order), so that this thread's next read is in flight while the lane computes the
     CRC / conversion of the last one. Returns the range's CRC-32 (``crc_on``) and byte count."""
@@ -268,6 +270,8 @@ def _read_range(path: str, pieces: list[_Piece], chunk: int, crc_on: bool, lane:
                 raise
             phases.add("read_s", t)
             total += p.n
+            if progress is not None:
+                progress.add(p.n)
             if crc_on or slot is not None:
                 pending.append(lane.submit(_digest, p, buf, slot, acc, crc_on, free, phases))
     finally:
@@ -282,13 +286,14 @@ def _read_range(path: str, pieces: list[_Piece], chunk: int, crc_on: bool, lane:
 
 
 def read_into(jobs: list[tuple[str, dict[str, Target] | None, bool]], workers: int | None = None,
-              chunk: int | None = None) -> list[str | None]:
+              chunk: int | None = None, progress: Progress | None = None) -> list[str | None]:
     """For each ``(path, targets, crc)``: read the targets' bytes into their destinations, files and consecutive
     ranges of each file on ``workers`` reader threads (default ``fast_io.READERS``), each with a lane thread that
     computes the CRC-32 / conversion of its last read while it reads the next. Returns each file's CRC-32 (8 hex
     digits) where ``crc`` asked for it (every byte read), else None. ``targets`` None: a file of any format, read
     whole for its CRC only. Headers and shapes are all checked before any byte is read; phase times go to the
-    ``read_stats()`` collectors active in the caller's context."""
+    ``read_stats()`` collectors active in the caller's context. ``progress``: the bytes to read are announced on it
+    once planned, and counted as they are read."""
     workers = max(1, workers or fast_io.READERS)
     chunk = chunk or fast_io.READ_CHUNK
     t0 = time.perf_counter()
@@ -298,6 +303,8 @@ def read_into(jobs: list[tuple[str, dict[str, Target] | None, bool]], workers: i
         pieces = _pieces(path, read_header(path), targets, chunk) if targets is not None else []
         plans.append((path, _cover(pieces, size, chunk) if crc or targets is None else pieces, crc))
     total = sum(p.n for _, pieces, _ in plans for p in pieces)
+    if progress is not None:
+        progress.expect(total)
     share = max(chunk, -(-total // max(1, 4 * workers)))  # ~4 ranges a thread: balanced, still large reads
     ranges: list[tuple[int, list[_Piece]]] = []
     for i, (_, pieces, _) in enumerate(plans):
@@ -328,7 +335,7 @@ def read_into(jobs: list[tuple[str, dict[str, Target] | None, bool]], workers: i
                     except queue.Empty:
                         return
                     path, _, crc = plans[i]
-                    results[k] = _read_range(path, group, chunk, crc, lane, free, phases, stop)
+                    results[k] = _read_range(path, group, chunk, crc, lane, free, phases, stop, progress)
         except BaseException:
             stop.set()  # (the other readers stop at their next piece)
             raise
@@ -352,7 +359,8 @@ def read_into(jobs: list[tuple[str, dict[str, Target] | None, bool]], workers: i
     return [f"{c & 0xFFFFFFFF:08x}" if crc else None for c, (_, _, crc) in zip(crcs, plans)]
 
 
-def crc32_files(paths: list[str], workers: int | None = None, chunk: int | None = None) -> list[str]:
+def crc32_files(paths: list[str], workers: int | None = None, chunk: int | None = None,
+                progress: Progress | None = None) -> list[str]:
     """CRC-32 (8 hex digits) of each file, reading every byte once: files and ranges of large files on
     ``READERS`` readers, each CRC computed on the reader's lane while its next read waits on the disk."""
-    return [c or "" for c in read_into([(p, None, True) for p in paths], workers, chunk)]
+    return [c or "" for c in read_into([(p, None, True) for p in paths], workers, chunk, progress)]

@@ -25,6 +25,7 @@ from typing import Any, Iterator
 import torch
 from safetensors import safe_open
 
+from ..core.progress import Progress
 from .fast_io import DEFAULT_WORKERS, crc32_combine, record_crc32
 from .names import WEIGHTS_PREFIX, CheckpointError
 from .staged import check_free_space, disk_full, staged_export, write_json
@@ -63,6 +64,12 @@ def _nbytes(t: torch.Tensor, dtype: torch.dtype | None) -> int:
     return t.numel() * torch.empty((), dtype=_out_dtype(t, dtype)).element_size()
 
 
+def data_bytes(items: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None) -> int:
+    """Bytes of the tensors of ``items`` written as ``dtype`` (floating ones; the others as they are): what the
+    writers below write besides headers and indexes, and count on a ``Progress``."""
+    return sum(_nbytes(t, dtype) for _, t in items)
+
+
 def _pieces(items: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None,
             start: int) -> list[tuple[int, torch.Tensor, int, int, torch.dtype]]:
     """(file offset, flat tensor, first element, end element, output dtype) of every chunk of the data section."""
@@ -80,7 +87,7 @@ def _pieces(items: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None,
     return out
 
 
-def _write_pieces(fd: int, pieces: list, stop: threading.Event) -> tuple[int, int]:
+def _write_pieces(fd: int, pieces: list, stop: threading.Event, progress: Progress | None) -> tuple[int, int]:
     """pwrite ``pieces`` (consecutive in the file) from the tensors' own memory (a cast or a device copy only
     where needed, one chunk at a time); returns the CRC-32 and byte count of the bytes written."""
     crc, total = 0, 0
@@ -98,16 +105,20 @@ def _write_pieces(fd: int, pieces: list, stop: threading.Event) -> tuple[int, in
         if _ADVISE:  # start the chunk's writeback now (the disk works while we copy the next), keep it uncached
             os.posix_fadvise(fd, off, len(view), os.POSIX_FADV_DONTNEED)
         total += len(view)
+        if progress is not None:
+            progress.add(len(view))
     return crc, total
 
 
 def write_safetensors(path: str, items: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None,
-                      metadata: dict[str, str] | None = None, *, workers: int = DEFAULT_WORKERS) -> str:
+                      metadata: dict[str, str] | None = None, *, workers: int = DEFAULT_WORKERS,
+                      progress: Progress | None = None) -> str:
     """Write ``items`` as one safetensors file, casting floating tensors to ``dtype`` chunk by chunk; fsynced.
     ``workers`` threads write consecutive ranges of the data section (``pwrite``), each computing the CRC-32 of
     the bytes it writes; the file's CRC-32 (returned, 8 hex digits) is combined from theirs and recorded for
     ``write_manifest`` (``fast_io``): the file is never read back. A full disk raises ENOSPC naming the folder and
-    the bytes the file needs; the partial file is removed."""
+    the bytes the file needs; the partial file is removed. ``progress`` counts the tensors' bytes as they are
+    written (the caller announced them: ``data_bytes``)."""
     header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
     off = 0
     for name, t in items:
@@ -132,10 +143,10 @@ def write_safetensors(path: str, items: list[tuple[str, torch.Tensor]], dtype: t
             crc = zlib.crc32(head)
             stop = threading.Event()
             if len(groups) <= 1:
-                parts = [_write_pieces(fd, g, stop) for g in groups]
+                parts = [_write_pieces(fd, g, stop, progress) for g in groups]
             else:
                 with ThreadPoolExecutor(len(groups)) as pool:
-                    futures = [pool.submit(_write_pieces, fd, g, stop) for g in groups]
+                    futures = [pool.submit(_write_pieces, fd, g, stop, progress) for g in groups]
                     try:
                         parts = [fut.result() for fut in futures]
                     finally:
@@ -158,13 +169,14 @@ def _shard_files(prefix: str, n: int) -> list[str]:
 
 def write_weights(save_dir: str, items: list[tuple[str, torch.Tensor]], *, dtype: torch.dtype | None,
                   max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, prefix: str = WEIGHTS_PREFIX,
-                  workers: int = DEFAULT_WORKERS) -> list[str]:
+                  workers: int = DEFAULT_WORKERS, progress: Progress | None = None) -> list[str]:
     """Write ``items`` in HF's sharded safetensors layout straight into ``save_dir`` (a new folder: a staging or a
     checkpoint's temp folder); returns the file names written, the index last.
 
     Shards are filled greedily in order (a tensor larger than the limit gets its own shard), like
     ``huggingface_hub.split_torch_state_dict_into_shards``. Shards are written ``workers`` at a time (one file a
-    thread; with fewer shards than workers, each file's ranges in parallel: ``write_safetensors``)."""
+    thread; with fewer shards than workers, each file's ranges in parallel: ``write_safetensors``). ``progress``
+    counts the bytes written (the caller announced them: ``data_bytes``)."""
     limit = parse_size(max_shard_size)
     shards: list[list[tuple[str, torch.Tensor]]] = [[]]
     size = 0
@@ -175,18 +187,19 @@ def write_weights(save_dir: str, items: list[tuple[str, torch.Tensor]], *, dtype
             size = 0
         shards[-1].append((name, t))
         size += n
-    total = sum(_nbytes(t, dtype) for _, t in items)
+    total = data_bytes(items, dtype)
     check_free_space(save_dir, total)
     names = _shard_files(prefix, len(shards))
     files = max(1, min(workers, len(shards)))  # one file a worker; a file's ranges share what is left
     try:
         if files == 1:
             for fname, shard in zip(names, shards):
-                write_safetensors(os.path.join(save_dir, fname), shard, dtype, workers=workers)
+                write_safetensors(os.path.join(save_dir, fname), shard, dtype, workers=workers, progress=progress)
         else:
             with ThreadPoolExecutor(files) as pool:
                 list(pool.map(lambda fs: write_safetensors(os.path.join(save_dir, fs[0]), fs[1], dtype,
-                                                           workers=max(1, workers // files)), zip(names, shards)))
+                                                           workers=max(1, workers // files), progress=progress),
+                              zip(names, shards)))
     except OSError as e:  # (the caller removes the folder it gave: no partial file keeps the disk full)
         raise disk_full(e, save_dir, total) from e
     if len(shards) > 1:
@@ -247,6 +260,14 @@ def open_safetensors(path: str) -> Iterator[Any]:
         raise CheckpointError(f"corrupt safetensors file {path}: {e}") from e
     with handle as f:
         yield f
+
+
+def stored_nbytes(f: Any, key: str) -> int:
+    """Bytes of tensor ``key`` in open file ``f``, from its header (dtype names carry their bits: F32, BF16,
+    F8_E4M3, ...; BOOL is a byte). For progress bars: never raises on a dtype this package does not write."""
+    sl = f.get_slice(key)
+    bits = re.search(r"\d+", sl.get_dtype())
+    return math.prod(sl.get_shape()) * (int(bits.group()) if bits else 8) // 8
 
 
 def copy_tensor_into(dst: torch.Tensor, f: Any, key: str, path: str) -> None:

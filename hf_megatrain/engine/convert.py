@@ -26,6 +26,7 @@ from .. import planner
 from ..config import MegaTrainConfig
 from ..core.memory import alloc_host, gpu_budget
 from ..core.plan import Plans, Where
+from ..core.progress import progress_over, tensor_bytes
 from ..core.store import UnitStore
 from ..model import attention
 from ..model.cross_layer import drop_unread_kv_stores
@@ -147,7 +148,8 @@ def convert(model: nn.Module, config: MegaTrainConfig, device: torch.device, dec
     buffers: list[dict[str, torch.Tensor]] = []
     persistent: list[list[str]] = []
     originals = list(layers)
-    for i, layer in enumerate(originals):
+    for i, layer in enumerate(progress_over(originals, "Converting model", lambda m: tensor_bytes(
+            p for p in m.parameters() if id(p) not in shared_ids))):  # (a bar only for real, not meta, weights)
         unit = store.units[i]
         if kinds[i] not in templates:
             templates[kinds[i]] = LayerTemplate(layer, unit.params, unit.frozen_params, compile=config.compiles(device.type),

@@ -57,18 +57,20 @@ def conversion_mapping(model: nn.Module) -> list:
 
 
 def load_weights(engine: MegaTrainEngine, path: str, prefix: str | None = None,
-                 mapping: list | None = None) -> list[str]:
+                 mapping: list | None = None, show_progress: bool = True) -> list[str]:
     """Every load of a model checkpoint into an engine (``from_pretrained_streamed``, the Trainer's resume and
     best-model loads): masters, then frozen parameters and buffers (``extra_sink``), with transformers' key
     conversion applied to keys not named as in the model (a ``save_pretrained`` MoE checkpoint's per-expert keys).
     ``mapping`` defaults to the one computed from ``engine.model`` (the same list as from its unconverted skeleton:
-    transformers derives it from the model's config and classes). Returns the checkpoint keys not used."""
+    transformers derives it from the model's config and classes). Returns the checkpoint keys not used.
+    ``show_progress``: a bar of the bytes read (on a terminal, unless transformers' progress bars are off)."""
     model = engine.model
     sink = extra_sink(engine)
     return ckpt.load_pretrained_into_engine(engine, path, prefix=prefix, extra_sink=sink,
                                             weight_mapping=conversion_mapping(model) if mapping is None else mapping,
                                             extra_names=sink.names,
-                                            base_model_prefix=getattr(model, "base_model_prefix", None))
+                                            base_model_prefix=getattr(model, "base_model_prefix", None),
+                                            show_progress=show_progress)
 
 
 def launched_data_parallel() -> DataParallel | None:
@@ -82,14 +84,17 @@ def launched_data_parallel() -> DataParallel | None:
 
 def from_pretrained_streamed(model_id_or_path: str, config: MegaTrainConfig | dict | str | None = None,
                              device: torch.device | str | None = None, decay_names: set[str] | None = None,
-                             dp: DataParallel | None | str = "auto", **hf_kwargs: Any) -> MegaTrainEngine:
+                             dp: DataParallel | None | str = "auto", show_progress: bool = True,
+                             **hf_kwargs: Any) -> MegaTrainEngine:
     """Build a ``MegaTrainEngine`` for a pretrained causal LM without ever materialising the model in RAM.
 
     The HF skeleton is built with parameters on the meta device (buffers such as rotary tables are computed for
     real), the engine allocates its host store, and the masters are filled shard by shard from the safetensors
     files (memory-mapped). Peak host memory is the store plus one chunk of one tensor. ``config`` is resolved by
     ``config.resolve_config`` (default: env MEGATRAIN_CONFIG; MEGATRAIN_<KEY> env vars override keys). ``dp``: the
-    data-parallel ranks (hf_megatrain/parallel/); "auto": those of a multi-process launch."""
+    data-parallel ranks (hf_megatrain/parallel/); "auto": those of a multi-process launch. ``show_progress``: a bar
+    of the bytes loaded, as transformers shows its own (on a terminal, unless transformers' progress bars are off),
+    by one process of each node (the one that fills the node's store)."""
     from accelerate import init_empty_weights
 
     config = resolve_config(config)
@@ -112,7 +117,8 @@ def from_pretrained_streamed(model_id_or_path: str, config: MegaTrainConfig | di
     if dp == "auto":
         dp = launched_data_parallel()
     engine = MegaTrainEngine(model, config, device=device, decay_names=decay_names, dp=dp)
-    unused = load_weights(engine, path, prefix=ckpt.WEIGHTS_PREFIX, mapping=mapping)
+    unused = load_weights(engine, path, prefix=ckpt.WEIGHTS_PREFIX, mapping=mapping,
+                          show_progress=show_progress and (dp is None or dp.local_rank == 0))
     if unused:
         logger.warning("hf_megatrain: %d checkpoint tensors not used by the model, e.g. %s", len(unused), unused[:5])
     return engine

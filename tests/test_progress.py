@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers.utils import logging as hf_logging
 
-from hf_megatrain import MegaTrainConfig, MegaTrainEngine
+from hf_megatrain import MegaTrainConfig, MegaTrainEngine, MegaTrainTrainer
 from hf_megatrain import checkpoint as ckpt
 from hf_megatrain.hf.pretrained import from_pretrained_streamed
 
@@ -145,3 +145,17 @@ def test_quiet_when_asked_or_not_a_terminal(tmp_path, monkeypatch, bars, quiet):
         off = [isinstance(b, hf_logging.EmptyTqdm) if quiet == "transformers' bars off" else b.disable and b.n == 0
                for desc, b in bars if desc in ours]
         assert all(off), off
+
+
+@pytest.mark.parametrize("disable_tqdm", [False, True])
+def test_trainer_checkpoints_follow_disable_tqdm(tmp_path, monkeypatch, bars, disable_tqdm):
+    """MegaTrainTrainer's checkpoint save, and a resume from it, show the bars unless ``disable_tqdm``."""
+    from .test_trainer import dataset, mt_args
+
+    terminal = _terminal(monkeypatch)
+    kw = dict(max_steps=2, save_strategy="steps", save_steps=2, disable_tqdm=disable_tqdm)
+    MegaTrainTrainer(model=tiny("llama"), args=mt_args(tmp_path / "a", **kw), train_dataset=dataset(8)).train()
+    MegaTrainTrainer(model=tiny("llama"), args=mt_args(tmp_path / "b", **kw), train_dataset=dataset(8)).train(
+        resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
+    shown = [desc for desc in SAVES if re.search(re.escape(desc) + r": 100%\|.*B/s\]", terminal.getvalue())]
+    assert shown == ([] if disable_tqdm else SAVES), terminal.getvalue()

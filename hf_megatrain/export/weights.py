@@ -63,12 +63,13 @@ def model_tensors(engine: EngineView) -> Iterator[tuple[str, torch.Tensor]]:
 
 def export_model(engine: EngineView, save_dir: str, *, dtype: torch.dtype | str | None = None,
                  max_shard_size: int | str | None = None, merged: bool = False,
-                 adapter_kwargs: dict[str, Any] | None = None) -> list[str]:
+                 adapter_kwargs: dict[str, Any] | None = None, show_progress: bool = True) -> list[str]:
     """Write ``engine.model`` to ``save_dir`` (see the module docstring) and return the files written.
 
     ``dtype``: ``float32`` or ``bfloat16`` (default: ``engine.config.save_dtype``). ``max_shard_size``: largest
     safetensors shard (default ``checkpoint.DEFAULT_MAX_SHARD_SIZE``; unused by the small adapter file).
-    ``adapter_kwargs`` go to PEFT's ``save_pretrained`` for an adapter folder."""
+    ``adapter_kwargs`` go to PEFT's ``save_pretrained`` for an adapter folder. ``show_progress``: a bar of the bytes
+    of a full export (``checkpoint.save_pretrained_streamed``; adapters are small)."""
     dt = parse_dtype(dtype if dtype is not None else engine.config.save_dtype, "dtype")
     shard = max_shard_size if max_shard_size is not None else ckpt.DEFAULT_MAX_SHARD_SIZE
     peft = peft_support.is_peft_model(engine.model)
@@ -85,4 +86,4 @@ def export_model(engine: EngineView, save_dir: str, *, dtype: torch.dtype | str 
                 shutil.copy2(readme, os.path.join(stage, "README.md"))
             return peft_support.save_adapter(engine, stage, dtype=dt, **(adapter_kwargs or {}))
     return ckpt.save_pretrained_streamed(engine, save_dir, dtype=dt, max_shard_size=shard,
-                                         extra=extra_tensors(engine))
+                                         extra=extra_tensors(engine), show_progress=show_progress)

@@ -377,12 +377,18 @@ class MegaTrainTrainer(Trainer):
         logger.info("Saving model checkpoint to %s", output_dir)
         with ckpt.output_dir_lock(output_dir):  # (export_model commits the weights crash-safely: staged.py)
             export_model(self.engine, output_dir, dtype=self._mt_config.save_dtype,
-                         max_shard_size=self.args.megatrain_max_shard_size)
+                         max_shard_size=self.args.megatrain_max_shard_size, show_progress=self._mt_show_progress)
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
             elif getattr(self.data_collator, "tokenizer", None) is not None:
                 self.data_collator.tokenizer.save_pretrained(output_dir)
             torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+
+    @property
+    def _mt_show_progress(self) -> bool:
+        """Bars of the bytes saved, verified and loaded (core/progress.py): off with ``disable_tqdm``, as the
+        Trainer's own bars, and on every process but each node's first."""
+        return not self.args.disable_tqdm and self.args.local_process_index == 0
 
     @property
     def _mt_peft(self) -> bool:
@@ -458,7 +464,8 @@ class MegaTrainTrainer(Trainer):
             if not self.args.save_only_model:
                 # Adapters are small: always keep their FP32 master (the adapter file has PEFT's key names).
                 ckpt.save_training_state(self.engine, tmp, master=self._mt_peft or
-                                         self._mt_config.torch_save_dtype != torch.float32)
+                                         self._mt_config.torch_save_dtype != torch.float32,
+                                         show_progress=self._mt_show_progress)
                 with open(os.path.join(tmp, SCHEDULER_NAME), "wb") as f:
                     torch.save(self.lr_scheduler.state_dict(), f)
                 self._save_rng_state(tmp)
@@ -481,7 +488,7 @@ class MegaTrainTrainer(Trainer):
     def _mt_load_weights(self, path: str) -> None:
         if self._mt_peft:
             if ckpt.weight_files(path, ckpt.MASTER_PREFIX) is not None:
-                load_weights(self.engine, path, prefix=ckpt.MASTER_PREFIX)
+                load_weights(self.engine, path, prefix=ckpt.MASTER_PREFIX, show_progress=self._mt_show_progress)
             else:
                 peft_support.load_adapter_into_engine(self.engine, path)
             return
@@ -493,7 +500,7 @@ class MegaTrainTrainer(Trainer):
                 logger.warning("hf_megatrain: %s holds %s weights and no FP32 master; training continues from "
                                "rounded weights", path, saved)
         # (a checkpoint of plain transformers' Trainer / save_pretrained: per-expert MoE keys converted on load)
-        unused = load_weights(self.engine, path)
+        unused = load_weights(self.engine, path, show_progress=self._mt_show_progress)
         if unused:
             logger.warning("hf_megatrain: checkpoint tensors not used by the model: %s", unused[:5])
 
@@ -510,7 +517,8 @@ class MegaTrainTrainer(Trainer):
                 once = [] if self.engine.ranks.world > 1 or self._mt_peft else \
                     ckpt.files_checked_on_load(self.engine, resume_from_checkpoint)
                 ckpt.verify_checkpoint(resume_from_checkpoint, crc_on_load=once,
-                                       allow_unverified=self.args.megatrain_allow_unverified_checkpoint)
+                                       allow_unverified=self.args.megatrain_allow_unverified_checkpoint,
+                                       show_progress=self._mt_show_progress)
             except ckpt.CheckpointError as e:
                 error = e
         message = self.engine.ranks.broadcast_object(None if error is None else str(error))
@@ -525,7 +533,7 @@ class MegaTrainTrainer(Trainer):
             return super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is None:
             return
-        if ckpt.load_training_state(self.engine, checkpoint):
+        if ckpt.load_training_state(self.engine, checkpoint, show_progress=self._mt_show_progress):
             pass
         elif has_torch_optimizer(checkpoint):  # a plain Trainer checkpoint: its torch AdamW state, exactly
             load_torch_adamw(self.engine, checkpoint)
@@ -543,7 +551,8 @@ class MegaTrainTrainer(Trainer):
         logger.info("Loading best model from %s (score: %s).", self.state.best_model_checkpoint,
                     self.state.best_metric)
         ckpt.verify_checkpoint(self.state.best_model_checkpoint, training_state=False,
-                               allow_unverified=self.args.megatrain_allow_unverified_checkpoint)
+                               allow_unverified=self.args.megatrain_allow_unverified_checkpoint,
+                               show_progress=self._mt_show_progress)
         self._mt_load_weights(self.state.best_model_checkpoint)
 
 

@@ -36,10 +36,10 @@ def trainer_run(out: str, family: str = "llama", tie: bool = False, processes: i
                 resume: str | None = None, lora: bool = False) -> dict:
     """``STEPS`` steps of MegaTrainTrainer (fp32, clipped, weight decay, warm-up, in-order samples) on the tiny
     ``family`` model (``lora``: its LoRA adapters, the frozen base in the shared store), a checkpoint at step 2 in
-    ``out``. ``processes``: how many run this (the launch's);
-    ``reference_for``: one process stepping the micro-batches of that many (see the module docstring). Returns the
-    final FP32 masters, the logged (loss, grad_norm) of every step, how many steps this run made, this process's run summary and the bytes of the
-    shared store's files it maps."""
+    ``out``. ``processes``: how many run this (the launch's); ``reference_for``: one process stepping the
+    micro-batches of that many (see the module docstring). Returns the final FP32 masters, the logged (loss,
+    grad_norm) of every step, how many steps this run made, this process's run summary and the bytes of the shared
+    store's files it maps."""
     from torch.utils.data import SequentialSampler
     from transformers import TrainerCallback
 
@@ -66,8 +66,8 @@ def trainer_run(out: str, family: str = "llama", tie: bool = False, processes: i
     trainer.train(resume_from_checkpoint=resume)
     assert trainer.model is trainer.engine.model  # (never DDP-wrapped)
     logs = [(h["step"], h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
-    return {"weights": weights(trainer.engine), "logs": logs, "steps_run": len(steps), "summary": run_summary(trainer.engine),
-            "mapped_store_bytes": _store_bytes(mapped_run_files() - earlier)}
+    return {"weights": weights(trainer.engine), "logs": logs, "steps_run": len(steps),
+            "summary": run_summary(trainer.engine), "mapped_store_bytes": _store_bytes(mapped_run_files() - earlier)}
 
 
 def _store_bytes(files: set[tuple[str, str]]) -> int:

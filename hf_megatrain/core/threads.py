@@ -99,13 +99,11 @@ def place_host(affinity: str, requested_threads: int, gpu_nodes: list[int | None
     return HostPlacement(node, tuple(cores), after, bound, before)
 
 
-def place_host_for(config: Any, device: torch.device, dp: Any = None) -> HostPlacement:
-    """``place_host`` for an engine on ``device``: its GPU's NUMA node, gathered from the node's data-parallel
-    ranks (``dp``, local-rank order). A CPU device is never bound: no PCIe root to be near, and the CPU's own
-    processes (tests, gloo) share the few cores better unbound."""
+def place_host_for(config: Any, device: torch.device, ranks: Any) -> HostPlacement:
+    """``place_host`` for an engine on ``device``: its GPU's NUMA node, gathered from the processes of this host
+    (``ranks``, optim/ranks.py: local-rank order). A CPU device is never bound: no PCIe root to be near, and the
+    CPU's own processes (tests, gloo) share the few cores better unbound."""
     mine = numa.gpu_placement(device.index if device.index is not None else torch.cuda.current_device()).node \
         if device.type == "cuda" else None
-    nodes = dp.node_gather_object(mine) if dp is not None else [mine]
-    local_rank = dp.local_rank if dp is not None else 0
     affinity = config.host_affinity if device.type == "cuda" else "none"
-    return place_host(affinity, config.host_threads, nodes, local_rank)
+    return place_host(affinity, config.host_threads, ranks.node_gather_object(mine), ranks.local_rank)

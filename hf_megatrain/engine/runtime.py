@@ -86,7 +86,7 @@ class MegaTrainEngine:
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
         # Before anything large is allocated: the pages the bound threads touch first land on their node.
-        self.host_placement = place_host_for(config, self.device, self.dp)
+        self.host_placement = place_host_for(config, self.device, self.ranks)
         logger.info("hf_megatrain: host threads: %s (host_affinity=%s, host_threads=%d)",
                     self.host_placement.describe(), config.host_affinity, config.host_threads)
         self.compute_dtype = config.torch_compute_dtype

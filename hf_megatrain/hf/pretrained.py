@@ -118,7 +118,7 @@ def from_pretrained_streamed(model_id_or_path: str, config: MegaTrainConfig | di
         dp = launched_data_parallel()
     engine = MegaTrainEngine(model, config, device=device, decay_names=decay_names, dp=dp)
     unused = load_weights(engine, path, prefix=ckpt.WEIGHTS_PREFIX, mapping=mapping,
-                          show_progress=show_progress and (dp is None or dp.local_rank == 0))
+                          show_progress=show_progress and engine.ranks.is_node_leader)
     if unused:
         logger.warning("hf_megatrain: %d checkpoint tensors not used by the model, e.g. %s", len(unused), unused[:5])
     return engine

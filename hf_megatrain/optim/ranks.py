@@ -30,6 +30,12 @@ class Alone:
 
     world = 1
     on_host = 1  # processes sharing this host's store and cores
+    local_rank = 0  # this process's index among them
+    is_node_leader = True  # the host's first process (shows progress, creates shared files)
+
+    def node_gather_object(self, obj: Any) -> list[Any]:
+        """Every process of this host's ``obj``, by local rank: alone, ``[obj]``."""
+        return [obj]
 
     def own(self, u: Unit) -> tuple[int, int]:
         return 0, u.numel
@@ -68,6 +74,9 @@ class SharedHostRanks:
         self.dp = dp
         self.world = dp.world
         self.on_host = dp.local_world  # (the node's ranks share its store and its cores)
+        self.local_rank = dp.local_rank
+        self.is_node_leader = dp.is_leader
+        self.node_gather_object = dp.node_gather_object
         self._reached: dict[int, list[bool]] = {}  # each unit's flags OR-ed over the ranks (``before_norm``)
 
     def own(self, u: Unit) -> tuple[int, int]:

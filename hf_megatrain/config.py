@@ -247,7 +247,8 @@ class MegaTrainConfig:
             time to spare -- first the new bf16 weights alone (~60 % of a whole pass's memory traffic: the layer can
             be loaded then), later master and moments, under the next forward and backward -- judged from the last
             step's measured host rate and step time (optim/split_update.py); "on": always; "off": whole updates.
-            Same bits either way. Needs host_kernel native, bf16 compute and one process ("auto" is off otherwise).
+            Same bits either way. Needs host_kernel native and bf16 compute ("auto" is off otherwise); with
+            several processes each splits its shards' updates, and a load waits for every rank's new weights.
         seq_chunk_tokens: run each decoder layer's position-wise parts (the MLP, the norms) over chunks of this many
             tokens of the sequence, each chunk recomputed on its own in the backward (model/seq_tiling.py), so their
             intermediates ([tokens, intermediate] gate/up, fp32 norm upcasts) never exist for the whole sequence:

@@ -288,3 +288,33 @@ def simulated_hosts_worker(rank: int, world: int, tmp: str) -> None:
         dp.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def split_worker(rank: int, world: int, tmp: str) -> None:
+    """2 processes, bf16 compute, the native kernel, clipping on every step, overlapped updates: each rank's updates
+    of its shards run split (new weights first: a load waits for every rank's WEIGHTS pass) or whole; saved per run."""
+    with ranks(rank, world, tmp) as dp:
+        for split in ("off", "on"):
+            config = MegaTrainConfig(compute_dtype="bfloat16", shared_memory_dir=tmp, host_kernel="native",
+                                     split_host_update=split, overlap_optimizer=True)
+            engine = MegaTrainEngine(tiny("llama"), config, device="cpu", dp=dp)
+            opt = engine.create_optimizer(lr=LR, weight_decay=WD, max_grad_norm=0.05)
+            data, split_steps = batches(), 0
+            for step in range(STEPS + 1):
+                micro = data[step % STEPS]
+                n_items = sum(int((labels != -100).sum()) for _, labels in micro)
+                for ids, labels in micro:
+                    rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+                    (engine(input_ids=ids[rows], labels=labels[rows], num_items_in_batch=n_items).loss
+                     * world).backward()
+                opt.step()
+                split_steps += opt.last_step_split
+                opt.zero_grad()
+            state = {k: v.clone() for k, v in opt.state_tensors().items()}  # (waits for every rank's updates)
+            dp.barrier()
+            if rank == 0:
+                torch.save({"weights": weights(engine), "state": state, "split_steps": split_steps,
+                            "compute": [u.compute.clone() for u in engine.layer_units]},
+                           os.path.join(tmp, f"split_{split}.pt"))
+            del engine, opt
+            dp.barrier()

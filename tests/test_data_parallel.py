@@ -357,3 +357,46 @@ def test_nodes_of_unequal_size_are_refused():
     """A node with fewer ranks would step other shards of its store than the others hold: refused."""
     with pytest.raises(ValueError, match="same number"):
         DataParallel(0, 3, 0, torch.device("cpu"), local_world=2, nodes=2)
+
+
+@pytest.mark.slow
+def test_split_shard_updates_are_the_whole_ones(tmp_path):
+    """Data parallel with split host updates (new weights first, each rank's shard): a rank's load of a layer waits
+    for every rank's WEIGHTS pass (parallel/peer_cells.py ``wait_weights``), not for their whole updates. The same
+    bits as whole updates: masters, moments and the shared compute copies."""
+    tmp = str(tmp_path)
+    _spawn(W.split_worker, tmp)
+    off, on = (torch.load(os.path.join(tmp, f"split_{s}.pt")) for s in ("off", "on"))
+    assert off["split_steps"] == 0 and on["split_steps"] >= 2
+    for name, t in off["weights"].items():
+        assert torch.equal(on["weights"][name], t), name
+    for key, t in off["state"].items():
+        assert torch.equal(on["state"][key], t), key
+    for a, b in zip(on["compute"], off["compute"]):
+        assert torch.equal(a, b)
+
+
+def test_loads_wait_for_the_ranks_weights_and_saves_for_their_whole_updates():
+    """StepState with peers: a split update publishes its weights count at its WEIGHTS pass and its update count
+    when final; a whole update publishes both at once; a load asks for the weights, ``wait_all`` for the updates."""
+    from hf_megatrain.core.step_state import StepState
+
+    class Peers:
+        def __init__(self):
+            self.calls = []
+
+        def __getattr__(self, name):
+            return lambda unit, count: self.calls.append((name, unit, count))
+
+    peers = Peers()
+    s = StepState(1, peers=peers)
+    s.begin_update(0)
+    s.finish_weights(0)  # (split: the new compute copy is written)
+    s.wait_loadable(0)
+    s.finish_update(0)
+    s.begin_update(0)
+    s.finish_update(0)  # (whole)
+    s.wait_loadable(0)
+    s.wait_all()
+    assert peers.calls == [("publish_weights", 0, 1), ("wait_weights", 0, 1), ("publish", 0, 1),
+                           ("publish_weights", 0, 2), ("publish", 0, 2), ("wait_weights", 0, 2), ("wait", 0, 2)]

@@ -180,7 +180,7 @@ def test_decide_modes_decides_each_mode_once_from_the_config_and_plans() -> None
     assert native.describe() == {"host_kernel": "native", "speculative_step": True, "narrow_grads": True,
                                  "split_host_update": "auto"}
     assert modes().split == "off"  # (the fused kernel cannot write the weights alone)
-    assert modes(data_parallel=True, host_kernel="native").split == "off"
+    assert modes(data_parallel=True, host_kernel="native").split == "auto"  # (ranks split their shards' updates)
 
 
 def test_code_lines_blank_strings_and_comments() -> None:

@@ -309,7 +309,7 @@ class StepModes:
     lands (optim/lean.py ``LeanAdamW``); the engine then records each training forward for a re-run.
     ``grad_plane``: the dtype in which those units keep the step's gradient on the host (optim/grad_plane.py), or
     None. ``split``: whether host layer updates launched after the norm may run split ("auto" / "on" / "off";
-    optim/split_update.py): needs the native kernel, bf16 compute copies and one process."""
+    optim/split_update.py): needs the native kernel and bf16 compute copies."""
 
     host_kernel: kernels.HostKernel = kernels.HostKernel.FUSED
     narrow: torch.dtype | None = None
@@ -362,11 +362,11 @@ def decide_modes(config: MegaTrainConfig, plans: Plans, device_type: str, data_p
                        "the plan sized the plane for: no gradient plane; a step that clips re-runs its "
                        "forward+backward", crosses, kernel.value)
     split = config.split_host_update
-    if split != "off" and (kernel is not kernels.HostKernel.NATIVE or data_parallel or compute != torch.bfloat16):
+    # (data parallel too: a rank's load waits for every rank's WEIGHTS pass of its shard, parallel/peer_cells.py)
+    if split != "off" and (kernel is not kernels.HostKernel.NATIVE or compute != torch.bfloat16):
         if split == "on":
-            raise ValueError(f"split_host_update='on' needs host_kernel 'native' (here {kernel.value}), bf16 "
-                             f"compute (here {compute}) and one process (data parallel: {data_parallel}); use "
-                             "'auto' (splits where it can) or 'off'")
+            raise ValueError(f"split_host_update='on' needs host_kernel 'native' (here {kernel.value}) and bf16 "
+                             f"compute (here {compute}); use 'auto' (splits where it can) or 'off'")
         split = "off"
     return StepModes(host_kernel=kernel, narrow=compute if narrow else None, split=split,
                      speculate=config.speculative_step and not consume, consume=consume,

@@ -49,6 +49,12 @@ class Peers(Protocol):
 
     def wait(self, unit: int, count: int) -> None: ...  # until every process has made ``count`` updates of it
 
+    # The same for the updates whose new compute copy (the weights a load reads) is written: a split update's
+    # WEIGHTS pass publishes it before its STATE pass completes the update.
+    def publish_weights(self, unit: int, count: int) -> None: ...
+
+    def wait_weights(self, unit: int, count: int) -> None: ...
+
 
 class StepState:
     def __init__(self, num_units: int, peers: Peers | None = None) -> None:
@@ -80,6 +86,9 @@ class StepState:
         # Final updates per unit (not ``version``, which a checkpoint load also moves): what ``peers`` compares. A
         # speculative update counts once judged right (it may still be taken back until then).
         self.updates = [0] * num_units
+        # Of those, the updates whose new compute copy is written (a split update's WEIGHTS pass counts here before
+        # the update does): what a load needs of the other ranks' shards (``peers.wait_weights``).
+        self.weights_out = [0] * num_units
         self._unjudged = [False] * num_units
         self.peers = peers
 
@@ -153,6 +162,9 @@ class StepState:
         ``finish_update``."""
         self.version[i] += 1
         self._weights_final[i] = True
+        self.weights_out[i] = self.updates[i] + 1
+        if self.peers is not None:
+            self.peers.publish_weights(i, self.weights_out[i])
         self._loadable[i].set()
 
     def early_copy(self, i: int) -> tuple[Any, Any, int] | None:
@@ -177,7 +189,11 @@ class StepState:
         elif changed or self._unjudged[i]:  # final: a plain update, or a speculative one judged right
             self._unjudged[i] = False
             self.updates[i] += 1
+            whole = self.weights_out[i] < self.updates[i]  # (a split update published its weights already)
+            self.weights_out[i] = self.updates[i]
             if self.peers is not None:
+                if whole:
+                    self.peers.publish_weights(i, self.weights_out[i])
                 self.peers.publish(i, self.updates[i])
         self._ready[i].set()
         self._loadable[i].set()
@@ -223,8 +239,8 @@ class StepState:
         early = self.early_copy(i)
         if early is None and not self._weights_final[i]:
             self.wait_ready(i)
-        if self.peers is not None:  # (a shared unit: the other ranks' shards of the same update)
-            self.peers.wait(i, self.updates[i])
+        if self.peers is not None:  # (a shared unit: the other ranks' shards of the same update's weights)
+            self.peers.wait_weights(i, self.weights_out[i])
         return early
 
     def wait_all(self) -> None:

@@ -106,7 +106,8 @@ class MegaTrainEngine:
             self._record_forward if self.modes.consume else _record_nothing
         # (data parallel: loads wait for every rank's shard of an update, not for a barrier per step)
         self.state = StepState(len(self.store.units),
-                               peers=PeerCells(conv.peer_cells, self.dp.local_rank, liveness=conv.liveness)
+                               peers=PeerCells(conv.peer_cells.chunk(2, dim=1)[0], self.dp.local_rank,
+                                               weights=conv.peer_cells.chunk(2, dim=1)[1], liveness=conv.liveness)
                                if self.dp is not None else None)
         check_row_split(self.stack.layers, config.micro_batch_size)
         self.executor = StreamingExecutor(

@@ -58,9 +58,10 @@ def convert_shared(model: nn.Module, config: MegaTrainConfig, device: torch.devi
         with alloc.removed_on_failure():  # (any rank: a failed conversion leaves no RAM held in shared_memory_dir)
             conv = _in_turn(dp, run, not dp.is_leader)  # the followers map (and write) every buffer first
             conv = _in_turn(dp, run, dp.is_leader) or conv
-            # Each rank's count of finished updates per unit (parallel/peer_cells.py): zeros, as the files start.
+            # Each rank's counts per unit (parallel/peer_cells.py), zeros as the files start: [ranks, 2 x units],
+            # the final updates, then the updates whose compute copy is written (split updates publish it first).
             units = len(conv.store.units)
-            conv.peer_cells = alloc(dp.local_world * units, torch.int64, False).view(dp.local_world, units)
+            conv.peer_cells = alloc(dp.local_world * 2 * units, torch.int64, False).view(dp.local_world, 2 * units)
             # Each rank's row of the host's liveness cells: a rank that dies or fails ends the others, naming it.
             ranks = conv.peer_cells.shape[0]  # (the host's)
             cells = alloc(ranks * liveness.WORDS, torch.int64, False).view(ranks, liveness.WORDS)

@@ -37,19 +37,35 @@ class PeerCells:
     """StepState's ``peers``: ``publish`` a unit's update count for this rank, ``wait`` for every rank's."""
 
     def __init__(self, cells: torch.Tensor, rank: int, *, poll_s: float = POLL_SECONDS,
-                 timeout_s: float = TIMEOUT_SECONDS, liveness: Liveness | None = None) -> None:
-        if cells.dim() != 2 or cells.dtype != torch.int64 or not 0 <= rank < cells.shape[0]:
-            raise ValueError(f"peer cells: need an int64 [world, units] tensor and a rank in it, got "
-                             f"{tuple(cells.shape)} {cells.dtype}, rank {rank}")
+                 timeout_s: float = TIMEOUT_SECONDS, liveness: Liveness | None = None,
+                 weights: torch.Tensor | None = None) -> None:
+        """``cells``: each rank's count of final updates per unit; ``weights``: of updates whose compute copy is
+        written (a split update publishes it before it is final; None: the final counts stand for both, so split
+        updates must not run)."""
+        for t in (cells, weights if weights is not None else cells):
+            if t.dim() != 2 or t.dtype != torch.int64 or not 0 <= rank < t.shape[0] or t.shape != cells.shape:
+                raise ValueError(f"peer cells: need int64 [world, units] tensors and a rank in them, got "
+                                 f"{tuple(t.shape)} {t.dtype}, rank {rank}")
         self.cells, self.rank, self.poll_s, self.timeout_s = cells, rank, poll_s, timeout_s
+        self.weights = weights
         self.liveness = liveness
         self.waited_s = 0.0  # time readers spent waiting for other ranks (diagnostics)
 
     def publish(self, unit: int, count: int) -> None:
         self.cells[self.rank, unit] = count
 
+    def publish_weights(self, unit: int, count: int) -> None:
+        if self.weights is not None:
+            self.weights[self.rank, unit] = count
+
+    def wait_weights(self, unit: int, count: int) -> None:
+        self._wait(self.weights if self.weights is not None else self.cells, unit, count)
+
     def wait(self, unit: int, count: int) -> None:
-        column = self.cells[:, unit]
+        self._wait(self.cells, unit, count)
+
+    def _wait(self, cells: torch.Tensor, unit: int, count: int) -> None:
+        column = cells[:, unit]
         if bool((column >= count).all()):
             return
         t0 = time.perf_counter()

@@ -235,14 +235,15 @@ def trainer_worker(rank: int, world: int, tmp: str, port: int) -> None:
 
 
 def failing_conversion_worker(rank: int, world: int, tmp: str) -> None:
-    """A conversion that fails on rank 1 only: both ranks raise (none waits forever), rank 0 naming rank 1."""
-    import hf_megatrain.engine.shared_convert as setup
+    """A conversion that fails on rank 1 only, its store allocated (filling it: the builder's templates phase): both
+    ranks raise (none waits forever), rank 0 naming rank 1."""
+    import hf_megatrain.engine.builder as builder
 
     with ranks(rank, world, tmp) as dp:
         if rank == 1:
             def broken(*args, **kwargs):
                 raise MemoryError("rank 1 out of memory")
-            setup.convert = broken
+            builder.convert = broken
         try:
             make_engine(dp, tmp)
         except (MemoryError, RuntimeError) as e:

@@ -165,6 +165,11 @@ def test_heads_on_the_gpu_with_the_auto_loss(build):
 
 def test_layers_that_mix_rows_refuse_a_micro_batch_split():
     """Doge's router reshapes the logits of every token of the batch together: a visit on part of the batch would
-    compute other values, so ``micro_batch_size`` is refused by name instead of training another model."""
+    compute other values, so ``micro_batch_size`` is refused by name instead of training another model. The refusal
+    comes with the plan, before the store is allocated: the model keeps its weights and converts as the message
+    says (micro_batch_size=0)."""
+    model = _doge_moe()
     with pytest.raises(ValueError, match="micro_batch_size=1 is not supported.*DogeCDMoE"):
-        MegaTrainEngine(_doge_moe(), MegaTrainConfig(compute_dtype="float32", micro_batch_size=1), device="cpu")
+        MegaTrainEngine(model, MegaTrainConfig(compute_dtype="float32", micro_batch_size=1), device="cpu")
+    assert not any(p.is_meta for p in model.parameters())
+    MegaTrainEngine(model, MegaTrainConfig(compute_dtype="float32", micro_batch_size=0), device="cpu")

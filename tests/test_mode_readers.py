@@ -49,7 +49,7 @@ MODES: dict[str, tuple[list[str], set[str]]] = {
     "narrow gradients": ([r"\bnarrow_grads\b", r"\bset_narrow\b", r"\bmodes\.narrow\b"], {
         "config.py",
         "core/plan.py",  # decide_modes
-        "engine/runtime.py::MegaTrainEngine.__init__",  # hands it to the executor's offload, once
+        "engine/builder.py::_executor",  # hands it to the executor's offload, once
         "planner/step_time.py::layer_costs",  # models the D2H bytes (from decide_modes)
     }),
     "speculation": ([r"\bspeculative_step\b", r"\bspeculate\b", r"\bmodes\.speculate\b"], {
@@ -60,7 +60,9 @@ MODES: dict[str, tuple[list[str], set[str]]] = {
     }),
     "data parallel": ([r"\bdp\s+is\s+(not\s+)?None\b", r"\bif\s+(not\s+)?(self\.|engine\.)?dp\s*(:|\band\b|\bor\b)"], {
         "optim/ranks.py",  # ranks_of: alone, or this rank's share (the strategy)
-        "engine/runtime.py::MegaTrainEngine.__init__",  # conversion, peers, the offload's route: once
+        "engine/runtime.py::MegaTrainEngine.__init__",  # alone or not: decided once
+        "engine/builder.py::build_engine",  # conversion into a shared store: once
+        "engine/builder.py::_executor",  # the step modes, the peers, the offload's route: once
         "engine/offload.py::GradientOffload.__init__",  # the host gradients' route (reduce-scatter): once
     }),
     "host kernel auto": ([r"\bconfig\.host_kernel\b"], {

@@ -272,12 +272,12 @@ def test_estimate_cli_missing_path(capsys):
 
 # -- the engine runs the planner's checks (host before allocating; GPU at the first step of each shape) ------------
 def _refuse_store(monkeypatch):
-    import hf_megatrain.engine.convert as convert_mod
+    import hf_megatrain.engine.builder as builder
 
     def no_store(*a, **k):
         raise AssertionError("UnitStore was built: the planner's host check must refuse first")
 
-    monkeypatch.setattr(convert_mod, "UnitStore", no_store)
+    monkeypatch.setattr(builder, "UnitStore", no_store)
 
 
 @pytest.mark.parametrize("meta", [False, True])

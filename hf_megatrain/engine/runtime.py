@@ -1,6 +1,6 @@
 """MegaTrainEngine: runs a converted HF causal LM -- forward, the streamed backward, the optimizer's step state.
 
-Conversion (engine/convert.py) decides and allocates everything; this module only runs it. ``forward`` runs the
+The builder (engine/builder.py) decides and allocates everything; this module only runs it. ``forward`` runs the
 HF model's own decoder loop (so masks, rotary, per-layer attention types are exactly HF's), whose layers are
 ``StreamedLayer`` proxies driven by the ``StreamingExecutor``, and a chunked linear cross-entropy head;
 ``loss.backward()`` streams the layers back. One ``StepState`` (the unit lifecycle) is shared by the executor
@@ -29,13 +29,10 @@ from torch import nn
 
 from .. import planner
 from ..config import MegaTrainConfig, resolve_config
-from ..core.plan import Where, decide_modes
-from ..core.step_state import StepState
+from ..core.plan import Where
 from ..core.threads import place_host_for
 from ..parallel.group import DataParallel
-from ..parallel.peer_cells import PeerCells
 from ..parallel.setup import data_parallel_config
-from ..model.families import ModelHead, check_row_split
 from ..model.loss import TokenStats
 from ..optim.adamw import UnitAdamW
 from ..optim.lean import optimizer_for
@@ -43,11 +40,9 @@ from ..optim.ranks import ranks_of
 from ..optim.speculation import GA_MESSAGE
 from . import unpad
 from .adapter_switch import follow_adapter_switches
-from .convert import convert, install_proxies
-from .executor import StreamingExecutor
-from .landing import GradientLanding
+from .builder import build_engine
+from .model_view import present_weights
 from .replay import StepReplay
-from .shared_convert import convert_shared
 
 logger = logging.getLogger(__name__)
 
@@ -90,47 +85,26 @@ class MegaTrainEngine:
         logger.info("hf_megatrain: host threads: %s (host_affinity=%s, host_threads=%d)",
                     self.host_placement.describe(), config.host_affinity, config.host_threads)
         self.compute_dtype = config.torch_compute_dtype
-        conv = convert(model, config, self.device, decay_names) if self.dp is None else \
-            convert_shared(model, config, self.device, decay_names, self.dp)
-        self.stack, self.plans, self.store = conv.stack, conv.plans, conv.store
+        # Everything built once, in one place (engine/builder.py): plan, store, templates, executor, head, landing.
+        parts = build_engine(model, config, self.device, decay_names, self.dp)
+        self.stack, self.plans, self.store = parts.stack, parts.plans, parts.store
         self.layer_units = self.store.units[:-1]
         self.resident_unit = self.store.units[-1]
-        self.resident_params = conv.resident_params
-        self.frozen_resident = conv.frozen_resident
-        self.layer_buffer_names = conv.persistent_buffers
-        self.attention = conv.attention  # masked batches' attention kernel, decided once (model/attention.py)
-        # How the step runs (host kernel, narrow gradients, speculation, lean units): decided once, handed on.
-        self.modes = decide_modes(config, self.plans, self.device.type, data_parallel=self.dp is not None)
+        self.resident_params = parts.resident_params
+        self.frozen_resident = parts.frozen_resident
+        self.layer_buffer_names = parts.layer_buffer_names
+        self.attention = parts.attention  # masked batches' attention kernel, decided once (model/attention.py)
+        self.modes = parts.modes  # how the step runs (host kernel, narrow gradients, speculation, lean units)
+        self.state, self.executor, self.landing = parts.state, parts.executor, parts.landing
+        # Family extras of the HF head (soft-capping, logit scaling, MoE router aux loss): model/families.py.
+        self.head_extras = parts.head
+        # Padded training batches as one packed row (engine/unpad.py), decided once; the reasons a batch ran
+        # padded anyway, each logged once.
+        self.unpadding = parts.unpadding
+        self._padded_reasons: set[str] = set()
         # Lean units consume their gradients as they land: each training forward is recorded for a re-run.
         self._record: Callable[[dict[str, Any]], StepReplay | None] = \
             self._record_forward if self.modes.consume else _record_nothing
-        # (data parallel: loads wait for every rank's shard of an update, not for a barrier per step)
-        self.state = StepState(len(self.store.units),
-                               peers=PeerCells(conv.peer_cells.chunk(2, dim=1)[0], self.dp.local_rank,
-                                               weights=conv.peer_cells.chunk(2, dim=1)[1], liveness=conv.liveness)
-                               if self.dp is not None else None)
-        check_row_split(self.stack.layers, config.micro_batch_size)
-        self.executor = StreamingExecutor(
-            self.layer_units, self.state, conv.kinds, conv.templates, conv.buffers, device=self.device,
-            compute_dtype=self.compute_dtype, grad_offload_dtype=config.torch_grad_offload_dtype,
-            num_slots=config.num_slots, micro_batch_size=config.micro_batch_size,
-            pin=config.pin_memory and self.device.type == "cuda", activation_prefetch=config.activation_prefetch,
-            dp=self.dp, narrow=self.modes.narrow)
-        install_proxies(conv, self.executor)
-        # Family extras of the HF head (soft-capping, logit scaling, MoE router aux loss): model/families.py.
-        self.head_extras = ModelHead(model, self.stack, self.executor, loss_impl=config.loss_impl, device=self.device,
-                                       compute_dtype=config.torch_compute_dtype)
-        # Padded training batches as one packed row (engine/unpad.py), decided once; the reasons a batch ran
-        # padded anyway, each logged once.
-        self._padded_reasons: set[str] = set()
-        self.unpadding = unpad.decide(config.padding_free, bool(self.attention is not None and self.attention.flex),
-                                      runs_model=self.head_extras.run.runs_model,
-                                      unshifted=self.head_extras.unshifted,
-                                      router=self.head_extras.router is not None,
-                                      windowed=unpad.windowed_attention(getattr(model, "config", None)),
-                                      masks_packed=bool(getattr(model, "_supports_flex_attn", False)))
-        # The one place gradients land (the optimizer's land phase calls it; so do accumulation and parameters()).
-        self.landing = GradientLanding(self.state, self.executor, self.resident_unit, self.resident_params)
         self._published = -1  # version of the resident unit last copied into its device working parameters
         self.publish_resident()
         self.optimizer: UnitAdamW | None = None
@@ -145,9 +119,7 @@ class MegaTrainEngine:
         self.head_extras.hook_model_forward(self.publish_resident)  # (multimodal: towers run before the decoder)
         setattr(model, ENGINE_ATTR, self)
         follow_adapter_switches(self)  # PEFT: disable_adapter() reaches the streamed layers (adapter_switch.py)
-        from .model_view import present_weights
-
-        present_weights(self)
+        present_weights(self)  # save_pretrained, state_dict, named_parameters see the real weights (model_view.py)
 
     # -- masters -----------------------------------------------------------------------------------------------------
     def publish_resident(self) -> None:

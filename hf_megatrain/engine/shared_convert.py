@@ -16,16 +16,16 @@ import shutil
 from typing import Callable
 
 import torch
-from torch import nn
 
-from ..config import MegaTrainConfig
 from ..core.memory import available_host_bytes
 from ..core.plan import Stepper
 from ..parallel import liveness
 from ..parallel.group import DataParallel
 from ..parallel.setup import check_plans
 from ..parallel.shared_alloc import SharedHostAllocator, new_run_dir
-from .convert import Converted, convert
+from .convert import Converted
+
+HostAlloc = Callable[[int, torch.dtype, bool], torch.Tensor]  # (numel, dtype, pin) -> a host buffer
 
 
 def _in_turn(dp: DataParallel, fn: Callable[[], Converted], mine: bool) -> Converted | None:
@@ -45,15 +45,14 @@ def _in_turn(dp: DataParallel, fn: Callable[[], Converted], mine: bool) -> Conve
     return out
 
 
-def convert_shared(model: nn.Module, config: MegaTrainConfig, device: torch.device, decay_names: set[str] | None,
-                   dp: DataParallel) -> Converted:
-    """``convert`` on every rank of ``dp`` into one store per node in shared memory under
-    ``config.shared_memory_dir`` (each node's own)."""
-    root = config.shared_memory_dir
+def convert_shared(dp: DataParallel, root: str, convert: Callable[[HostAlloc, int], Converted]) -> Converted:
+    """``convert(host_alloc, host_available)`` (plan, store and templates: engine/builder.py) on every rank of
+    ``dp`` into one store per node in shared memory under ``root`` (the config's ``shared_memory_dir``, each
+    node's own)."""
     run_dir, avail, room = dp.node_broadcast_object(
         (new_run_dir(root), available_host_bytes(), shutil.disk_usage(root).free) if dp.is_leader else None)
     alloc = SharedHostAllocator(run_dir, capacity=room)
-    run = lambda: convert(model, config, device, decay_names, host_alloc=alloc, host_available=avail)  # noqa: E731
+    run = lambda: convert(alloc, avail)  # noqa: E731
     try:
         with alloc.removed_on_failure():  # (any rank: a failed conversion leaves no RAM held in shared_memory_dir)
             conv = _in_turn(dp, run, not dp.is_leader)  # the followers map (and write) every buffer first

@@ -124,7 +124,7 @@ def check_head_extras(model: Any) -> None:
 
 # -- heads whose forward does more than ``weight @ h (+ bias)`` ---------------------------------------------------
 # Parameter names an adapter library puts inside a module it wraps (PEFT's LoRA / modules_to_save): such a head is
-# an adapter, not the family's own head; engine/convert.py refuses it.
+# an adapter, not the family's own head; engine/conversion_plan.py refuses it.
 _ADAPTER_MARKS = ("lora_", "modules_to_save", "original_module", "base_layer")
 
 

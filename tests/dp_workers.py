@@ -300,6 +300,10 @@ def split_worker(rank: int, world: int, tmp: str) -> None:
                                      split_host_update=split, overlap_optimizer=True)
             engine = MegaTrainEngine(tiny("llama"), config, device="cpu", dp=dp)
             opt = engine.create_optimizer(lr=LR, weight_decay=WD, max_grad_norm=0.05)
+            # The split policy prices this rank's shard, not the whole unit, against this rank's host rate.
+            for u in engine.layer_units:
+                lo, hi = opt.own(u)
+                assert hi - lo < u.numel and opt.split_update_bytes(u) <= (hi - lo) * 64, u.index  # (<= 64 B/param)
             data, split_steps = batches(), 0
             for step in range(STEPS + 1):
                 micro = data[step % STEPS]

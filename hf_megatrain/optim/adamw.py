@@ -252,7 +252,7 @@ class UnitAdamW(SpeculativeStep, AdamWStateIO, torch.optim.Optimizer):
             self.step_state.begin_update(i)
             taken = self.grad_reach.take(i) if self.grad_reach is not None else None
             self._reached[i] = self.ranks.reached(i, taken)
-        self._kernel.split = frozenset(self.splits.choose(workers[0], lambda i: self._split_bytes(
+        self._kernel.split = frozenset(self.splits.choose(workers[0], lambda i: self.split_update_bytes(
             self.store.units[i], self.grad_of(self.store.units[i]).element_size())))
         jobs = [(w, ids) for w, ids in zip(self._workers, workers) if w is self._workers[0] or ids]
         for _, ids in jobs:  # (on the main thread: everything the backward queued comes before the streamed kernels)
@@ -318,10 +318,13 @@ class UnitAdamW(SpeculativeStep, AdamWStateIO, torch.optim.Optimizer):
         return frozenset(u.index for u in self.store.units if modes.split != "off" and u.plan.streamed
                          and u.plan.stepper is stepper and u.compute is not None and u.master.device.type == "cpu")
 
-    def _split_bytes(self, u: Unit, g: int) -> int:
-        """Host DRAM bytes of ``u``'s update run split (both passes), its gradient ``g`` bytes wide."""
+    def split_update_bytes(self, u: Unit, g: int = 4) -> int:
+        """Host DRAM bytes of this process's update of ``u`` run split (both passes; its shard with data parallel:
+        counting the whole unit against one rank's host rate made the policy think a split never fits), its
+        gradient ``g`` bytes wide."""
         c = u.compute.element_size() if u.compute is not None else 0
-        return u.numel * sum(kernels.host_bytes_per_param(self.host_kernel, True, c, g, part)
+        lo, hi = self.own(u)
+        return (hi - lo) * sum(kernels.host_bytes_per_param(self.host_kernel, True, c, g, part)
                              for part in (kernels.UpdatePart.WEIGHTS, kernels.UpdatePart.STATE))
 
     @property

@@ -286,7 +286,7 @@ class LeanAdamW(UnitAdamW):
             self.policy.rerun = None
         # Split where the host has time to spare (optim/split_update.py): new weights first, in this order, then
         # master and moments in the backward's order; the next landing on the plane waits for a layer's second pass.
-        halves = self.splits.choose(todo, lambda i: self._split_bytes(self.store.units[i],
+        halves = self.splits.choose(todo, lambda i: self.split_update_bytes(self.store.units[i],
                                                                         self.plane.of(i).element_size()))
         for i in todo:
             self.step_state.begin_update(i)

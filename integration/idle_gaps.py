@@ -1,7 +1,7 @@
 """Where the GPU sat idle in a profiled step: every gap between kernels, placed on the step's timeline.
 
-``trace_summary.py`` says how much of the window had no kernel running; this says *where*: each gap longer than
-``--min-ms``, its offset from the window's first kernel, the kernels on either side, the host ranges
+``bench/common.py``'s ``phase_breakdown`` says how much of the window had no kernel running; this says *where*: each
+gap longer than ``--min-ms``, its offset from the window's first kernel, the kernels on either side, the host ranges
 (``record_function`` names such as ``megatrain.wait_optimizer``) open while it lasted and the copies that ran in it.
 That is what decides a lever: a gap at the step's start (the clip norm, then layer 0's update and load) wants a
 different fix than gaps between layers (loads) or at the end (the loss, the last gradients).

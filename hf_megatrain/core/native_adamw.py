@@ -10,8 +10,8 @@ only.
 
 The loop is handed out in 64K-element blocks on demand (``schedule(dynamic)``), not split into one fixed share per
 thread: the process's other threads (autograd's, the CUDA driver's, DMA completion) take cores while it runs, and a
-fixed share waits for its slowest thread. Measured on the H100 host (``integration/probes/native_schedule.py``,
-one 14B-width layer, DMA running both ways): 1.97 -> 2.22 G param/s at 16 threads, 2.47 at 14.
+fixed share waits for its slowest thread. Measured on the H100 host (the retired native_schedule probe,
+integration/PERF.md; one 14B-width layer, DMA running both ways): 1.97 -> 2.22 G param/s at 16 threads, 2.47 at 14.
 
 The compute copy is written with streaming stores (``stream_u16``): the copy is write-only, and an ordinary store
 reads each line before filling it.

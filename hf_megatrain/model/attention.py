@@ -18,8 +18,8 @@ implementation keeps it there. The math is the model's attention either way; onl
 
 Packed sequences (``position_ids`` restarting: ``DataCollatorWithFlattening``, TRL ``padding_free``): compiled into
 the layers, FlexAttention with transformers' packed mask computed wrong values on torch 2.11 -- in plain
-transformers too, with each decoder layer ``torch.compile``d (logits 1.3e-2 off; eager right:
-integration/probes/masked_flex_parity.py ``--diagnose``, an upstream bug, not the engine's). So packed rows run
+transformers too, with each decoder layer ``torch.compile``d (logits 1.3e-2 off; eager right: the retired
+masked_flex_parity probe's ``--diagnose``, integration/PERF.md: an upstream bug, not the engine's). So packed rows run
 FlexAttention *outside* the layer's compiled graph: the builder wraps their ``BlockMask`` (``PackedBlockMask``) and
 the attention function hands it to a separately compiled ``flex_attention`` behind ``torch.compiler.disable`` --
 right on an H200 (loss 1e-7, weights 2.5e-6 after three steps, masked_flex_parity) and an H100 (the GPU tests), a
@@ -90,7 +90,7 @@ def _masked_flex_mask(batch_size: int, q_length: int, kv_length: int, q_offset: 
     # evaluation and generation (no grad, or a cache offsetting the queries: a new prompt width compiles
     # nothing); and the other masks (sliding windows, overlays), whose FlexAttention inside the compiled layers
     # was not shown right (packed rows there: loss off by 2e-4, weights by 1 % after one step on torch 2.11,
-    # integration/probes/masked_flex_parity.py).
+    # masked_flex_parity in integration/PERF.md).
     return sdpa(**args)
 
 
@@ -240,7 +240,7 @@ def choose(model: nn.Module, setting: str, compiled: bool, device_type: str, mic
 
 def _compiled_flex_model(what_to_do: str) -> ValueError:
     return ValueError("attn_implementation='flex_attention' with compiled layers computes packed batches wrong "
-                      "(torch 2.11, also in plain transformers: integration/probes/masked_flex_parity.py). "
+                      "(torch 2.11, also in plain transformers: integration/PERF.md, lever 52). "
                       + what_to_do)
 
 

@@ -30,8 +30,8 @@ from typing import Any, Callable
 
 import torch
 
+# integration/ on the path: the lazy ``from bench.finetune_data import ...`` below, however this module was reached
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from trace_summary import intersect as _overlap, length as _length, union as _union  # noqa: E402
 
 FULL_WIDTH = dict(hidden_size=5120, intermediate_size=13824, num_attention_heads=40, num_key_value_heads=8,
                   vocab_size=152064, max_position_embeddings=4096)
@@ -288,6 +288,35 @@ def versions() -> dict[str, Any]:
 
 
 # -- profiler trace -> phases ---------------------------------------------------------------------------------------------
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _length(iv: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in iv)
+
+
+def _overlap(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> float:
+    """Time covered by both of two sorted, disjoint interval lists."""
+    i = j = 0
+    total = 0.0
+    while i < len(x) and j < len(y):
+        a, b = max(x[i][0], y[j][0]), min(x[i][1], y[j][1])
+        if b > a:
+            total += b - a
+        if x[i][1] < y[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
 def _stream(e: dict) -> Any:
     args = e.get("args") or {}
     if "stream" in args:

@@ -14,6 +14,7 @@ import torch
 
 from ..core.memory import format_bytes
 from ..core.plan import Stepper, Where
+from ..export.weights import checkpoint_bytes
 from ..parallel.shards import shard_range
 
 __all__ = ["run_summary", "format_summary"]
@@ -56,6 +57,7 @@ def run_summary(engine: Any, *, config_source: str | None = None) -> dict[str, A
         "masked_attention_reason": engine.attention.reason if engine.attention is not None else "",
         "padding_free": engine.unpadding.on,
         "padding_free_reason": engine.unpadding.reason,
+        "checkpoint": _checkpoint(engine),
         "config_explicit_keys": sorted(config.explicit_keys),
         "config_source": config_source or "given to the engine",
     }
@@ -66,6 +68,14 @@ def run_summary(engine: Any, *, config_source: str | None = None) -> dict[str, A
     if opt is not None:
         out.update({**engine.modes.describe(), "max_grad_norm": opt.max_grad_norm})  # (core/plan.py StepModes)
     return out
+
+
+def _checkpoint(engine: Any) -> dict[str, Any]:
+    """One Trainer checkpoint's bytes (export/weights.py ``checkpoint_bytes``: the formula ``megatrain estimate``
+    prints; the Trainer checks them against the output folder's free space before the first step)."""
+    ck = checkpoint_bytes(engine)
+    return {"bytes": ck.total, "export_bytes": ck.export, "master_bytes": ck.master, "moment_bytes": ck.moments,
+            "save_dtype": engine.config.save_dtype}
 
 
 def _width(span: tuple[int, int]) -> int:
@@ -131,6 +141,13 @@ def _shard(s: dict[str, Any]) -> str:
             + ", ".join(f"{n:,}" for n in s["shard_elements_by_rank"]))
 
 
+def _checkpoint_line(c: dict[str, Any]) -> str:
+    master = f" + FP32 master {format_bytes(c['master_bytes'])}" if c["master_bytes"] else ""
+    return (f"  checkpoint: {format_bytes(c['bytes'])} per Trainer checkpoint (export in {c['save_dtype']} "
+            f"{format_bytes(c['export_bytes'])}{master} + AdamW moments {format_bytes(c['moment_bytes'])}); "
+            f"save_model / save_only_model=True: {format_bytes(c['export_bytes'])}")
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     """The summary as a short block of text (what the Trainer logs at the start of training)."""
     s = summary
@@ -143,6 +160,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"micro_batch_size={s['micro_batch_size']}",
         f"  masked batches' attention: {s['masked_attention_reason']}; {s['padding_free_reason']}",
     ]
+    if s.get("checkpoint"):
+        lines.append(_checkpoint_line(s["checkpoint"]))
     if s.get("processes", 1) > 1:
         lines.append(_shard(s))
     if s.get("host_placement"):

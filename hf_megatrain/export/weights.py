@@ -37,7 +37,7 @@ def extra_tensors(engine: EngineView) -> list[tuple[str, torch.Tensor]]:
     appears once (as HF saves)."""
     model = engine.model
     skip = set(getattr(model, "_keys_to_ignore_on_save", None) or [])
-    taken = {n for n, _ in engine.named_master_tensors()} | skip
+    taken = set(engine.store.names()) | skip  # (the masters' names: no wait for updates in flight)
     out: list[tuple[str, torch.Tensor]] = []
     for name, t in engine.named_frozen_tensors():
         if name not in taken:
@@ -52,6 +52,17 @@ def extra_tensors(engine: EngineView) -> list[tuple[str, torch.Tensor]]:
             out.append((name, t))
             taken.add(name)
     return out
+
+
+def checkpoint_bytes(engine: EngineView, dtype: torch.dtype | str | None = None) -> ckpt.CheckpointBytes:
+    """Tensor bytes of one Trainer checkpoint of ``engine`` (checkpoint/space.py, the formula ``megatrain estimate``
+    uses), from its store's exact element counts: the export in ``dtype`` (default: the config's ``save_dtype``;
+    a PEFT model's is its adapters), the FP32 master where the checkpoint keeps one, the AdamW moments."""
+    dt = parse_dtype(dtype if dtype is not None else engine.config.save_dtype, "dtype")
+    if peft_support.is_peft_model(engine.model):  # (adapters only; their FP32 master always: hf/trainer.py)
+        return ckpt.trainer_checkpoint_bytes(engine.store.numel, 0, dt, master=True)
+    extra = ckpt.safetensors_io.data_bytes(extra_tensors(engine), dt)  # (floating ones cast to dt, as written)
+    return ckpt.trainer_checkpoint_bytes(engine.store.numel, extra, dt)
 
 
 def model_tensors(engine: EngineView) -> Iterator[tuple[str, torch.Tensor]]:

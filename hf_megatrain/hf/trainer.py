@@ -51,7 +51,8 @@ from ..engine.summary import format_summary, run_summary
 from ..checkpoint.plain_trainer import has_torch_optimizer, load_torch_adamw, write_resume_note
 from ..checkpoint.safetensors_io import write_json
 from ..parallel import DataParallel
-from ..export.weights import export_model
+from ..export.weights import checkpoint_bytes, export_model
+from .disk_check import CheckpointSpaceCheck
 from .placement_hint import with_placement_tokens
 from .pretrained import from_pretrained_streamed, load_weights
 from ..config import parse_dtype
@@ -130,6 +131,8 @@ class MegaTrainTrainer(Trainer):
         if self._mt:  # first, so it runs before any callback that reads gradients around the optimizer step
             self.callback_handler.callbacks.insert(0, _LandForGradientReaders(self))
             self.callback_handler.callbacks.insert(0, _SkippedStepKeepsLR(self))
+            # (on_train_begin, before any other callback's: a run refused for disk space starts no logger / bar)
+            self.callback_handler.callbacks.insert(0, CheckpointSpaceCheck(self))
         if self._mt and self.args.n_gpu > 1:
             # One process drives one GPU; never nn.DataParallel. Trainer sized its batch per_device x n_gpu in
             # __init__ already: without resetting it the one GPU silently computed n_gpu times the per-device batch
@@ -412,7 +415,7 @@ class MegaTrainTrainer(Trainer):
     def _mt_save_barrier(self) -> None:
         """The other ranks wait for the main process's checkpoint save for 30 minutes plus its bytes at 100 MB/s (a
         slow disk), not the process group's fixed 30 minutes: a 120B checkpoint (1.4 TB) takes longer at any rate."""
-        nbytes = 16 * sum(u.numel for u in self.engine.store.units)  # export (<= 4 B) + FP32 master + AdamW m, v
+        nbytes = checkpoint_bytes(self.engine).saved(self.args.save_only_model)  # (checkpoint/space.py)
         wait_s = 1800 + nbytes / 1e8
         try:
             self.engine.ranks.barrier(timeout_s=wait_s)

@@ -64,6 +64,11 @@ class MegaTrainTrainingArguments(TrainingArguments):
         default=False, metadata={"help": "Resume from (or load the best model of) a checkpoint that cannot be "
                                          "verified: no megatrain_manifest.json, or files the manifest does not "
                                          "list. Off: such a checkpoint is refused with an error naming the file."})
+    megatrain_skip_disk_check: bool = field(
+        default=False, metadata={"help": "Start training even when the checkpoints this run keeps at once (one "
+                                         "checkpoint's bytes x save_total_limit + 1, or every planned save without "
+                                         "a limit) exceed the free space of output_dir's disk. Off: such a run is "
+                                         "refused before the first step, naming both numbers."})
 
     def __post_init__(self) -> None:
         if isinstance(self.megatrain_config, MegaTrainConfig):  # keep the arguments JSON-serialisable

@@ -74,9 +74,10 @@ def _report(plan: MemoryPlan, host_verdict: str, gpu_verdict: str) -> list[str]:
 
 def checkpoint_sizes(plan: MemoryPlan, disk_gbps: float) -> dict[str, float]:
     """Bytes of a Trainer checkpoint (the export at save_dtype + the training state: AdamW moments, and the FP32
-    master when the export is not FP32) and of a model export, with the seconds each takes at ``disk_gbps``."""
-    export = plan.disk.get("model export (save_dtype)", 0)
-    trainer = export + plan.disk.get("training state (AdamW m, v [+ fp32 master])", 0)
+    master when the export is not FP32: ``plan.checkpoint``, the formula the engine's run summary and the Trainer's
+    free-space check use, checkpoint/space.py) and of a model export, with the seconds each takes at
+    ``disk_gbps``."""
+    export, trainer = plan.checkpoint.export, plan.checkpoint.total
     rate = disk_gbps * 1e9
     return {"disk_gbps": disk_gbps, "trainer_bytes": trainer, "trainer_s": trainer / rate,
             "export_bytes": export, "export_s": export / rate}

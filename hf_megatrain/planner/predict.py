@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 import torch
 
+from ..checkpoint.space import CheckpointBytes, trainer_checkpoint_bytes
 from ..config import MegaTrainConfig
 from ..core.engine_view import EngineView
 from ..core.memory import CUDA_CONTEXT_GPU_BYTES, available_host_bytes, format_bytes, gpu_budget
@@ -157,6 +158,7 @@ class MemoryPlan:
     seq_chunk_tokens: int = 0  # tokens per tile of the position-wise modules (0: untiled at this length)
     offloaded_layers: int = 0  # layers whose saved input lives in pinned host memory
     flops_per_token: dict[str, float] = field(default_factory=dict)
+    checkpoint: CheckpointBytes = CheckpointBytes(0, 0, 0)  # one Trainer checkpoint's tensor bytes
 
     @property
     def host_total(self) -> int:
@@ -315,9 +317,10 @@ def estimate(shape: ModelShape, config: MegaTrainConfig, seq_len: int, batch_siz
     s = config.torch_save_dtype
     if on_disk:
         plan.disk[DISK_MOMENTS_ROW] = on_disk
-    plan.disk["model export (save_dtype)"] = shape.trainable * _elt(s) + shape.frozen * c
-    plan.disk["training state (AdamW m, v [+ fp32 master])"] = (
-        8 * shape.trainable + (4 * shape.trainable if s != torch.float32 else 0))
+    # (the one checkpoint formula, checkpoint/space.py; frozen parameters are exported in save_dtype, as written)
+    plan.checkpoint = trainer_checkpoint_bytes(shape.trainable, shape.frozen * _elt(s), s)
+    plan.disk["model export (save_dtype)"] = plan.checkpoint.export
+    plan.disk["training state (AdamW m, v [+ fp32 master])"] = plan.checkpoint.master + plan.checkpoint.moments
     if lean and c < 4 and not config.lean_compute_copy:
         n_lean = sum(up.numel for up in plans.units if up.stepper is Stepper.LEAN)
         plan.notes.append(f"lean_compute_copy=True would add {format_bytes(c * n_lean)} of host RAM (a {c}-byte copy "

@@ -58,7 +58,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]
+from bench import record as schema  # noqa: E402
 from hf_megatrain import MegaTrainConfig, MegaTrainEngine, from_pretrained_streamed  # noqa: E402
 from hf_megatrain import checkpoint as ckpt  # noqa: E402
 
@@ -296,16 +298,15 @@ def main(argv: list[str] | None = None) -> int:
     save_dtype = getattr(torch, a.save_dtype)
     if a.export_load:
         try:
-            res = {"command": " ".join(["python", "integration/bench_checkpoint_io.py", *(argv or sys.argv[1:])]),
-                   "readers": readers[0], "export_load": export_load(a.export_load, root, readers[0])}
+            res = {**schema.header(__file__, argv), "readers": readers[0],
+                   "export_load": export_load(a.export_load, root, readers[0])}
             e = res["export_load"]
             print(f"export {e['params'] / 1e9:.2f}B params, {e['bytes'] / 1e9:.2f} GB in {e['shards']} shards: plain "
                   f"read {e['plain_read_GBps']:.2f} GB/s, from_pretrained_streamed {e['from_pretrained_GBps']:.2f} "
                   f"GB/s ({100 * e['vs_plain_read']:.1f} % of the plain read; outside the reads "
                   f"{e['from_pretrained']['other_s']:.2f} s)")
             if a.out:
-                with open(a.out, "w") as f:
-                    json.dump(res, f, indent=1)
+                schema.write(a.out, res)
         finally:
             shutil.rmtree(root, ignore_errors=True)
             fast_io.READERS, fast_io.READ_CHUNK, fast_io.READ_SEQUENTIAL = saved
@@ -323,8 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"model: {params / 1e9:.3f}B parameters (built in {build_s:.1f} s, engine {engine_s:.1f} s = "
               f"{params / 1e9 / engine_s:.2f} B params/s)", flush=True)
 
-        res: dict = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]) if argv is None else
-                     " ".join(["python", "integration/bench_checkpoint_io.py", *argv]),
+        res: dict = {**schema.header(__file__, argv),
                      "dir": os.path.abspath(root), "threads": threads, "cache_drop": "posix_fadvise(DONTNEED)",
                      "readers": readers[0], "read_chunk_MiB": fast_io.READ_CHUNK >> 20,
                      "read_sequential": fast_io.READ_SEQUENTIAL,
@@ -477,9 +477,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.warm:
             print("  warm (page cache): " + ", ".join(f"{n} {g:.2f} GB/s" for n, g in res["rates_warm"].items()))
         if a.out:
-            os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-            with open(a.out, "w") as f:
-                json.dump(res, f, indent=1)
+            schema.write(a.out, res)
             print("wrote", a.out)
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import sys
 import time
 from typing import Any
@@ -51,10 +50,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path[:0] = [HERE, ROOT]
 
-from bench.common import PEAK_TFLOPS, versions  # noqa: E402
+from bench import record as schema  # noqa: E402
+from bench.common import PEAK_TFLOPS  # noqa: E402
 from bench import child  # noqa: E402
-from bench.child import log_tail  # noqa: E402
-from bench_vs_deepspeed import child_env, gpu_slug, mirror  # noqa: E402
+from bench.record import gpu_slug, mirror  # noqa: E402
+from bench_vs_deepspeed import child_env  # noqa: E402
 
 RUNNERS = {"megatrain": "run_dpo_megatrain.py", "deepspeed": "run_dpo_deepspeed.py"}
 LABEL = {"megatrain": "hf_megatrain (every layer streamed)", "deepspeed": "DeepSpeed ZeRO-3 offload"}
@@ -117,10 +117,7 @@ def merge_and_write(path: str, doc_new: dict, fresh: bool) -> dict:
     if run not in runs:  # (once per invocation, however many records it writes)
         runs.append(run)
     doc.update(doc_new, records=records, runs=runs, ratios=ratios(records))
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1, default=str)
-    with open(path[:-5] + ".md", "w") as f:
-        f.write(markdown(doc))
+    schema.write(path, doc, markdown(doc))
     return doc
 
 
@@ -159,18 +156,6 @@ def markdown(doc: dict) -> str:
         lines.append(f"\n{p} pairs: hf_megatrain / DeepSpeed tokens/s = {v['megatrain_over_deepspeed']:.2f}x")
     lines += ["", "Commands:", ""] + [f"    {run['command']}   # {run['started']}" for run in doc.get("runs", [])]
     return "\n".join(lines) + "\n"
-
-
-def peer_versions() -> dict[str, Any]:
-    from importlib import metadata
-
-    out: dict[str, Any] = {}
-    for name in ("trl", "datasets"):
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = None
-    return out
 
 
 # -- CLI ----------------------------------------------------------------------------------------------------------------
@@ -237,9 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     base = {"tiny": a.tiny, "layers": a.layers, "prompt_len": a.prompt_len, "completion_len": a.completion_len,
             "warmup": a.warmup, "steps": a.steps, "max_grad_norm": a.max_grad_norm, "peak_tflops": a.peak_tflops,
             "seed": 0, "clock_sync": a.clock_sync}
-    command = "python " + shlex.join([os.path.relpath(os.path.abspath(sys.argv[0]), ROOT)] + sys.argv[1:]) \
-        if argv is None else "bench_dpo.main(" + shlex.join(argv) + ")"
-    started = time.strftime("%Y-%m-%d %H:%M:%S")
+    command = schema.command(__file__, argv, called="bench_dpo")
+    started, commit, host = schema.now(), schema.commit(), schema.machine()
     plan = [(s, p, attempts(s, p, a)) for p in a.pair_list for s in a.system_list]  # a pair count's systems together
     print(f"[bench_dpo] {gpu_name}: {len(plan)} runs -> {path_json}", flush=True)
     for s, p, tries in plan:
@@ -251,36 +235,22 @@ def main(argv: list[str] | None = None) -> int:
     doc: dict[str, Any] = {}
     logs: list[str] = []
     for system, pairs, tries in plan:
-        record: dict[str, Any] = {}
-        history = []
-        for i, over in enumerate(tries):
-            left = a.budget - (time.perf_counter() - t_start)
-            if left < 60:
-                record = {"system": system, "pairs": pairs, "status": "skipped",
-                          "error": f"time budget (--budget {a.budget:.0f}s) used up before this run"}
-                break
-            spec = {**base, **over, "system": system, "pairs": pairs}
-            log = os.path.join(a.out, "logs", f"dpo_{system}_p{pairs}" + (f"_try{i + 1}" if i else "") + ".log")
-            print(f"[bench_dpo] {system} {pairs} pairs attempt {i + 1}/{len(tries)} {over} (timeout "
-                  f"{min(a.timeout, left - 20):.0f}s)", flush=True)
-            record = run_child(system, spec, a, min(a.timeout, left - 20), log)
-            logs.append(log)
-            summary = (f"{record['tokens_per_s']:,.0f} tok/s, {record['pairs_per_s']:.2f} pairs/s, step "
-                       f"{record['step_time_s']:.3f}s, ref precompute {record['ref_precompute_s']:.1f}s"
-                       if record.get("status") == "ok" else (record.get("error") or "")[:300])
-            print(f"[bench_dpo]   -> {record.get('status')} in {record['subprocess_wall_s']:.0f}s: {summary}",
-                  flush=True)
-            if record.get("status") != "ok":
-                print(log_tail(log, 25), flush=True)
-            if record.get("status") == "ok" or not record.get("oom") or i == len(tries) - 1:
-                break
-            history.append({k: record.get(k) for k in ("spec", "status", "error", "subprocess_wall_s")})
+        record, history = child.run_attempts(
+            tries, lambda over, timeout, log: run_child(system, {**base, **over, "system": system, "pairs": pairs}, a,
+                                                        timeout, log),
+            log_path=lambda i: os.path.join(a.out, "logs", f"dpo_{system}_p{pairs}{f'_try{i + 1}' if i else ''}.log"),
+            budget=a.budget, started=t_start, timeout=a.timeout, tag="[bench_dpo]", what=f"{system} {pairs} pairs",
+            skipped={"system": system, "pairs": pairs}, logs=logs,
+            summary=lambda r: f"{r['tokens_per_s']:,.0f} tok/s, {r['pairs_per_s']:.2f} pairs/s, step "
+                              f"{r['step_time_s']:.3f}s, ref precompute {r['ref_precompute_s']:.1f}s")
         record["attempts_before"] = history
         doc = merge_and_write(path_json, {
-            "gpu": gpu_name, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "versions": {**versions(), **peer_versions()},
+            "gpu": gpu_name, "date": schema.now(), "commit": commit, "machine": host,
+            "versions": schema.versions("trl", "datasets"),
             "spec": {k: base[k] for k in ("tiny", "layers", "prompt_len", "completion_len", "max_grad_norm",
                                           "peak_tflops")},
-            "run": {"command": command, "started": started, "systems": a.system_list, "pairs": a.pair_list},
+            "run": {"command": command, "commit": commit, "started": started, "systems": a.system_list,
+                    "pairs": a.pair_list},
             "records": [record]}, fresh=a.fresh and not doc)
         if a.mirror:
             mirror(a.mirror, [path_json, path_json[:-5] + ".md"], logs)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import json
 import os
 import platform
 import statistics
@@ -31,7 +30,10 @@ import traceback
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]
+
+from bench import record as schema  # noqa: E402
 
 from hf_megatrain.model import loss_impl  # noqa: E402
 from hf_megatrain.model.loss_impl import LossImpl, head_loss  # noqa: E402
@@ -167,15 +169,14 @@ def main(argv: list[str] | None = None) -> dict:
         p.error(f"unknown --impls {bad}; choose from {IMPLS}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     out = args.json or os.path.join(os.environ.get("OUT", "."), "bench_loss.json")
-    result = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor() or "cpu",
+    result = {**schema.header(__file__, argv, extra_versions=("liger-kernel", "cut-cross-entropy", "triton")),
+              "device": torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor() or "cpu",
               "torch": torch.__version__, "liger_kernel": _version("liger-kernel"),
               "cut_cross_entropy": _version("cut-cross-entropy"), "triton": _version("triton"),
               "auto_choice": loss_impl.choose("auto", device, bias=False, softcap=args.softcap)[1], "cases": []}
     for tokens in [int(t) for t in args.tokens.split(",")]:
         result["cases"].append(bench_case(tokens, args, device))
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        with open(out, "w") as f:  # after every case: a later OOM or timeout keeps what was measured
-            json.dump(result, f, indent=1)
+        schema.write(out, result)  # after every case: a later OOM or timeout keeps what was measured
     print(f"wrote {out}")
     return result
 

@@ -37,8 +37,6 @@ import argparse
 import importlib.util
 import json
 import os
-import shlex
-import subprocess
 import sys
 import time
 from typing import Any
@@ -48,8 +46,9 @@ ROOT = os.path.dirname(HERE)
 sys.path[:0] = [HERE, ROOT]
 
 from bench import child  # noqa: E402
-from bench.child import log_tail  # noqa: E402
+from bench import record as schema  # noqa: E402
 from bench.common import FULL_SEQ, PEAK_TFLOPS, REGIMES, TINY_SEQ, regime_of, versions  # noqa: E402
+from bench.record import gpu_slug, mirror  # noqa: E402
 
 RUNNERS = {"megatrain": "run_megatrain.py", "plain": "run_plain.py", "deepspeed": "run_deepspeed.py",
            "fsdp2": "run_fsdp2.py"}
@@ -166,21 +165,6 @@ def run_child(system: str, spec: dict, a: argparse.Namespace, timeout: float, lo
 
 
 # -- results ------------------------------------------------------------------------------------------------------------
-def gpu_slug(tiny: bool) -> tuple[str, str]:
-    name = "cpu"
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=30)
-        if out.returncode == 0 and out.stdout.strip():
-            name = out.stdout.strip().splitlines()[0].strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    slug = "".join(c if c.isalnum() else "_" for c in name.lower().replace("nvidia", "")).strip("_")
-    while "__" in slug:
-        slug = slug.replace("__", "_")
-    return name, (slug or "gpu") + ("_tiny" if tiny else "")
-
-
 def record_regime(rec: dict) -> str:
     """hf_megatrain's regime of a record ('' for the peers, which place the model the same way in both). Records
     from before --regime ran the planner's placement: their spec's config lacks the streamed overlay -> auto."""
@@ -399,7 +383,8 @@ def merge_and_write(path_json: str, doc_new: dict, fresh: bool) -> dict:
         if rec.get("status") == "skipped" and key in doc["records"]:
             continue  # a run skipped for time never hides an earlier result
         doc["records"][key] = rec
-    doc.update(date=doc_new["date"], gpu=doc_new["gpu"], versions=doc_new["versions"], reference=REFERENCE)
+    doc.update({k: doc_new[k] for k in ("date", "gpu", "commit", "machine", "versions") if k in doc_new},
+               reference=REFERENCE)
     doc["spec"] = {**doc.get("spec", {}), **doc_new["spec"]}
     if not doc["runs"] or doc["runs"][-1].get("command") != doc_new["run"]["command"] or \
             doc["runs"][-1].get("started") != doc_new["run"]["started"]:
@@ -409,28 +394,8 @@ def merge_and_write(path_json: str, doc_new: dict, fresh: bool) -> dict:
     doc["ratios"] = ratios(doc["records"])
     doc["scaling"] = scaling(doc["records"])
     doc.pop("run", None)
-    tmp = path_json + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1, default=str)
-    os.replace(tmp, path_json)
-    with open(path_json[:-5] + ".md", "w") as f:
-        f.write(markdown(doc))
+    schema.write(path_json, doc, markdown(doc))
     return doc
-
-
-def mirror(dest: str, files: list[str], logs: list[str]) -> None:
-    """Copy results (flat) and logs (dest/logs/) to ``dest``; never fails the benchmark."""
-    import shutil
-
-    try:
-        os.makedirs(os.path.join(dest, "logs"), exist_ok=True)
-        for f in files:
-            shutil.copy2(f, dest)
-        for f in logs:
-            if os.path.exists(f):
-                shutil.copy2(f, os.path.join(dest, "logs"))
-    except OSError as e:
-        print(f"[bench] could not mirror results to {dest}: {e}", flush=True)
 
 
 def wait_share(r: dict, gpu: bool = False) -> float | None:
@@ -580,9 +545,8 @@ def main(argv: list[str] | None = None) -> int:
         base.update(data="finetune", layout=a.layout, max_len=seq)
     if a.attn != "sdpa":  # (every system runs the same attention implementation)
         base["attn"] = a.attn
-    command = "python " + shlex.join([os.path.relpath(os.path.abspath(sys.argv[0]), ROOT)] + sys.argv[1:]) \
-        if argv is None else "bench_vs_deepspeed.main(" + shlex.join(argv) + ")"
-    started = time.strftime("%Y-%m-%d %H:%M:%S")
+    command = schema.command(__file__, argv, called="bench_vs_deepspeed")
+    started, commit, host = schema.now(), schema.commit(), schema.machine()
     # hf_megatrain once per regime; the peers once (their placement does not depend on it).
     nprocs = [int(n) for n in a.nproc.split(",") if n.strip()]
     plan = [(s, r, b, [{**t, "nproc": n} for t in attempts(s, b, a, r or "streamed")]) for n in nprocs
@@ -601,31 +565,20 @@ def main(argv: list[str] | None = None) -> int:
     doc: dict[str, Any] = {}
     logs: list[str] = []
     for system, regime, batch, tries in plan:
-        record: dict[str, Any] = {}
-        history = []
         name = system + (f"_{regime}" if regime else "") + (f"_x{tries[0]['nproc']}" if tries[0]["nproc"] > 1 else "")
-        for i, over in enumerate(tries):
-            left = a.budget - (time.perf_counter() - t_start)
-            if left < 60:
-                record = {"system": system, "batch": batch, "status": "skipped",
-                          "error": f"time budget (--budget {a.budget:.0f}s) used up before this run"}
-                break
+
+        def attempt(over: dict[str, Any], timeout: float, log: str) -> dict[str, Any]:
             spec = {**base, **over, "system": system, "batch": batch}
             if a.data == "finetune":
                 spec["tokens"] = batch
-            log = os.path.join(a.out, "logs", f"{name}_b{batch}" + (f"_try{i + 1}" if i else "") + ".log")
-            print(f"[bench] {name} batch {batch} attempt {i + 1}/{len(tries)} {over} (timeout "
-                  f"{min(a.timeout, left - 20):.0f}s)", flush=True)
-            record = run_child(system, spec, a, min(a.timeout, left - 20), log)
-            logs.append(log)
-            summary = (f"{record['tokens_per_s']:,.0f} tok/s, step {record['step_time_s']:.3f}s" + host_note(record)
-                       if record.get("status") == "ok" else (record.get("error") or "")[:300])
-            print(f"[bench]   -> {record.get('status')} in {record['subprocess_wall_s']:.0f}s: {summary}", flush=True)
-            if record.get("status") != "ok":
-                print(log_tail(log, 25), flush=True)
-            if record.get("status") == "ok" or not record.get("oom") or i == len(tries) - 1:
-                break
-            history.append({k: record.get(k) for k in ("spec", "status", "error", "subprocess_wall_s")})
+            return run_child(system, spec, a, timeout, log)
+
+        record, history = child.run_attempts(
+            tries, attempt,
+            log_path=lambda i: os.path.join(a.out, "logs", f"{name}_b{batch}{f'_try{i + 1}' if i else ''}.log"),
+            budget=a.budget, started=t_start, timeout=a.timeout, tag="[bench]", what=f"{name} batch {batch}",
+            skipped={"system": system, "batch": batch}, logs=logs,
+            summary=lambda r: f"{r['tokens_per_s']:,.0f} tok/s, step {r['step_time_s']:.3f}s" + host_note(r))
         if regime:
             record["regime"] = regime  # (also on error / skipped records: their key names it)
             record["forward_wait_share"] = wait_share(record) if record.get("status") == "ok" else None
@@ -633,10 +586,10 @@ def main(argv: list[str] | None = None) -> int:
         record["attempts_before"] = history
         record["env"] = env_note
         doc = merge_and_write(path_json, {
-            "gpu": gpu_name, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "versions": versions(),
+            "gpu": gpu_name, "date": schema.now(), "commit": commit, "machine": host, "versions": versions(),
             "spec": {k: base[k] for k in ("tiny", "layers", "seq", "peak_tflops", "max_grad_norm", "data", "layout",
                                           "attn") if k in base},
-            "run": {"command": command, "started": started, "systems": systems, "sizes": sizes},
+            "run": {"command": command, "commit": commit, "started": started, "systems": systems, "sizes": sizes},
             "records": {"new": record}}, fresh=a.fresh and not doc)
         if a.mirror:
             mirror(a.mirror, [path_json, path_json[:-5] + ".md"], logs)

@@ -22,6 +22,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from bench import record as schema  # noqa: E402
 from bench.common import REGIMES  # noqa: E402  (one definition, shared with bench_vs_deepspeed.py)
 
 KEEP = ("tokens_per_step", "step_time_s", "tokens_per_s", "model_tflops", "mfu", "peak_gpu_alloc_gib",
@@ -76,7 +77,8 @@ def main() -> int:
     if a.max_grad_norm is not None and a.max_grad_norm < 0:
         ap.error(f"--max-grad-norm {a.max_grad_norm}: use 0 (no clipping) or a positive threshold")
     os.makedirs(a.out, exist_ok=True)
-    res = {"regime": a.regime, "megatrain_config": {"torch_compile": True, **REGIMES[a.regime]},
+    res = {**schema.header(__file__),
+           "regime": a.regime, "megatrain_config": {"torch_compile": True, **REGIMES[a.regime]},
            "max_grad_norm": a.max_grad_norm if a.max_grad_norm is not None else 1.0}
     order = [("new", a.new), ("old", a.old)]
     for name, tree in (order[::-1] if a.old_first else order):
@@ -87,8 +89,7 @@ def main() -> int:
         for k, v in res["new"]["rows"].items()
         if v.get("tokens_per_s") and res["old"]["rows"].get(k, {}).get("tokens_per_s")}
     print("new / old tokens/s:", res["new_over_old_tokens_per_s"], flush=True)
-    with open(os.path.join(a.out, f"compare_commits_{a.regime}.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    schema.write(os.path.join(a.out, f"compare_commits_{a.regime}.json"), res)
     return 0
 
 

@@ -14,19 +14,17 @@ still hold a GPU.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path[:0] = [ROOT]
+sys.path[:0] = [HERE, ROOT]
 
 STEPS, FAULT_STEP = 6, 3
 
@@ -111,17 +109,16 @@ def main() -> None:
     if a.child:
         return child(a.child, a.shm)
     import torch
+
+    from bench import record as schema
+
     os.makedirs(a.out, exist_ok=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
     gpu = torch.cuda.get_device_name(0)
     record = dict(what="data-parallel faults: 2 plain processes (no agent), NCCL, rank 1 killed / OOM mid-step",
-                  machine=f"{socket.gethostname()}: {torch.cuda.device_count()} x {gpu}",
-                  commit=a.commit or commit.stdout.strip() or None, torch=torch.__version__,
-                  date=datetime.date.today().isoformat(), command="python integration/dp_faults.py --out $OUT",
+                  **schema.header(__file__, given_commit=a.commit),
                   scenarios=[scenario(f, a.out) for f in ("kill", "oom")])
     name = f"dp_faults_{gpu.replace(' ', '_').lower()}"
-    with open(os.path.join(a.out, name + ".json"), "w") as f:
-        json.dump(record, f, indent=1)
+    schema.write(os.path.join(a.out, name + ".json"), record)
     print(json.dumps(record, indent=1))
 
 

@@ -34,7 +34,6 @@ import hashlib  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
-import shlex  # noqa: E402
 import shutil  # noqa: E402
 import sys  # noqa: E402
 from concurrent.futures import ThreadPoolExecutor  # noqa: E402
@@ -46,13 +45,15 @@ sys.path[:0] = [HERE, ROOT]
 
 import torch  # noqa: E402
 
+from bench import record as schema  # noqa: E402
 from bench.common import (GIB, PEAK_TFLOPS, REGIMES, StepClock, TokenDataset, _vm_hwm_bytes, runner_main,  # noqa: E402
-                          throughput, token_rows, versions)
-from bench_vs_deepspeed import gpu_slug, log_tail  # noqa: E402
+                          throughput, token_rows)
+from bench.child import log_tail  # noqa: E402
+from bench.record import gpu_slug  # noqa: E402
 from hf_megatrain import MegaTrainConfig, planner  # noqa: E402
 from hf_megatrain.core.memory import available_host_bytes  # noqa: E402
 from long_context import plan_record  # noqa: E402
-from scale_123b import HostSampler, child_env, engine_plan, machine, random_engine, spawn  # noqa: E402
+from scale_123b import HostSampler, child_env, engine_plan, random_engine, spawn  # noqa: E402
 
 # Qwen2.5-32B's config.json (shape only; the values are random).
 WIDTH = dict(hidden_size=5120, intermediate_size=27648, num_attention_heads=40, num_key_value_heads=8,
@@ -418,13 +419,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.dry_run and a.machines:
         doc = predictions(spec, margin)
         path = os.path.join(a.out, "full_32b_prediction.json")
-        with open(path, "w") as f:
-            json.dump(doc, f, indent=1)
-        with open(path[:-5] + ".md", "w") as f:
-            f.write(prediction_md(doc))
+        schema.write(path, doc, prediction_md(doc))
         print(prediction_md(doc), flush=True)
         return 0
-    info = machine()
+    info = schema.machine()
     device_type = "cuda" if info.get("gpu") else "cpu"
     if device_type == "cpu" and not (a.tiny or a.dry_run):
         raise SystemExit("[full32b] no GPU found (nvidia-smi); use --tiny on a CPU, or --dry-run [--machines]")
@@ -455,9 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     save_dir = a.save_dir or os.path.join(a.out, "full_32b_checkpoint")
     spec.update(out=os.path.abspath(a.out), save_dir=os.path.abspath(save_dir),
                 digest_path=os.path.join(os.path.abspath(a.out), "logs", "full_32b_master_digests.json"))
-    doc: dict[str, Any] = {"command": "python " + shlex.join([os.path.relpath(os.path.abspath(__file__), ROOT)] + (
-        sys.argv[1:] if argv is None else argv)), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "versions": versions(),
-        "machine": info, "spec": spec, "width": TINY_WIDTH if a.tiny else WIDTH, "prediction": pred}
+    doc: dict[str, Any] = {**schema.header(__file__, argv, host=info), "spec": spec,
+                           "width": TINY_WIDTH if a.tiny else WIDTH, "prediction": pred}
     env = child_env(a.alloc_conf)
 
     def write() -> None:
@@ -468,11 +465,7 @@ def main(argv: list[str] | None = None) -> int:
             "host_rss_within_10pct": None if t.get("host_rss_over_planner") is None
             else abs(t["host_rss_over_planner"] - 1.0) <= 0.10,
             "reload_verified": r.get("verified")}
-        with open(path + ".tmp", "w") as f:
-            json.dump(doc, f, indent=1, default=str)
-        os.replace(path + ".tmp", path)
-        with open(path[:-5] + ".md", "w") as f:
-            f.write(summary(doc))
+        schema.write(path, doc, summary(doc))
 
     write()
     for phase in ("train", "reload"):

@@ -43,7 +43,6 @@ import argparse  # noqa: E402
 import copy  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
-import shlex  # noqa: E402
 import sys  # noqa: E402
 import warnings  # noqa: E402
 from typing import Any  # noqa: E402
@@ -54,10 +53,11 @@ sys.path[:0] = [HERE, ROOT]
 
 import torch  # noqa: E402
 
-from bench.common import GIB, runner_main, versions  # noqa: E402
-from bench_vs_deepspeed import gpu_slug  # noqa: E402
+from bench import record as schema  # noqa: E402
+from bench.common import GIB, runner_main  # noqa: E402
+from bench.record import gpu_slug  # noqa: E402
 from named_models import CONFIGS, load_meta  # noqa: E402
-from scale_123b import LayerTimer, child_env, machine, spawn  # noqa: E402
+from scale_123b import LayerTimer, child_env, spawn  # noqa: E402
 
 from hf_megatrain import MegaTrainConfig, MegaTrainEngine, planner  # noqa: E402
 from hf_megatrain.core.memory import available_host_bytes  # noqa: E402
@@ -394,24 +394,6 @@ def auto_layers(spec: dict[str, Any], host_avail: int, gpu_total: int | None) ->
     raise AssertionError
 
 
-def _commit() -> str | None:
-    """The checkout's commit (None where the tree came without git, as on the device machine)."""
-    import subprocess
-
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                             timeout=10)
-        return out.stdout.strip() or None if out.returncode == 0 else None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def write(path: str, doc: dict[str, Any]) -> None:
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1, default=str)
-        f.write("\n")
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default=",".join(DEFAULT_MODELS),
@@ -448,14 +430,13 @@ def main(argv: list[str] | None = None) -> int:
 
     transformers.logging.set_verbosity_error()
     os.makedirs(a.out, exist_ok=True)
-    info = machine()
+    info = schema.machine()
     host_avail = available_host_bytes()
     # (from nvidia-smi: a CUDA context in this parent would take GPU memory from every child)
     gpu_total = None if a.tiny else int(info["gpu_total_gib"] * GIB) if info.get("gpu") else 80 * GIB
     gpu_name, slug = gpu_slug(a.tiny)
-    command = "python integration/full_width_layers.py " + shlex.join(sys.argv[1:] if argv is None else argv)
-    common = {"command": command, "commit": _commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "machine": info,
-              "versions": versions(), "vocab_note": f"vocab_size cut to {a.vocab} (lm_head / embeddings only; "
+    common = {**schema.header(__file__, argv, host=info),
+              "vocab_note": f"vocab_size cut to {a.vocab} (lm_head / embeddings only; "
               "every decoder-layer width is the Hub config's)" if a.vocab else "vocab_size as published"}
     records = []
     for m in models:
@@ -494,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
             rec.update({k: v for k, v in child.items() if k not in ("spec", "batch", "system")})
         if rec.get("status") == "ok" and not rec.get("match"):
             rec["status"] = "mismatch"
-        write(path, {**common, **rec})
+        schema.write(path, {**common, **rec})
         records.append(rec)
         est = rec.get("estimate") or {}
         print(f"[full_width] {m}: {rec.get('status')} layers={spec['layers']} "
@@ -510,8 +491,8 @@ def main(argv: list[str] | None = None) -> int:
                                       "layer_visit_total_s", "plain_peak_gpu_gib", "engine_peak_gpu_gib")}
                | {"loss_rel": (r.get("loss") or {}).get("rel"), "input_grad_rel": (r.get("input_grad") or {}).get("rel")}
                for r in records]
-    write(os.path.join(a.out, f"summary_{slug}.json"), {**common, "gpu": gpu_name, "runs": summary,
-                                                        "wall_s": time.perf_counter() - start})
+    schema.write(os.path.join(a.out, f"summary_{slug}.json"), {**common, "gpu": gpu_name, "runs": summary,
+                                                               "wall_s": time.perf_counter() - start})
     ok = {"ok", "planned"} if not a.tiny else {"ok"}
     return 0 if all(r.get("status") in ok or r.get("status") == "skipped" and not a.tiny for r in records) else 1
 

@@ -25,7 +25,8 @@ from typing import Iterator
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+from bench import record as schema  # noqa: E402
 from hf_megatrain.core import kernels  # noqa: E402
 
 COPY_BYTES = 12  # the plain copy ceiling: read 4, write 4, and the write's cache-line fill 4
@@ -123,7 +124,8 @@ def main() -> None:
         return run, kernels.host_bytes_per_param(kernels.HostKernel.NATIVE, False, 2 if copy else 0, 2)
     variants["native+bf16grad"] = native(False)
     variants["native+bf16grad+copy"] = native(True)
-    res = {"host": platform.node(), "threads": torch.get_num_threads(), "numel": n, "pinned": pin,
+    res = {**schema.header(__file__),
+           "host": platform.node(), "threads": torch.get_num_threads(), "numel": n, "pinned": pin,
            "torch": torch.__version__, "cpu_count": os.cpu_count(), "variants": {}}
     for name, (fn, b) in variants.items():
         for where, f in (("main", fn), ("thread", in_thread(fn))):
@@ -147,7 +149,7 @@ def main() -> None:
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         path = Path(args.out) / f"host_adamw_rate_{platform.node()}.json"
-        path.write_text(json.dumps(res, indent=1))
+        schema.write(str(path), res)
         print("wrote", path)
 
 

@@ -29,7 +29,6 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
-import shlex  # noqa: E402
 import sys  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -39,11 +38,12 @@ sys.path[:0] = [HERE, ROOT]
 
 import torch  # noqa: E402
 
-from bench.common import GIB, PEAK_TFLOPS, _vm_hwm_bytes, runner_main, versions  # noqa: E402
-from bench_vs_deepspeed import gpu_slug  # noqa: E402
+from bench import record as schema  # noqa: E402
+from bench.common import GIB, PEAK_TFLOPS, _vm_hwm_bytes, runner_main  # noqa: E402
+from bench.record import gpu_slug  # noqa: E402
 from hf_megatrain import MegaTrainConfig, MegaTrainEngine, planner  # noqa: E402
 from hf_megatrain.core.memory import available_host_bytes, gpu_budget  # noqa: E402
-from scale_123b import HostSampler, LayerTimer, child_env, machine, random_engine  # noqa: E402
+from scale_123b import HostSampler, LayerTimer, child_env, random_engine  # noqa: E402
 from scale_123b import spawn as run_isolated  # noqa: E402
 
 WIDTH = dict(hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4,
@@ -241,7 +241,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    info = machine()
+    info = schema.machine()
     device_type = "cuda" if info.get("gpu") else "cpu"
     if device_type == "cpu" and not a.tiny:
         raise SystemExit("[long] no GPU found (nvidia-smi); use --tiny on a CPU")
@@ -258,10 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     name = "long_context_search" if a.max_seq_search else "long_context"
     path = os.path.join(a.out, f"{name}_{slug}.json")
     shape = model_shape(spec)
-    doc: dict[str, Any] = {"command": "python " + shlex.join([os.path.relpath(__file__, ROOT)] + (
-        sys.argv[1:] if argv is None else argv)), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "versions": versions(),
-        "machine": info, "spec": spec, "width": TINY_WIDTH if a.tiny else WIDTH,
-        "n_params": shape.trainable, "planner": plan_record(plan_for(spec, device_type, gpu_free)), "runs": []}
+    doc: dict[str, Any] = {**schema.header(__file__, argv, host=info), "spec": spec,
+                           "width": TINY_WIDTH if a.tiny else WIDTH, "n_params": shape.trainable,
+                           "planner": plan_record(plan_for(spec, device_type, gpu_free)), "runs": []}
     pred = doc["planner"]
     print(f"[long] {info.get('gpu') or 'cpu'}, {host_avail / GIB:.1f} GiB host available; {spec['layers']} layers, "
           f"seq {spec['seq']}, lean_store={spec['lean']}: planner GPU {pred['gpu_need_gib']:.1f} GiB, host "
@@ -274,9 +273,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def write() -> None:
         doc["wall_s"] = time.perf_counter() - T_START
-        with open(path + ".tmp", "w") as f:
-            json.dump(doc, f, indent=1, default=str)
-        os.replace(path + ".tmp", path)
+        schema.write(path, doc)
 
     def run(seq: int) -> dict:
         s = {**spec, "seq": seq}

@@ -162,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
         size, dtype = a.case.split(":")
         print("RESULT " + json.dumps(run_case(size, dtype, a.device, a.seq_len, a.batch_size, extra)))
         return 0
+    from bench import record as schema
+
+    head = schema.header(__file__, argv)  # (before any case: the date is the run's start)
     if a.device == "cpu":
         import torch  # noqa: F401  - imported once, before forking
         import transformers  # noqa: F401
@@ -192,8 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"{res['gpu_predicted'] / gib:7.2f} GiB")
             print(line + f"  ({res['seconds']} s)", flush=True)
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(results, f, indent=1)
+        schema.write(a.json, {**head, "results": results})
     return 0 if all("error" not in r for r in results) else 1
 
 

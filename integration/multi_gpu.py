@@ -23,10 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
-import threading
 import time
 from typing import Any
 
@@ -37,39 +35,13 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from bench.common import FULL_WIDTH, PEAK_TFLOPS, build_model, count_params, token_rows  # noqa: E402
+from bench import record as schema  # noqa: E402
+from bench.child import HostPeak  # noqa: E402
+from bench.common import FULL_WIDTH, GIB, PEAK_TFLOPS, build_model, count_params, free_port, token_rows  # noqa: E402
 
 PARITY_WIDTH = dict(hidden_size=512, intermediate_size=1408, num_attention_heads=8, num_key_value_heads=2,
                     vocab_size=4096)
 LR, CLIP = 1e-4, 1.0
-GIB = 1024 ** 3
-
-
-def _host_used() -> int:
-    info = {}
-    with open("/proc/meminfo") as f:
-        for line in f:
-            k, v = line.split(":")
-            info[k] = int(v.split()[0]) * 1024
-    return info["MemTotal"] - info["MemAvailable"]
-
-
-class HostPeak:
-    """Peak of MemTotal − MemAvailable while it runs (every process of the host counted once, shared pages too)."""
-
-    def __init__(self) -> None:
-        self.peak, self._stop = _host_used(), threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-        self._t.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.05):
-            self.peak = max(self.peak, _host_used())
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._t.join()
-        return self.peak
 
 
 def _spec(kind: str, a: argparse.Namespace) -> dict[str, Any]:
@@ -142,16 +114,10 @@ def worker(rank: int, world: int, kind: str, a: argparse.Namespace, port: int, c
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(kind: str, world: int, a: argparse.Namespace, compute: str) -> dict[str, Any]:
-    base, peak, t0 = _host_used(), HostPeak(), time.perf_counter()
-    mp.spawn(worker, args=(world, kind, a, _free_port(), compute, a.out), nprocs=world, join=True)
-    used = peak.stop() - base
+    peak, t0 = HostPeak(), time.perf_counter()
+    mp.spawn(worker, args=(world, kind, a, free_port(), compute, a.out), nprocs=world, join=True)
+    used = peak.stop()
     ranks = [json.load(open(os.path.join(a.out, f"{kind}_{compute}_{world}_rank{r}.json"))) for r in range(world)]
     out: dict[str, Any] = {"processes": world, "compute_dtype": compute, "wall_s": time.perf_counter() - t0,
                            "host_added_gib": used / GIB, "ranks": ranks}
@@ -207,13 +173,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     os.makedirs(a.out, exist_ok=True)
     gpu = "cpu" if a.tiny or not torch.cuda.is_available() else torch.cuda.get_device_name(0)
-    res: dict[str, Any] = {"gpu": gpu, "processes": world, "command": "python " + " ".join(sys.argv),
-                           "date": time.strftime("%Y-%m-%d %H:%M:%S"), "torch": torch.__version__}
+    res: dict[str, Any] = {**schema.header(__file__, argv), "gpu": gpu, "processes": world}
     path = os.path.join(a.out, f"multi_gpu_{gpu.lower().replace(' ', '_')}.json")
 
     def save() -> None:
-        with open(path, "w") as f:
-            json.dump(res, f, indent=1)
+        schema.write(path, res)
 
     skip = set(a.skip.split(","))
     if "parity" not in skip:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import logging
 import math
 import os
@@ -37,7 +36,10 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]
+
+from bench import record as schema  # noqa: E402
 
 SYSTEMS = ("hf_autocast_bf16", "megatrain_default", "megatrain_lean")
 MODEL = dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8,
@@ -198,6 +200,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if len(train) < need:
         print(f"note: {len(train)} train blocks < {need} needed: the data repeats "
               f"({math.ceil(need / len(train))} epochs)", flush=True)
+    head = schema.header(__file__, argv)  # (the date: the study's start)
     t0 = time.perf_counter()
     runs = []
     params = 0
@@ -209,15 +212,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             runs.append(rec)
             print(f"seed {seed} {system}: final eval loss {rec['final_eval_loss']:.4f} ({rec['wall_s']:.1f} s)",
                   flush=True)
-    result = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+    result = {**head,
+              "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
               "torch": torch.__version__, "params": params, "train_blocks": len(train), "eval_blocks": len(evald),
               "args": {**vars(args), "seeds": seeds}, "wall_s": time.perf_counter() - t0, "runs": runs}
     result["summary"] = summarize(runs, seeds)
-    with open(os.path.join(args.out, "precision_study.json"), "w") as f:
-        json.dump(result, f, indent=1)
     md = markdown(result)
-    with open(os.path.join(args.out, "precision_study.md"), "w") as f:
-        f.write(md)
+    schema.write(os.path.join(args.out, "precision_study.json"), result, md)
     print(md)
     return result
 

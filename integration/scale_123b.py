@@ -29,9 +29,7 @@ import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
-import shlex  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
 from typing import Any, Callable  # noqa: E402
@@ -42,10 +40,12 @@ sys.path[:0] = [HERE, ROOT]
 
 import torch  # noqa: E402
 
-from bench.common import GIB, PEAK_TFLOPS, StepClock, _vm_hwm_bytes, runner_main, throughput, versions  # noqa: E402
+from bench import record as schema  # noqa: E402
+from bench.common import GIB, PEAK_TFLOPS, StepClock, _vm_hwm_bytes, runner_main, throughput  # noqa: E402
+from bench.record import machine  # noqa: E402  (full_32b.py, long_context.py take it from here)
 from bench import child  # noqa: E402
 from bench.child import log_tail  # noqa: E402
-from bench_vs_deepspeed import gpu_slug, mirror  # noqa: E402
+from bench.record import gpu_slug, mirror  # noqa: E402
 from hf_megatrain import MegaTrainConfig, MegaTrainEngine, planner  # noqa: E402
 from hf_megatrain.model.layers import find_layer_stack  # noqa: E402
 from hf_megatrain.core.memory import available_host_bytes  # noqa: E402
@@ -354,24 +354,6 @@ def run_one(spec: dict) -> dict[str, Any]:
 
 
 # -- parent: plan, spawn, fit, extrapolate ------------------------------------------------------------------------------
-def machine() -> dict[str, Any]:
-    info: dict[str, Any] = {"cpu_count": os.cpu_count(), "cpu_affinity": len(os.sched_getaffinity(0)),
-                            "mem_available_gib": available_host_bytes() / GIB}
-    try:
-        with open("/proc/meminfo") as f:
-            info["mem_total_gib"] = int(next(x for x in f if x.startswith("MemTotal:")).split()[1]) * 1024 / GIB
-    except (OSError, StopIteration):
-        pass
-    try:
-        q = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,memory.free,driver_version",
-                            "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30)
-        name, total, free, driver = [x.strip() for x in q.stdout.strip().splitlines()[0].split(",")]
-        info.update(gpu=name, gpu_total_gib=float(total) / 1024, gpu_free_gib=float(free) / 1024, driver=driver)
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
-        info["gpu"] = None
-    return info
-
-
 def child_env(alloc_conf: str | None) -> dict[str, str]:
     """The environment of a run's subprocess: this repo first on PYTHONPATH, unbuffered output, and the allocator
     configuration unless the caller's environment sets one."""
@@ -540,11 +522,9 @@ def main(argv: list[str] | None = None) -> int:
     _, slug = gpu_slug(a.tiny)
     os.makedirs(os.path.join(a.out, "logs"), exist_ok=True)
     path = os.path.join(a.out, f"scale_123b_{slug}.json")
-    command = "python " + shlex.join([os.path.relpath(os.path.abspath(__file__), ROOT)]
-                                     + (sys.argv[1:] if argv is None else argv))
-    doc: dict[str, Any] = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "versions": versions(),
-                           "machine": info, "spec": spec, "width": TINY_WIDTH if a.tiny else WIDTH,
-                           "layer_counts": counts, "auto_layers": table, "margin_gib": a.margin_gib, "runs": []}
+    doc: dict[str, Any] = {**schema.header(__file__, argv, host=info), "spec": spec,
+                           "width": TINY_WIDTH if a.tiny else WIDTH, "layer_counts": counts, "auto_layers": table,
+                           "margin_gib": a.margin_gib, "runs": []}
     print(f"[scale] {info.get('gpu') or 'cpu'}, {info['mem_available_gib']:.1f} GiB host RAM available: runs with "
           f"{counts} layers -> {path}", flush=True)
     for row in table:
@@ -557,11 +537,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def write() -> None:
         doc["wall_s"] = time.perf_counter() - t_start
-        with open(path + ".tmp", "w") as f:
-            json.dump(doc, f, indent=1, default=str)
-        os.replace(path + ".tmp", path)
-        with open(path[:-5] + ".md", "w") as f:
-            f.write(summary(doc))
+        schema.write(path, doc, summary(doc))
         if a.mirror:
             mirror(a.mirror, [path, path[:-5] + ".md"], logs)
 

@@ -179,6 +179,8 @@ def test_tiny_engine_end_to_end(tmp_path):
         assert all(x == x for x in r["losses"])  # finite, not NaN
     assert doc["records"]["megatrain:streamed@8"]["in_layer_split"] == 4
     assert os.path.exists(os.path.join(out, "logs", "megatrain_streamed_b4.log"))
+    # the result header (bench/record.py): the machine, and the tree of each call merged into the file
+    assert doc["machine"]["cpu_count"] >= 1 and "commit" in doc and doc["runs"][-1]["commit"] == doc["commit"]
 
 
 @pytest.mark.slow  # subprocess: one benchmark run per system

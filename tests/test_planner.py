@@ -132,7 +132,7 @@ def test_host_prediction_close_to_measured(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "integration", "measure_memory.py"), "--json", str(out)],
                           capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    results = json.loads(out.read_text())
+    results = json.loads(out.read_text())["results"]  # (after the result header: command, commit, machine, ...)
     assert len(results) == 6
     for r in results:
         # Under-prediction (a run that does not fit) within 10 %; over-prediction (the safe side: a run refused

@@ -30,7 +30,7 @@ def test_tiny_run_writes_results(tmp_path):
     path = out / "scale_123b_cpu_tiny.json"
     doc = json.loads(path.read_text())
     assert (mirror / path.name).exists() and (mirror / "logs" / "scale_123b_L3.log").exists()
-    for key in ("command", "date", "versions", "machine", "spec", "layer_counts", "runs", "fit", "events_fit",
+    for key in ("command", "commit", "date", "versions", "machine", "spec", "layer_counts", "runs", "fit", "events_fit",
                 "extrapolation"):
         assert key in doc, key
     assert doc["layer_counts"] == [3, 1] and doc["machine"]["mem_total_gib"] > 0

@@ -17,7 +17,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -117,3 +117,35 @@ def run_child(script: str, spec: dict, log_path: str, env: dict[str, str], timeo
         if os.path.exists(result):
             os.remove(result)
     return ChildRun(record, timed_out, p.returncode, time.perf_counter() - t0, log_path, added)
+
+
+def run_attempts(tries: list[dict[str, Any]], run: Callable[[dict[str, Any], float, str], dict[str, Any]], *,
+                 log_path: Callable[[int], str], budget: float, started: float, timeout: float, tag: str, what: str,
+                 skipped: dict[str, Any], summary: Callable[[dict[str, Any]], str],
+                 logs: list[str]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """One benchmark point (a system at one size): ``tries`` (spec overrides, best first) in turn, each as
+    ``run(over, timeout, log)``, the next only after one that ran out of memory. Each gets what is left of
+    ``budget`` (seconds since ``started``) less 20 s, at most ``timeout``; none starts with under 60 s left: then the
+    point's record is ``skipped`` + a skipped status. Returns the last record and the failed attempts before it."""
+    record: dict[str, Any] = {}
+    history: list[dict[str, Any]] = []
+    for i, over in enumerate(tries):
+        left = budget - (time.perf_counter() - started)
+        if left < 60:
+            record = {**skipped, "status": "skipped",
+                      "error": f"time budget (--budget {budget:.0f}s) used up before this run"}
+            break
+        log = log_path(i)
+        print(f"{tag} {what} attempt {i + 1}/{len(tries)} {over} (timeout {min(timeout, left - 20):.0f}s)",
+              flush=True)
+        record = run(over, min(timeout, left - 20), log)
+        logs.append(log)
+        ok = record.get("status") == "ok"
+        print(f"{tag}   -> {record.get('status')} in {record['subprocess_wall_s']:.0f}s: "
+              f"{summary(record) if ok else (record.get('error') or '')[:300]}", flush=True)
+        if not ok:
+            print(log_tail(log, 25), flush=True)
+        if ok or not record.get("oom") or i == len(tries) - 1:
+            break
+        history.append({k: record.get(k) for k in ("spec", "status", "error", "subprocess_wall_s")})
+    return record, history

@@ -33,6 +33,8 @@ import torch
 # integration/ on the path: the lazy ``from bench.finetune_data import ...`` below, however this module was reached
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from .record import versions  # noqa: E402  (the result schema's; here for the runners' records)
+
 FULL_WIDTH = dict(hidden_size=5120, intermediate_size=13824, num_attention_heads=40, num_key_value_heads=8,
                   vocab_size=152064, max_position_embeddings=4096)
 TINY_WIDTH = dict(hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2,
@@ -272,19 +274,6 @@ def throughput(spec: dict, n_params: int, periods: list[float]) -> dict[str, Any
             "tokens_per_s": tps, "model_tflops": tflops, "mfu": tflops / world / peak, "peak_tflops": peak,
             "processes": world,
             "model_tflops_with_attention": (6.0 * n_params + attention_flops_per_token(spec)) * tps / 1e12}
-
-
-def versions() -> dict[str, Any]:
-    from importlib import metadata
-
-    out: dict[str, Any] = {"python": sys.version.split()[0], "torch": torch.__version__,
-                           "cuda": torch.version.cuda}
-    for name in ("transformers", "accelerate", "deepspeed", "hf_megatrain", "pydantic"):
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = None
-    return out
 
 
 # -- profiler trace -> phases ---------------------------------------------------------------------------------------------

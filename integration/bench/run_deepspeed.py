@@ -72,15 +72,21 @@ def ds_config(overrides: dict | None = None) -> dict[str, Any]:
     return _merge(cfg, overrides or {})
 
 
-def run(spec: dict) -> dict[str, Any]:
+def import_deepspeed() -> Any:
+    """deepspeed, imported for a one-process run: the environment torch.distributed wants, its CPU accelerator
+    where there is no GPU."""
     try:
         import deepspeed
     except ImportError as e:
         raise RuntimeError(f"deepspeed is not importable ({e}); run integration/install_peers.sh first") from e
-
     single_process_dist_env()
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    return deepspeed
+
+
+def run(spec: dict) -> dict[str, Any]:
+    deepspeed = import_deepspeed()
     batch = int(spec["batch"])
     micro, ga = int(spec.get("micro_batch") or batch), int(spec.get("grad_accum") or 1)
     if micro * ga != batch and spec.get("data") != "finetune":  # (fine-tune: batch = real tokens)

@@ -22,21 +22,15 @@ sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 
 import torch  # noqa: E402
 
-from bench.common import build_model, count_params, runner_main, single_process_dist_env  # noqa: E402
-from bench.run_deepspeed import _resolved, ds_config  # noqa: E402
+from bench.common import build_model, count_params, runner_main  # noqa: E402
+from bench.run_deepspeed import _resolved, ds_config, import_deepspeed  # noqa: E402
 from bench.run_dpo_common import dpo_kwargs, dpo_metrics, train_timed  # noqa: E402
 
 
 def run(spec: dict) -> dict[str, Any]:
-    try:
-        import deepspeed
-    except ImportError as e:
-        raise RuntimeError(f"deepspeed is not importable ({e}); run integration/install_peers.sh first") from e
+    deepspeed = import_deepspeed()
     from trl import DPOConfig, DPOTrainer
 
-    single_process_dist_env()
-    if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     micro, ga = int(spec.get("micro_pairs") or spec["pairs"]), int(spec.get("grad_accum") or 1)
     if micro * ga != int(spec["pairs"]):
         raise ValueError(f"micro_pairs {micro} x grad_accum {ga} != pairs {spec['pairs']}")

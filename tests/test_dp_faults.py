@@ -33,8 +33,8 @@ WITHIN_S = 60.0  # every other rank ends this soon after the faulty one (the acc
 def _row(cells: torch.Tensor, local: int, rank: int, pid: int, state: int = L.RUNNING) -> None:
     """What ``register`` writes, for another process ``pid``."""
     cells[local, L.RANK], cells[local, L.PID] = rank, pid
-    cells[local, L.STARTED] = L._started_us(pid)
-    cells[local, L.PIDNS], cells[local, L.HEARTBEAT] = L._pid_namespace(), L._now_ms()
+    cells[local, L.STARTED] = L.started_us(pid)
+    cells[local, L.PIDNS], cells[local, L.HEARTBEAT] = L.pid_namespace(), L.now_ms()
     cells[local, L.STATE] = state
 
 
@@ -106,7 +106,7 @@ def test_a_forked_child_ending_does_not_speak_for_the_rank():
     pid = os.fork()
     if pid == 0:
         L.finished()
-        L._on_exception(ValueError, ValueError("in the child"))
+        L.on_exception(ValueError, ValueError("in the child"))
         os._exit(0)
     os.waitpid(pid, 0)
     assert me.state == L.RUNNING
@@ -117,7 +117,7 @@ def test_a_peer_in_another_pid_namespace_is_judged_by_its_heartbeat():
     cells = torch.zeros(2, L.WORDS, dtype=torch.int64)
     me = _me(cells)
     cells[1, L.RANK], cells[1, L.PID], cells[1, L.PIDNS] = 1, 4_000_001, cells[0, L.PIDNS] + 1  # (means nothing here)
-    cells[1, L.HEARTBEAT], cells[1, L.STATE] = L._now_ms(), L.RUNNING
+    cells[1, L.HEARTBEAT], cells[1, L.STATE] = L.now_ms(), L.RUNNING
     assert me.gone() == []  # (its heartbeat is fresh)
     cells[1, L.HEARTBEAT] -= int(L.HEARTBEAT_TIMEOUT_S * 1000) + 5000
     assert "stopped answering" in me.gone()[0]
@@ -145,8 +145,8 @@ def test_the_watch_ends_the_process_naming_the_dead_peer():
             "from hf_megatrain.parallel import liveness as L\n"
             "cells = torch.zeros(2, L.WORDS, dtype=torch.int64)\n"
             "p = subprocess.Popen(['sleep', '60'])\n"
-            "cells[1, L.RANK], cells[1, L.PID], cells[1, L.STARTED] = 1, p.pid, L._started_us(p.pid)\n"
-            "cells[1, L.PIDNS], cells[1, L.STATE] = L._pid_namespace(), L.RUNNING\n"
+            "cells[1, L.RANK], cells[1, L.PID], cells[1, L.STARTED] = 1, p.pid, L.started_us(p.pid)\n"
+            "cells[1, L.PIDNS], cells[1, L.STATE] = L.pid_namespace(), L.RUNNING\n"
             "me = L.Liveness(cells, 0, 0, poll_s=0.1); me.register(); me.start()\n"
             "print(time.monotonic(), flush=True); p.kill(); p.wait(); time.sleep(100); sys.exit(0)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,

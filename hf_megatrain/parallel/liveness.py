@@ -63,15 +63,15 @@ _live: "weakref.WeakSet[Liveness]" = weakref.WeakSet()  # this process's rows st
 _hooks_pid = 0  # the process that installed the exit hooks (a forked child installs its own)
 
 
-def _now_ms() -> int:
+def now_ms() -> int:
     return time.monotonic_ns() // 1_000_000  # (CLOCK_MONOTONIC: one clock for every process of the host)
 
 
-def _started_us(pid: int) -> int:
+def started_us(pid: int) -> int:
     return round(psutil.Process(pid).create_time() * 1e6)
 
 
-def _pid_namespace() -> int:
+def pid_namespace() -> int:
     try:
         return os.stat("/proc/self/ns/pid").st_ino
     except OSError:  # (not Linux: no way to tell namespaces apart; heartbeats only)
@@ -117,8 +117,8 @@ class Liveness:
     def register(self) -> None:
         """Write this rank's row (before the ranks' barrier: every row is filled once any rank watches)."""
         row = self.cells[self.local_rank]
-        row[RANK], row[PID], row[STARTED] = self.rank, os.getpid(), _started_us(os.getpid())
-        row[PIDNS], row[HEARTBEAT] = _pid_namespace(), _now_ms()
+        row[RANK], row[PID], row[STARTED] = self.rank, os.getpid(), started_us(os.getpid())
+        row[PIDNS], row[HEARTBEAT] = pid_namespace(), now_ms()
         row[STATE] = RUNNING  # (last: a reader that sees RUNNING sees the rest; x86 keeps stores in order)
         _live.add(self)
         _install_hooks()
@@ -163,7 +163,7 @@ class Liveness:
     # -- the others --------------------------------------------------------------------------------------------------
     def gone(self) -> list[str]:
         """One line per other rank of the host that died or failed (or stopped because of another)."""
-        causes, stopped, now, rows = [], [], _now_ms(), self.cells.tolist()
+        causes, stopped, now, rows = [], [], now_ms(), self.cells.tolist()
         for local, row in enumerate(rows):
             if local == self.local_rank or row[STATE] in (0, DONE):
                 continue
@@ -193,7 +193,7 @@ class Liveness:
         return f"{PREFIX}{'; '.join(gone)}; stopping this rank ({self.rank})"
 
     def _beat(self) -> list[str]:
-        self.cells[self.local_rank, HEARTBEAT] = _now_ms()
+        self.cells[self.local_rank, HEARTBEAT] = now_ms()
         return self.gone() if self.state == RUNNING else []
 
     def _stop_process(self, gone: list[str]) -> None:
@@ -241,7 +241,7 @@ def finished() -> None:
         live.finish()
 
 
-def _on_exception(exc_type: type[BaseException], exc: BaseException) -> None:
+def on_exception(exc_type: type[BaseException], exc: BaseException) -> None:
     """An uncaught exception ends this process: the others hear why (or, if it came from another rank's death,
     that this one stopped because of it)."""
     running = [live for live in list(_live) if live.state == RUNNING and live.mine]
@@ -276,7 +276,7 @@ def _install_hooks() -> None:
 
     def excepthook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
         try:
-            _on_exception(exc_type, exc)
+            on_exception(exc_type, exc)
         finally:
             previous(exc_type, exc, tb)
 

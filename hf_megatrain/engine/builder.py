@@ -64,13 +64,16 @@ class EngineParts:
 
 
 def build_engine(model: nn.Module, config: MegaTrainConfig, device: torch.device,
-                 decay_names: set[str] | None = None, dp: DataParallel | None = None) -> EngineParts:
+                 decay_names: set[str] | None = None, dp: DataParallel | None = None,
+                 show_progress: bool = True) -> EngineParts:
     """Every phase, in order. ``config`` resolved (data parallel: ``data_parallel_config``'s); ``decay_names``: the
-    parameters weight decay applies to (None: Trainer's rule); ``dp``: None alone."""
+    parameters weight decay applies to (None: Trainer's rule); ``dp``: None alone; ``show_progress``: the
+    conversion's bar of bytes."""
+    convert_in = partial(_convert, model, config, device, decay_names, show_progress=show_progress)
     if dp is None:
-        conv = _convert(model, config, device, decay_names, alloc_host, None)
+        conv = convert_in(alloc_host, None)
     else:  # (each rank in turn, into its node's shared store)
-        conv = convert_shared(dp, config.shared_memory_dir, partial(_convert, model, config, device, decay_names))
+        conv = convert_shared(dp, config.shared_memory_dir, convert_in)
     modes, state, executor = _executor(conv, config, device, dp)
     head, unpadding = _head(model, conv, executor, config, device)
     landing = _landing(conv, state, executor)
@@ -79,12 +82,12 @@ def build_engine(model: nn.Module, config: MegaTrainConfig, device: torch.device
 
 
 def _convert(model: nn.Module, config: MegaTrainConfig, device: torch.device, decay_names: set[str] | None,
-             host_alloc: HostAlloc, host_available: int | None) -> Converted:
+             host_alloc: HostAlloc, host_available: int | None, *, show_progress: bool = True) -> Converted:
     """plan -> store -> templates: the model into a filled store (data parallel: what each rank runs in turn).
     ``host_alloc`` makes the store's host buffers; ``host_available``: the RAM the fit check counts on (None: now)."""
     plan = _plan(model, config, device, decay_names, host_available)
     store = _store(plan, config, device, host_alloc)
-    return _templates(model, plan, store, config, device)
+    return _templates(model, plan, store, config, device, show_progress)
 
 
 # -- the phases -------------------------------------------------------------------------------------------------------
@@ -100,8 +103,8 @@ def _store(plan: ConversionPlan, config: MegaTrainConfig, device: torch.device, 
 
 
 def _templates(model: nn.Module, plan: ConversionPlan, store: UnitStore, config: MegaTrainConfig,
-               device: torch.device) -> Converted:
-    return convert(model, plan, store, device, compile=config.compiles(device.type))
+               device: torch.device, show_progress: bool = True) -> Converted:
+    return convert(model, plan, store, device, compile=config.compiles(device.type), show_progress=show_progress)
 
 
 def _executor(conv: Converted, config: MegaTrainConfig, device: torch.device,

@@ -51,9 +51,10 @@ class Converted:
 
 
 def convert(model: nn.Module, plan: ConversionPlan, store: UnitStore, device: torch.device,
-            compile: bool) -> Converted:
+            compile: bool, show_progress: bool = True) -> Converted:
     """``model``'s weights into ``store`` (allocated from ``plan``), its layers' templates, its resident parameters
-    on ``device`` in the store's compute dtype; ``compile``: the templates compile their layer's forward."""
+    on ``device`` in the store's compute dtype; ``compile``: the templates compile their layer's forward;
+    ``show_progress``: a bar of the layers' bytes (core/progress.py; a terminal's only)."""
     stack, chunk, compute_dtype = plan.stack, plan.seq_chunk, store.compute_dtype
     # Layers -> store + templates. One layer at a time, so peak memory grows by one layer.
     layers = stack.layers
@@ -68,7 +69,7 @@ def convert(model: nn.Module, plan: ConversionPlan, store: UnitStore, device: to
     persistent: list[list[str]] = []
     originals = list(layers)
     for i, layer in enumerate(progress_over(originals, "Converting model", lambda m: tensor_bytes(
-            p for p in m.parameters() if id(p) not in shared_ids))):  # (a bar only for real, not meta, weights)
+            p for p in m.parameters() if id(p) not in shared_ids), enabled=show_progress)):  # (real weights only)
         unit = store.units[i]
         if kinds[i] not in templates:
             templates[kinds[i]] = LayerTemplate(layer, unit.params, unit.frozen_params, compile=compile,

@@ -64,12 +64,13 @@ def _record_nothing(kwargs: dict[str, Any]) -> None:
 class MegaTrainEngine:
     def __init__(self, model: nn.Module, config: MegaTrainConfig | Mapping[str, Any] | str | None = None,
                  device: torch.device | str | None = None, decay_names: set[str] | None = None,
-                 dp: DataParallel | None = None) -> None:
+                 dp: DataParallel | None = None, show_progress: bool = True) -> None:
         """``config``: what every entry point takes (a ``MegaTrainConfig``, a dict, a JSON string or a yaml path),
         read by the one resolution, ``config.resolve_config``; ``None`` is the defaults. The engine reads no
         environment variables (the Trainer, the plugin and ``from_pretrained_streamed`` apply ``MEGATRAIN_*``
         before they build it). ``dp``: the data-parallel ranks of this host training together (parallel/; None or
-        one rank: alone)."""
+        one rank: alone). ``show_progress``: a bar of the bytes converted (a terminal's only; the Trainer passes
+        ``not disable_tqdm``)."""
         config = config if isinstance(config, MegaTrainConfig) else resolve_config(config, environ={})
         # Data parallel is decided here, once: ``dp`` for construction, ``ranks`` (optim/ranks.py) for the rest.
         self.dp = dp if dp is not None and dp.world > 1 else None
@@ -86,7 +87,7 @@ class MegaTrainEngine:
                     self.host_placement.describe(), config.host_affinity, config.host_threads)
         self.compute_dtype = config.torch_compute_dtype
         # Everything built once, in one place (engine/builder.py): plan, store, templates, executor, head, landing.
-        parts = build_engine(model, config, self.device, decay_names, self.dp)
+        parts = build_engine(model, config, self.device, decay_names, self.dp, show_progress=show_progress)
         self.stack, self.plans, self.store = parts.stack, parts.plans, parts.store
         self.layer_units = self.store.units[:-1]
         self.resident_unit = self.store.units[-1]

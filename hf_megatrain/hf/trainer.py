@@ -180,7 +180,8 @@ class MegaTrainTrainer(Trainer):
             device = args.device  # (initialises torch.distributed in a multi-process launch)
             _check_launched_alone(args)
             dp = DataParallel.from_process_group() if args.world_size > 1 else None
-            engine = MegaTrainEngine(model, self._mt_config, device=device, decay_names=decay, dp=dp)
+            engine = MegaTrainEngine(model, self._mt_config, device=device, decay_names=decay, dp=dp,
+                                     show_progress=not args.disable_tqdm and args.local_process_index == 0)
         given = args.megatrain_base_config()  # what the user set (explicit_keys), before the flags
         want = args.megatrain_compute_dtype(given)  # (None: left to the model, i.e. to the engine's builder)
         if want is not None and parse_dtype(want, "compute_dtype") != engine.compute_dtype:

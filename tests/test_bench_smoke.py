@@ -274,6 +274,20 @@ def test_tiny_finetune_regime_end_to_end(tmp_path, layout, mode):
     assert "Fine-tune regime" in open(tmp_path / f"bench_vs_deepspeed_finetune_{layout}_cpu_tiny.md").read()
 
 
+@pytest.mark.slow  # (~20 s: one process, then two through torchrun)
+def test_tiny_finetune_two_processes(tmp_path):
+    """--nproc 2 with the fine-tune data: each rank trains its own steps of --tokens real tokens (the rates count
+    every rank's); the scaling row compares with one process of the same call."""
+    assert bench.main(["--tiny", "--data", "finetune", "--layout", "packed", "--systems", "megatrain",
+                       "--megatrain-mode", "trainer", "--nproc", "1,2", "--steps", "2", "--warmup", "1",
+                       "--no-profile", "--out", str(tmp_path), "--fresh"] + FAST) == 0
+    doc = json.load(open(tmp_path / "bench_vs_deepspeed_finetune_packed_cpu_tiny.json"))
+    one, two = doc["records"]["megatrain:streamed@512"], doc["records"]["megatrain:streamed@512x2"]
+    assert one["status"] == two["status"] == "ok", (one.get("error"), two.get("error"))
+    assert (one["tokens_per_step"], two["tokens_per_step"], two["processes"]) == (512, 1024, 2)
+    assert [row["key"] for row in doc["scaling"]] == ["megatrain:streamed@512x2"]
+
+
 def test_finetune_steps_hold_exact_real_tokens():
     from bench.finetune_data import IGNORE, label_items, micro_batches, real_tokens, step_batches
 

@@ -163,11 +163,14 @@ def trainer_data(spec: dict, n_steps: int, micro: int, ga: int) -> tuple[dict[st
     if not is_finetune(spec):  # (N processes: N x the rows, each rank its own micro-batches)
         rows = token_rows({**spec, "batch": int(spec["batch"]) * processes(spec)}, n_steps)
         return {"train_dataset": TokenDataset(rows)}, {"per_device_train_batch_size": micro}
-    if processes(spec) > 1:
-        raise NotImplementedError("the fine-tune data with several processes is not built in the bench yet")
     from bench.finetune_data import MicroBatchDataset, unwrap
 
-    return ({"train_dataset": MicroBatchDataset(finetune_steps(spec, n_steps), ga), "data_collator": unwrap},
+    n = processes(spec)  # (rank r's step s is step s * n + r; its micro-batches dealt to it in turn, see below)
+    ranks = [MicroBatchDataset(finetune_steps(spec, n_steps * n)[r::n], ga) for r in range(n)]
+    # Accelerate deals a map-style dataset's batches (one item each here) round-robin over the ranks: item k goes to
+    # rank k % n, so interleaving gives each rank its own steps' micro-batches in order.
+    data = ranks[0] if n == 1 else [ranks[r][k] for k in range(len(ranks[0])) for r in range(n)]
+    return ({"train_dataset": data, "data_collator": unwrap},
             {"per_device_train_batch_size": 1, "train_sampling_strategy": "sequential"})
 
 
@@ -254,18 +257,21 @@ def throughput(spec: dict, n_params: int, periods: list[float]) -> dict[str, Any
     if is_finetune(spec):
         from bench.finetune_data import summary
 
-        batches = finetune_steps(spec, warm + steps)
+        world = processes(spec)  # (several processes: every rank's steps; MFU per GPU)
+        batches = finetune_steps(spec, (warm + steps) * world)
         data = summary(batches, spec)
-        tokens = int(spec["tokens"])
+        tokens = int(spec["tokens"]) * world
         tps = tokens * len(timed) / sum(timed)
         tflops = 6.0 * n_params * tps / 1e12
-        total = data["total_tokens_per_step"][warm:warm + steps]
-        return {"tokens_per_step": tokens, "step_time_s": sum(timed) / len(timed), "step_time_median_s": med,
+        per_rank = data["total_tokens_per_step"]
+        total = [sum(per_rank[s * world:(s + 1) * world]) for s in range(warm, warm + steps)]
+        return {"tokens_per_step": tokens, "processes": world, "step_time_s": sum(timed) / len(timed),
+                "step_time_median_s": med,
                 "step_times_s": timed, "warmup_times_s": periods[:warm], "tokens_per_s": tps,
                 "real_tokens_per_s": tps, "total_tokens_per_s": sum(total) / sum(timed),
                 "timed_padding_frac": 1 - tokens * len(timed) / sum(total), "data": data,
                 "first_step_over_steady": periods[0] / med if periods else None,
-                "model_tflops": tflops, "mfu": tflops / peak, "peak_tflops": peak}
+                "model_tflops": tflops, "mfu": tflops / world / peak, "peak_tflops": peak}
     world = processes(spec)  # (several processes: tokens of every rank; MFU per GPU)
     tokens = int(spec["batch"]) * int(spec["seq"]) * world
     tps = tokens / med

@@ -274,11 +274,13 @@ class MegaTrainConfig:
             process's share of its cores (data-parallel processes of one host split them), raised to that when a
             launcher left fewer (``accelerate launch`` and torchrun set OMP_NUM_THREADS=1 unless told otherwise),
             never lowered. > 0: exactly that many. With ``host_affinity='auto'`` binding the process: its cores.
-        host_affinity: ``auto`` (default): on a GPU, each process runs its threads on its GPU's NUMA node (sysfs),
-            processes sharing a node split its cores (no oversubscription), so the pages they first touch (moments,
-            shard, pinned staging) sit on that node too; a process that would get every core it may use anyway is
-            left alone. ``none``: keep the launcher's affinity and only split the thread count. The run summary
-            says which node and cores each process uses.
+        host_affinity: ``auto`` (default): on a GPU, when the host's processes have GPUs on every NUMA node, each
+            runs its threads on its GPU's node (sysfs) and the processes of a node split its cores, so the pages they
+            first touch (moments, shard, pinned staging) sit there too; otherwise (one process, one node, every GPU
+            on one node) the processes split all the cores, keeping every node's memory bandwidth for the host
+            AdamW. No oversubscription either way; a process that would get every core it may use is left alone.
+            ``none``: keep the launcher's affinity and only split the thread count. The run summary says which node
+            and cores each process uses.
         shared_memory_dir: several processes of one host (data parallel, parallel/): the directory on a RAM file system
             where the host's one copy of the FP32 store is created (files removed once every rank mapped them).
     """

@@ -44,7 +44,11 @@ def test_ranks_split_their_gpus_nodes_and_never_oversubscribe():
     assert sorted(c for s in shares for c in s) == sorted(every) and all(len(s) == 4 for s in shares)
     # no NUMA information (a VM): the allowed cores split among all local ranks
     assert numa.plan_cores({0: list(range(16))}, every, [None, None], 1) == (None, list(range(8, 16)))
-    # the launcher's affinity narrows the pool; more ranks than cores share the pool rather than getting none
+    # one process, or every GPU on one node of two: not confined to that node (the other node's memory bandwidth
+    # serves the host AdamW); the cores split among the processes
+    assert numa.plan_cores(nodes, every, [1], 0) == (None, list(range(16)))
+    assert numa.plan_cores(nodes, every, [0, 0], 1) == (None, list(range(8, 16)))
+    # one node's cores allowed by the launcher: that node, the processes split it
     assert numa.plan_cores(nodes, {8, 9}, [1, 1, 1], 2) == (1, [8, 9])
 
 

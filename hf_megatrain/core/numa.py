@@ -2,10 +2,12 @@
 
 A training step's host side is the AdamW pass over the FP32 state and the DMA of each layer in and its gradient
 out. Both are bound by host memory bandwidth; both are slower when the memory or the cores sit on another NUMA node
-than the GPU's PCIe root (every byte crosses the socket link). So each process runs its threads on its GPU's node;
-the pages it touches first (its moments, its shard, its pinned staging) then land there too, since Linux places a
-page on the node of the thread that first writes it. Processes sharing a node split its cores instead of each
-taking all of them (N ranks x all cores oversubscribes the host and the spinning OpenMP teams fight).
+than the GPU's PCIe root (every byte crosses the socket link). So where the processes' GPUs cover every node, each
+process runs its threads on its GPU's node; the pages it touches first (its moments, its shard, its pinned staging)
+then land there too, since Linux places a page on the node of the thread that first writes it. Where they do not
+(one process on a two-socket host), confining it to one node would halve the memory bandwidth the AdamW lives on:
+the processes split all the cores instead. Either way processes split cores instead of each taking all of them
+(N ranks x all cores oversubscribes the host and the spinning OpenMP teams fight).
 
 Mechanism only: reads sysfs (what the kernel says about this machine), takes the decision's inputs as arguments.
 The decision is ``plan_cores``; ``bind_process`` applies it to every thread of the process.
@@ -89,17 +91,21 @@ def plan_cores(node_cpus: dict[int, list[int]], allowed: set[int], gpu_nodes: li
     """(node, cores) for the process of ``local_rank`` among the host's processes whose GPUs sit on
     ``gpu_nodes`` (one entry per local rank, in order; None where unknown or no GPU).
 
-    A process whose GPU's node is known takes that node's allowed cores, split evenly in local-rank order among the
-    processes on that node. Otherwise (no NUMA information, no GPU) the allowed cores are split among all local
-    processes. Each share keeps at least one core; a share that would be empty (more processes than cores) falls
-    back to every allowed core of its pool rather than to none.
+    When the processes' GPUs cover every NUMA node that has allowed cores, each process takes its GPU's node's
+    allowed cores, split evenly in local-rank order among the processes on that node: every node's memory
+    bandwidth then serves its own ranks' shards. Otherwise (one node, no NUMA information, one process, or every GPU
+    on one node of several) the allowed cores are split among all local processes: confining them to the GPUs'
+    node would leave the other nodes' memory bandwidth, which the memory-bound host AdamW needs more than a nearer
+    PCIe root, unused. Each share keeps at least one core; a share that would be empty (more processes than cores)
+    falls back to every core of its pool rather than to none.
     """
+    busy = {n for n, cpus in node_cpus.items() if set(cpus) & allowed}
     node = gpu_nodes[local_rank]
     pool = sorted(set(node_cpus.get(node, ())) & allowed) if node is not None else []
-    if pool:
+    if pool and len(busy) > 1 and busy <= set(gpu_nodes):
         peers = [r for r, n in enumerate(gpu_nodes) if n == node]
     else:
-        node, pool = None, sorted(allowed)
+        node, pool = (node if len(busy) == 1 else None), sorted(allowed)
         peers = list(range(len(gpu_nodes)))
     k, i = len(peers), peers.index(local_rank)
     share = len(pool) // k

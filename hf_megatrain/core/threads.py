@@ -33,16 +33,6 @@ def host_threads(requested: int, processes: int, current: int, cores: int) -> in
     return max(current, cores // max(processes, 1), 1)
 
 
-def apply_host_threads(requested: int, processes: int) -> tuple[int, int]:
-    """Set torch's intra-op threads (the host AdamW's, compiled kernel included: it reads them when it is built)
-    by ``host_threads``; returns (before, after)."""
-    before = torch.get_num_threads()
-    after = host_threads(requested, processes, before, usable_cores())
-    if after != before:
-        torch.set_num_threads(after)
-    return before, after
-
-
 @dataclass(frozen=True)
 class HostPlacement:
     """Where this process's host work runs: its GPU's NUMA node (None: unknown / no GPU), the cores its threads
@@ -80,19 +70,19 @@ def place_host(affinity: str, requested_threads: int, gpu_nodes: list[int | None
     """Decide and apply this process's cores and host threads (``host_affinity``, ``host_threads``).
 
     ``gpu_nodes``: the NUMA node of each local process's GPU, in local-rank order (``[node]`` alone). ``"auto"``
-    binds the process to its share of its GPU's node (``numa.plan_cores``) when that share is not already every core
-    it may use; the pages its threads touch first then sit on that node. ``"none"`` leaves the affinity as the
-    launcher set it and only splits the thread count among the local processes (as before ``host_affinity``)."""
+    binds the process to its share of the cores (``numa.plan_cores``) when that share is not already every core it
+    may use, and runs as many threads as the share has; the pages its threads touch first then sit on its node.
+    Unbound (``"none"``, or a share of every core) the thread count is ``host_threads``' share, never lowered."""
     allowed = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set(range(usable_cores()))
     before = torch.get_num_threads()
+    node, cores, bound = gpu_nodes[local_rank], sorted(allowed), False
     if affinity == "auto" and hasattr(os, "sched_setaffinity"):
         node, cores = numa.plan_cores(numa.nodes(), allowed, gpu_nodes, local_rank)
         bound = set(cores) != allowed
-        if bound:
-            numa.bind_process(cores)
-        after = requested_threads if requested_threads > 0 else max(len(cores), 1)
+    if bound:
+        numa.bind_process(cores)
+        after = requested_threads if requested_threads > 0 else len(cores)
     else:
-        node, cores, bound = gpu_nodes[local_rank], sorted(allowed), False
         after = host_threads(requested_threads, len(gpu_nodes), before, len(cores))
     if after != before:
         torch.set_num_threads(after)

@@ -40,8 +40,8 @@ class PeerCells:
                  timeout_s: float = TIMEOUT_SECONDS, liveness: Liveness | None = None,
                  weights: torch.Tensor | None = None) -> None:
         """``cells``: each rank's count of final updates per unit; ``weights``: of updates whose compute copy is
-        written (a split update publishes it before it is final; None: the final counts stand for both, so split
-        updates must not run)."""
+        written (a split update publishes it before it is final; None: loads wait on the final counts, which is safe
+        but makes a load wait for every rank's whole update)."""
         for t in (cells, weights if weights is not None else cells):
             if t.dim() != 2 or t.dtype != torch.int64 or not 0 <= rank < t.shape[0] or t.shape != cells.shape:
                 raise ValueError(f"peer cells: need int64 [world, units] tensors and a rank in them, got "

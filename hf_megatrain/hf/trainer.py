@@ -67,6 +67,12 @@ __all__ = ["MegaTrainTrainer", "MegaTrainTrainingArguments", "from_pretrained_st
 logger = logging.getLogger(__name__)
 
 
+def _shows_progress(args: TrainingArguments) -> bool:
+    """Bars of bytes (core/progress.py): off with ``disable_tqdm``, as the Trainer's own bars, and on every process
+    but each node's first."""
+    return not args.disable_tqdm and args.local_process_index == 0
+
+
 def _check_launched_alone(args: TrainingArguments) -> None:
     """Refuse processes launched together that Trainer runs each alone: ``accelerate launch --multi_gpu`` on a
     machine without GPUs and no ``use_cpu`` gives every process a process group of N but ``world_size`` 1, and each
@@ -181,7 +187,7 @@ class MegaTrainTrainer(Trainer):
             _check_launched_alone(args)
             dp = DataParallel.from_process_group() if args.world_size > 1 else None
             engine = MegaTrainEngine(model, self._mt_config, device=device, decay_names=decay, dp=dp,
-                                     show_progress=not args.disable_tqdm and args.local_process_index == 0)
+                                     show_progress=_shows_progress(args))
         given = args.megatrain_base_config()  # what the user set (explicit_keys), before the flags
         want = args.megatrain_compute_dtype(given)  # (None: left to the model, i.e. to the engine's builder)
         if want is not None and parse_dtype(want, "compute_dtype") != engine.compute_dtype:
@@ -392,7 +398,7 @@ class MegaTrainTrainer(Trainer):
     def _mt_show_progress(self) -> bool:
         """Bars of the bytes saved, verified and loaded (core/progress.py): off with ``disable_tqdm``, as the
         Trainer's own bars, and on every process but each node's first."""
-        return not self.args.disable_tqdm and self.args.local_process_index == 0
+        return _shows_progress(self.args)
 
     @property
     def _mt_peft(self) -> bool:

@@ -159,6 +159,11 @@ def run_child(system: str, spec: dict, a: argparse.Namespace, timeout: float, lo
     record = run.record or run.error_record(timeout, system=system, batch=spec["batch"], spec=spec)
     record["processes"] = n
     record["host_added_peak_gib"] = run.host_added_bytes / 2 ** 30  # (the host's, every process counted once)
+    # While training (the steps' ends, sampled by rank 0): the store and what every process holds through the run,
+    # without what a rank held only while building its copy of the model before the conversion.
+    used = [s["host_used_bytes"] for s in record.get("per_step") or [] if s.get("host_used_bytes")]
+    if used:
+        record["host_added_training_gib"] = (max(used) - run.host_base_bytes) / 2 ** 30
     record["subprocess_wall_s"] = run.wall_s
     record["log"] = os.path.relpath(log_path, ROOT) if log_path.startswith(ROOT) else log_path
     return record
@@ -198,6 +203,8 @@ def scaling(records: dict[str, dict]) -> list[dict[str, Any]]:
             row.update(one_process_tokens_per_s=one["tokens_per_s"], speedup=r["tokens_per_s"] / one["tokens_per_s"],
                        host_ratio=(r.get("host_added_peak_gib") or 0) / max(one.get("host_added_peak_gib") or 0,
                                                                             1e-9))
+            if r.get("host_added_training_gib") and one.get("host_added_training_gib"):
+                row["host_training_ratio"] = r["host_added_training_gib"] / one["host_added_training_gib"]
         if r["system"] == "megatrain":
             ds = ok.get(f"deepspeed@{r['batch']}x{n}")
             if ds:
@@ -353,12 +360,14 @@ def markdown(doc: dict) -> str:
                          f", {_f(h.get('host_dram_gb_per_s'), '{:.0f}')} |")
     if doc.get("scaling"):
         lines += ["", "Several GPUs of this machine (batch per GPU; one process per GPU through torchrun; host memory "
-                  "= MemTotal - MemAvailable added at the peak, shared pages once):", "",
-                  "| run | tokens/s | MFU per GPU | over one process | host memory over one process | "
-                  "hf_megatrain over DeepSpeed (same N) |", "|---|---:|---:|---:|---:|---:|"]
+                  "= MemTotal - MemAvailable added, shared pages once: at the step ends, and at the peak, which "
+                  "includes each rank's copy of the model before the conversion):", "",
+                  "| run | tokens/s | MFU per GPU | over one process | host memory over one process: training "
+                  "(peak) | hf_megatrain over DeepSpeed (same N) |", "|---|---:|---:|---:|---:|---:|"]
         for row in doc["scaling"]:
             lines.append(f"| {row['key']} | {row['tokens_per_s']:,.0f} | {_f(row.get('mfu_per_gpu'), '{:.1%}')} | "
-                         f"{_f(row.get('speedup'))}x | {_f(row.get('host_ratio'))}x | "
+                         f"{_f(row.get('speedup'))}x | {_f(row.get('host_training_ratio'))}x "
+                         f"({_f(row.get('host_ratio'))}x) | "
                          f"{_f(row.get('vs_deepspeed'))}x |")
     lines += ["", f"Updated {doc['date']}. Commands:", ""] + [f"    {c['command']}" for c in doc["runs"][-6:]]
     return "\n".join(lines) + "\n"

@@ -68,6 +68,7 @@ class ChildRun:
     wall_s: float
     log_path: str
     host_added_bytes: int = 0  # peak host memory the run added, every process of it counted once
+    host_base_bytes: int = 0  # host_used_bytes() when the run started (what a runner's own samples are against)
 
     def error_record(self, timeout: float, **keys: Any) -> dict[str, Any]:
         """The record of a run that returned none: ``keys`` (what identifies the run), the status, whether the log
@@ -116,7 +117,7 @@ def run_child(script: str, spec: dict, log_path: str, env: dict[str, str], timeo
     finally:
         if os.path.exists(result):
             os.remove(result)
-    return ChildRun(record, timed_out, p.returncode, time.perf_counter() - t0, log_path, added)
+    return ChildRun(record, timed_out, p.returncode, time.perf_counter() - t0, log_path, added, peak.base)
 
 
 def run_attempts(tries: list[dict[str, Any]], run: Callable[[dict[str, Any], float, str], dict[str, Any]], *,

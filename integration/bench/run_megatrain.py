@@ -23,6 +23,7 @@ sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 
 import torch  # noqa: E402
 
+from bench.child import host_used_bytes  # noqa: E402
 from bench.timeline import HostTimeline  # noqa: E402
 from bench.common import (Profiled, StepClock, build_model, count_params, finetune_steps,  # noqa: E402
                           is_finetune, runner_main, throughput, token_rows, trainer_data)
@@ -188,7 +189,8 @@ def run_engine(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str,
         clock.mark()
         w1, g1 = getattr(ex, "wait_optimizer_s", None), getattr(ex, "gpu_wait_optimizer_s", None)
         losses.append(float(loss.detach()))
-        raw.append({"shape": list(batches[i]["input_ids"].shape), "step_s": clock.periods[-1], **counters.delta()})
+        raw.append({"shape": list(batches[i]["input_ids"].shape), "step_s": clock.periods[-1],
+                    "host_used_bytes": host_used_bytes(), **counters.delta()})
         per_step.append({"optimizer_step_call_s": call_s,
                          "optimizer_norm_s": getattr(opt, "last_norm_seconds", None),
                          "optimizer_worker_s": getattr(opt, "last_step_seconds", None),
@@ -293,7 +295,7 @@ def run_trainer(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str
                 prof.stop()
                 state["phases"] = prof.phases
             clock.mark()
-            raw.append({"step_s": clock.periods[-1], **state["counters"].delta()})
+            raw.append({"step_s": clock.periods[-1], "host_used_bytes": host_used_bytes(), **state["counters"].delta()})
             if timeline is not None:
                 timeline.cut()
             opt, ex = state.get("opt"), state.get("ex")

@@ -70,7 +70,11 @@ class GradientOffload:
         # This rank's reduced shard, per offload buffer (its D2H may still read it when the other one is filled).
         self.reduced = [] if dp is None else [torch.empty(padded // dp.local_world, dtype=offload_dtype,
                                                           device=device) for _ in range(2)]
-        self.staging = [alloc_host(n, offload_dtype, pin) for _ in range(2)]
+        # Host staging (accumulating visits, narrow or lean gradients): a data-parallel host gradient lands as this
+        # rank's shard, so its staging is a shard's size, not a layer's (per process: N ranks would hold N layers).
+        staged = [u.numel if dp is None or u.plan.grad is not Where.HOST else dp.shard_size(u.numel)
+                  for u in units if u.plan.grad is not Where.DEVICE]
+        self.staging = [alloc_host(max(staged, default=1), offload_dtype, pin) for _ in range(2)]
         self.done: list[Any] = [None, None]  # event: offload buffer k drained
         # In flight per buffer: (unit, what landing does with the staging buffer: "", "copy", "add", at which
         # element of the unit's gradient, how many).

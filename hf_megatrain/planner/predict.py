@@ -244,7 +244,8 @@ def estimate(shape: ModelShape, config: MegaTrainConfig, seq_len: int, batch_siz
     lean = any(up.stepper is Stepper.LEAN for up in plans.units)
     # Staging is touched only when pinned (CUDA) or used: a second accumulation step or a non-fp32 offload.
     staged = plan.pinned or grad_accum > 1 or o != 4 or lean
-    h["executor staging (2 x layer, offload dtype)"] = 2 * n_max * o if staged else 0
+    # (data parallel: each process stages its shard of a layer's gradient, engine/offload.py)
+    h["executor staging (2 x layer, offload dtype)"] = 2 * -(-n_max // max(gpus, 1)) * o if staged else 0
     tokens, V, H, L = batch_size * seq_len, shape.vocab, shape.hidden, shape.num_layers
     chunk_seqs = config.micro_batch_size if 0 < config.micro_batch_size < batch_size else batch_size
     if cuda:

@@ -187,6 +187,12 @@ class MegaTrainConfig:
             it fits ``host_memory_fraction`` of the RAM, and not with a bf16 plane and ``micro_batch_size`` (a split
             visit's gradient is an FP32 sum); ``megatrain estimate`` says which layout and why. "on": always (a step
             whose gradients cannot land on it still re-runs, with a log line saying why). "off": never.
+        host_layout: "auto" (default): when the full store (18 bytes per streamed parameter) does not fit
+            ``host_memory_fraction`` of this host's RAM, the engine trains with the fastest exact lean layout that
+            fits (``megatrain estimate``'s *Host layouts* choice: lean store, with the compute copy and gradient
+            plane where they fit) and says so at WARNING; never when ``lean_store``, ``lean_compute_copy``,
+            ``lean_grad_plane`` or ``optimizer_state_dir`` is set, nor with gradient accumulation (the lean store
+            takes one backward per step). "full": keep the full store and refuse a run it does not fit.
         torch_compile: run each layer template and the loss's per-chunk softmax/gradient through ``torch.compile``
             (fuses the elementwise work: ~17% faster steps at 14B width on fixed-length data, ~10 % on packed
             fine-tuning batches; one compilation per layer kind, tens of seconds at start; any sequence length
@@ -309,6 +315,7 @@ class MegaTrainConfig:
     lean_store: bool = False
     lean_compute_copy: bool = False
     lean_grad_plane: str = "auto"
+    host_layout: str = "auto"
     torch_compile: bool | str = "auto"
     masked_attention: str = "auto"
     padding_free: str = "auto"
@@ -383,6 +390,9 @@ class MegaTrainConfig:
         if self.lean_compute_copy and self.torch_compute_dtype == torch.float32:
             raise ValueError("lean_compute_copy=True needs compute_dtype='bfloat16': with float32 compute the "
                              "master is what streams")
+        if self.host_layout not in ("auto", "full"):
+            raise ValueError(f"host_layout={self.host_layout!r}; use 'auto' (a lean layout when the full store does "
+                             "not fit the RAM) or 'full' (refuse instead)")
         if self.lean_grad_plane not in ("auto", "on", "off"):
             raise ValueError(f"lean_grad_plane={self.lean_grad_plane!r}; use 'auto', 'on' or 'off'")
         if self.lean_grad_plane == "on" and not self.lean_store:

@@ -20,13 +20,14 @@ from torch import nn
 
 from .. import planner
 from ..config import MegaTrainConfig
-from ..core.memory import gpu_budget
+from ..core.memory import available_host_bytes, gpu_budget
 from ..core.plan import Plans
 from ..model import attention
 from ..model.cross_layer import drop_unread_kv_stores
 from ..model.families import check_row_split, check_supported
 from ..model.head_config import head_module_params
 from ..model.layers import LayerStack, UnitLayouts, find_layer_stack, unit_layouts
+from ..planner.host_layout import LAYOUT_KEYS, auto_layout
 from .proxy import StreamedLayer
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,21 @@ class ConversionPlan:
     plans: Plans  # per unit: where its buffers live and which stepper runs it
     seq_chunk: int  # sequence tiling of the position-wise modules (0: off)
     attention: attention.AttentionChoice  # masked batches' attention kernel (model/attention.py), applied
+
+
+def host_layout_for(model: nn.Module, config: MegaTrainConfig, device: torch.device,
+                    grad_accum: int = 1) -> tuple[MegaTrainConfig, str | None]:
+    """``host_layout="auto"``'s decision for this model on this machine (planner/host_layout.py ``auto_layout``):
+    the config to build with and, when it switched to a lean layout, the note saying so (logged at WARNING)."""
+    if config.host_layout != "auto" or config.explicit_keys & set(LAYOUT_KEYS):
+        return config, None  # (before measuring anything: the user chose)
+    shape = planner.ModelShape.from_model(model, config.layers_path)
+    gpu_free = gpu_budget(device) if device.type == "cuda" else None
+    config, note = auto_layout(shape, config, device.type, gpu_free, available_host_bytes(),
+                                                   grad_accum=grad_accum)
+    if note:
+        logger.warning("hf_megatrain: %s", note)
+    return config, note
 
 
 def plan_conversion(model: nn.Module, config: MegaTrainConfig, device: torch.device, decay_names: set[str] | None,

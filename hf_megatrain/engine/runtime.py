@@ -41,6 +41,7 @@ from ..optim.speculation import GA_MESSAGE
 from . import unpad
 from .adapter_switch import follow_adapter_switches
 from .builder import build_engine
+from .conversion_plan import host_layout_for
 from .model_view import present_weights
 from .replay import StepReplay
 
@@ -64,23 +65,29 @@ def _record_nothing(kwargs: dict[str, Any]) -> None:
 class MegaTrainEngine:
     def __init__(self, model: nn.Module, config: MegaTrainConfig | Mapping[str, Any] | str | None = None,
                  device: torch.device | str | None = None, decay_names: set[str] | None = None,
-                 dp: DataParallel | None = None, show_progress: bool = True) -> None:
+                 dp: DataParallel | None = None, show_progress: bool = True, grad_accum: int = 1) -> None:
         """``config``: what every entry point takes (a ``MegaTrainConfig``, a dict, a JSON string or a yaml path),
         read by the one resolution, ``config.resolve_config``; ``None`` is the defaults. The engine reads no
         environment variables (the Trainer, the plugin and ``from_pretrained_streamed`` apply ``MEGATRAIN_*``
         before they build it). ``dp``: the data-parallel ranks of this host training together (parallel/; None or
         one rank: alone). ``show_progress``: a bar of the bytes converted (a terminal's only; the Trainer passes
-        ``not disable_tqdm``)."""
+        ``not disable_tqdm``). ``grad_accum``: backward passes per optimizer step the caller will run (Trainer's
+        ``gradient_accumulation_steps``): ``host_layout="auto"`` takes no lean layout when it is above 1."""
         config = config if isinstance(config, MegaTrainConfig) else resolve_config(config, environ={})
         # Data parallel is decided here, once: ``dp`` for construction, ``ranks`` (optim/ranks.py) for the rest.
         self.dp = dp if dp is not None and dp.world > 1 else None
         self.ranks = ranks_of(self.dp)
         if self.dp is not None:
             config = data_parallel_config(config, self.dp)
-        self.config = config
-        self.model = model
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+        # The host layout, decided once before anything is planned: the full store, or a lean one where only that
+        # fits this host's RAM (host_layout="auto"; data parallel runs the full store: data_parallel_config).
+        self.host_layout_note: str | None = None
+        if self.dp is None:
+            config, self.host_layout_note = host_layout_for(model, config, self.device, grad_accum)
+        self.config = config
+        self.model = model
         # Before anything large is allocated: the pages the bound threads touch first land on their node.
         self.host_placement = place_host_for(config, self.device, self.ranks)
         logger.info("hf_megatrain: host threads: %s (host_affinity=%s, host_threads=%d)",

@@ -187,7 +187,9 @@ class MegaTrainTrainer(Trainer):
             _check_launched_alone(args)
             dp = DataParallel.from_process_group() if args.world_size > 1 else None
             engine = MegaTrainEngine(model, self._mt_config, device=device, decay_names=decay, dp=dp,
-                                     show_progress=_shows_progress(args))
+                                     show_progress=_shows_progress(args), grad_accum=args.gradient_accumulation_steps)
+        # (an engine built before, e.g. by from_pretrained_streamed, may have chosen a lean layout: host_layout)
+        check_lean_accumulation(engine.config, args.gradient_accumulation_steps, engine.host_layout_note)
         given = args.megatrain_base_config()  # what the user set (explicit_keys), before the flags
         want = args.megatrain_compute_dtype(given)  # (None: left to the model, i.e. to the engine's builder)
         if want is not None and parse_dtype(want, "compute_dtype") != engine.compute_dtype:

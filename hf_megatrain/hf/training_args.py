@@ -32,14 +32,18 @@ def model_param_dtype(model: torch.nn.Module) -> torch.dtype | None:
     return max(counts, key=counts.get) if counts else None
 
 
-def check_lean_accumulation(config: MegaTrainConfig, gradient_accumulation_steps: int) -> None:
-    """The lean store takes exactly one backward per optimizer step (optim/lean.py)."""
+def check_lean_accumulation(config: MegaTrainConfig, gradient_accumulation_steps: int,
+                            chosen: str | None = None) -> None:
+    """The lean store takes exactly one backward per optimizer step (optim/lean.py). ``chosen``: the engine's
+    ``host_layout_note`` when ``host_layout="auto"`` picked the lean store (said in the message)."""
     if config.lean_store and gradient_accumulation_steps > 1:
+        why = f" (The lean store was chosen for this model because the full store does not fit: {chosen})" \
+            if chosen else ""
         raise ValueError(f"lean_store=True does not support gradient_accumulation_steps={gradient_accumulation_steps}: "
                          "each layer's gradient is consumed when its backward ends. Put the sequences in one batch "
                          "(per_device_train_batch_size x gradient_accumulation_steps) and set megatrain_config "
                          "micro_batch_size to the old per-device batch size: the batch is split inside each layer "
-                         "visit (same math, same activation memory), with gradient_accumulation_steps=1.")
+                         "visit (same math, same activation memory), with gradient_accumulation_steps=1." + why)
 
 
 @dataclass

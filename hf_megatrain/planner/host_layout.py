@@ -56,7 +56,8 @@ class Layout:
 
 
 def host_layouts(shape: ModelShape, config: MegaTrainConfig, seq_len: int, batch_size: int, gpu_free: int | None,
-                 host_free: int, machine: MachineProfile, clipping: bool = True, grad_accum: int = 1) -> list[Layout]:
+                 host_free: int, machine: MachineProfile, clipping: bool = True, grad_accum: int = 1,
+                 device_type: str = "cuda", step_model: bool = True) -> list[Layout]:
     """Every layout of ``LAYOUTS`` planned for this model, a ``gpu_free``-byte GPU and ``host_free`` bytes of RAM
     (bf16 compute). It fits when its host plan fits ``host_memory_fraction`` of the RAM and its step's GPU peak the
     GPU; with ``optimizer_state_dir`` in ``config`` its step counts the moments' disk traffic (disk_tier.py).
@@ -70,18 +71,20 @@ def host_layouts(shape: ModelShape, config: MegaTrainConfig, seq_len: int, batch
             cfg = dataclasses.replace(config, **keys)
         except ValueError:  # (a combination config validation refuses)
             continue
-        plans = unit_plans(shape, cfg, "cuda", gpu_free, host_free=host_free)
-        mem = estimate(shape, cfg, seq_len, batch_size, device_type="cuda", gpu_free=gpu_free, plans=plans,
+        plans = unit_plans(shape, cfg, device_type, gpu_free, host_free=host_free)
+        mem = estimate(shape, cfg, seq_len, batch_size, device_type=device_type, gpu_free=gpu_free, plans=plans,
                        grad_accum=grad_accum)
         numel = sum(p.numel for p in plans.layers) or 1
         per = sum(p.nbytes(Where.HOST, cfg.torch_compute_dtype) for p in plans.layers) / numel
         pred = predict_step(shape, cfg, plans, seq_len, batch_size, machine, clipping=clipping,
-                            grad_accum=grad_accum, moments_cached=moments_cached(mem, cfg, host_free))
+                            grad_accum=grad_accum, moments_cached=moments_cached(mem, cfg, host_free)) \
+            if step_model else None  # (step_model False: the fit alone; no step prediction for this device)
         host_ok = mem.host_total <= cfg.host_memory_fraction * host_free
         gpu_ok = gpu_free is None or mem.device_total <= gpu_free
-        out.append(Layout(name, keys, per, mem.host_total, host_ok and gpu_ok, pred.step_s, pred.passes,
+        out.append(Layout(name, keys, per, mem.host_total, host_ok and gpu_ok,
+                          pred.step_s if pred else float("nan"), pred.passes if pred else 0,
                           mem.device_total, host_ok, gpu_ok, sum(p.nbytes(Where.DISK, cfg.torch_compute_dtype)
-                                                                 for p in plans.units), pred.bottleneck))
+                                                                 for p in plans.units), pred.bottleneck if pred else ""))
     return out
 
 
@@ -127,3 +130,50 @@ def layout_lines(layouts: list[Layout], clipping: bool) -> list[str]:
 def is_planned(config: MegaTrainConfig, gpus: int) -> bool:
     """The step model covers one GPU in bf16: only then are layouts compared."""
     return config.torch_compute_dtype == torch.bfloat16 and gpus == 1
+
+
+# Keys whose explicit setting means the user chose the host layout (``host_layout="auto"`` then leaves it alone).
+LAYOUT_KEYS = _KEYS + ("optimizer_state_dir",)
+AUTO_SEQ_LEN, AUTO_BATCH = 2048, 8  # (the step ``auto_layout`` ranks layouts for when the config plans no tokens)
+
+
+def auto_layout(shape: ModelShape, config: MegaTrainConfig, device_type: str, gpu_free: int | None, host_free: int,
+                grad_accum: int = 1, machine: MachineProfile | None = None) -> tuple[MegaTrainConfig, str | None]:
+    """``host_layout="auto"``: the config to build the engine with, and a note when it is not ``config``'s layout.
+
+    The full store is kept whenever its host plan fits ``host_memory_fraction`` of ``host_free``; the user's own
+    layout keys (``LAYOUT_KEYS`` set explicitly) and ``host_layout="full"`` are never overridden; with gradient
+    accumulation the lean layouts are out (they take one backward per step). Otherwise: on a GPU with bf16 compute,
+    the fastest exact layout that fits (``choose``, clipping on every step as Trainer's default); elsewhere the first
+    of ``LAYOUTS`` that fits (most bytes: the fewest re-runs). None fits: ``config`` unchanged, and the engine's fit
+    check refuses with what to change."""
+    if config.host_layout != "auto" or config.explicit_keys & set(LAYOUT_KEYS) or grad_accum > 1:
+        return config, None
+    if config.placement_tokens > 0:
+        seq_len, batch = min(AUTO_SEQ_LEN, config.placement_tokens), max(1, config.placement_tokens // AUTO_SEQ_LEN)
+    else:
+        seq_len, batch = AUTO_SEQ_LEN, AUTO_BATCH
+    full = estimate(shape, config, seq_len, batch, device_type=device_type, gpu_free=gpu_free,
+                    plans=unit_plans(shape, config, device_type, gpu_free, host_free=host_free))
+    if full.host_total <= config.host_memory_fraction * host_free:
+        return config, None
+    planned = device_type == "cuda" and is_planned(config, 1)
+    layouts = host_layouts(shape, config, seq_len, batch, gpu_free if device_type == "cuda" else None, host_free,
+                           machine or MachineProfile(), device_type=device_type, step_model=planned)
+    if planned:
+        best, why = choose(layouts)
+    else:
+        best = next((x for x in layouts if x.fits), None)
+        why = "the first exact layout that fits, in the order of host bytes (no step model for this device)"
+    if best is None or not best.keys["lean_store"]:
+        return config, None
+    from ..core.memory import format_bytes
+
+    keys = ", ".join(f"{k}={v!r}" for k, v in best.keys.items())
+    note = (f"host_layout='auto': the full store needs {format_bytes(full.host_total)} of host RAM, more than "
+            f"host_memory_fraction={config.host_memory_fraction} of the {format_bytes(host_free)} available; "
+            f"training with the {best.name} layout instead ({best.bytes_per_param:.0f} B per streamed parameter, "
+            f"{format_bytes(best.host_total)}; {keys}): {why}. The math is the same (exact AdamW, clipping "
+            "included); gradient accumulation is refused with it (use micro_batch_size). Set host_layout='full' "
+            "to refuse instead, or set the lean keys yourself.")
+    return config.resolved(**best.keys), note

@@ -1,4 +1,4 @@
-"""``full_32b.py --hub-checkpoint DIR``: the 32B run as a user runs it (issue 46 parts 1, 2/3 and 5); phases in hub_32b.py.
+"""``full_32b.py --hub-checkpoint DIR``: the 32B run as a user runs it (issue 46 parts 1, 2/3, 5); phases: hub_32b.py.
 
 write (when DIR holds no checkpoint) -> raw read of the shards (O_DIRECT, else after posix_fadvise(DONTNEED)) -> pages
 dropped -> train (``from_pretrained_streamed`` + ``MegaTrainTrainer``, 1 process or ``--nproc N`` through torchrun)
@@ -8,9 +8,21 @@ it does not fit; then, with one process, the layout ``megatrain estimate`` choos
 the library switches to a lean layout by itself, the engine refuses), with several, the default store at the depth
 given (``--layers auto``: the deepest the planner fits; data parallel refuses ``lean_store``).
 
-    python integration/full_32b.py --hub-checkpoint /tmp/q32 --tiny --out /tmp/f32hub     # CPU smoke, seconds
-    python integration/full_32b.py --hub-checkpoint /data/q32 --out /data/f32 --mirror $OUT  # H100, 1 GPU
-    python integration/full_32b.py --hub-checkpoint /data/q32 --nproc 4 --layers auto --raw-read none ...
+    python integration/full_32b.py --hub-checkpoint /tmp/q32 --tiny --out /tmp/f32hub     # CPU smoke, ~25 s
+
+On the 4 x H100, 512 GiB host (integration/results/full_32b/NEXT.md: the plan, the planner's predicted times), as a
+background queue (integration/results/full_32b/queue_46.txt) across chained calls of the device tool (nvidia-h100-x4):
+
+    cp -a . /tmp/tree && bash /tmp/tree/integration/device_queue.sh start \
+        /tmp/tree/integration/results/full_32b/queue_46.txt /tmp/q46 && bash /tmp/tree/integration/device_queue.sh \
+        wait 560 /tmp/q46 $OUT                                          # call 1
+    bash /tmp/tree/integration/device_queue.sh wait 580 /tmp/q46 $OUT  # calls 2, 3 (at once: warm for 30 s only)
+
+The queue's runs, D the largest non-tmpfs mount:
+
+    CUDA_VISIBLE_DEVICES=0 python3 integration/full_32b.py --hub-checkpoint D/q32_46 --out /tmp/q46/f32
+    python3 integration/full_32b.py --hub-checkpoint D/q32_46 --nproc 4 --layers auto --raw-read none \
+        --phases train --out /tmp/q46/f32
 """
 
 from __future__ import annotations
@@ -63,8 +75,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="raw read rate of the shards before the load (direct: O_DIRECT)")
     ap.add_argument("--read-threads", type=int, default=16)
     ap.add_argument("--heldout-tokens", type=int, default=None, help="held-out batch for the logits (default 128)")
-    ap.add_argument("--export-dir", default=None, help="save_model target (default OUT/hub_export; removed after the "
-                    "reload unless --keep-export)")
+    ap.add_argument("--export-dir", default=None, help="save_model target (default DIR_export, beside DIR on its disk; "
+                    "removed after the reload unless --keep-export)")
     ap.add_argument("--keep-export", action="store_true")
     ap.add_argument("--phases", default="write,train,reload")
     ap.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS)
@@ -81,7 +93,8 @@ def make_spec(a: argparse.Namespace) -> dict[str, Any]:
             "seed": 0, "shard_gb": a.shard_gb if not tiny else 1e-4, "data": "finetune", "layout": "packed",
             "tokens": a.tokens or (256 if tiny else 32768), "nproc": a.nproc, "steps": a.steps or (2 if tiny else 20),
             "warmup": a.warmup if a.warmup is not None else (1 if tiny else 2), "max_grad_norm": a.max_grad_norm,
-            "lr": a.lr or (1e-2 if tiny else 1e-5), "peak_tflops": a.peak_tflops, "vocab": TINY_VOCAB if tiny else VOCAB,
+            "lr": a.lr or (1e-2 if tiny else 1e-5), "peak_tflops": a.peak_tflops,
+            "vocab": TINY_VOCAB if tiny else VOCAB,
             "heldout_tokens": a.heldout_tokens or (32 if tiny else 128), "hub_dir": os.path.abspath(a.hub_checkpoint)}
 
 
@@ -91,7 +104,7 @@ def estimate(spec: dict, config: dict, host_gib: float, gpu_gib: float) -> dict[
     with tempfile.TemporaryDirectory() as d:
         with open(os.path.join(spec["hub_dir"], "config.json")) as f:
             cfg = json.load(f)
-        cfg["num_hidden_layers"] = int(spec["layers"])
+        cfg.update(hub_32b.depth_overrides(spec["hub_dir"], int(spec["layers"])))
         with open(os.path.join(d, "config.json"), "w") as f:
             json.dump(cfg, f)
         with open(os.path.join(d, "megatrain.json"), "w") as f:
@@ -131,8 +144,14 @@ def choose_config(spec: dict, base: dict, a: argparse.Namespace, host_gib: float
     return base, pred, f"does not fit: {pred['verdict']} (several processes: no lean layout; use --layers auto)"
 
 
-def deepest_layers(spec: dict, config: dict, host_gib: float, gpu_gib: float) -> int:
-    """The most layers whose plan (this many processes) fits, by the planner in this process (64 quick plans)."""
+def shm_free_bytes(config: dict) -> int:
+    st = os.statvfs(config.get("shared_memory_dir") or "/dev/shm")
+    return st.f_bavail * st.f_frsize
+
+
+def deepest_layers(spec: dict, config: dict, host_gib: float, gpu_gib: float, shm_free: int | None = None) -> int:
+    """The most layers whose plan (this many processes) fits, by the planner in this process (64 quick plans); with
+    several processes the shared store must also fit ``shm_free`` (default: ``shared_memory_dir``'s free space)."""
     from hf_megatrain import MegaTrainConfig, planner
     from hf_megatrain.planner.cli import load_shape
 
@@ -143,6 +162,9 @@ def deepest_layers(spec: dict, config: dict, host_gib: float, gpu_gib: float) ->
         shape = dataclasses.replace(one, layer_numels=[one.layer_numels[0]] * n, layer_frozen=[0] * n)
         plan = planner.estimate(shape, cfg, row, int(spec["tokens"]) // row, device_type="cuda",
                                 gpu_free=int(gpu_gib * GIB), gpus=int(spec["nproc"]))
+        if int(spec["nproc"]) > 1 and plan.store_host_bytes > (shm_free_bytes(config) if shm_free is None
+                                                                 else shm_free):
+            continue
         if plan.host_total <= cfg.host_memory_fraction * host_gib * GIB and plan.device_total <= gpu_gib * GIB:
             return n
     return 0
@@ -178,16 +200,18 @@ def summary(doc: dict) -> str:
     rows = [("write s (GB, GB/s)", f"{f(w.get('write_s'), '{:.0f}')} ({f((w.get('bytes') or 0) / 1e9, '{:.1f}')}, "
              f"{f(w.get('write_gb_per_s'))})"),
             ("raw read GB/s (O_DIRECT or cold)", f(raw)),
-            ("from_pretrained_streamed s (GB/s; vs raw)", f"{f(t.get('load_s'), '{:.1f}')} "
-             f"({f(t.get('load_gb_per_s'))}; {f(t['load_gb_per_s'] / raw if raw and t.get('load_gb_per_s') else None, '{:.0%}')})"),
+            ("from_pretrained_streamed s (store build s + reads s)", f"{f(t.get('load_s'), '{:.1f}')} "
+             f"({f(t.get('load_build_s'), '{:.1f}')} + {f(t.get('load_read_s'), '{:.1f}')})"),
+            ("reads GB/s (vs raw read)", f"{f(t.get('load_read_gb_per_s'))} "
+             f"({f(t['load_read_gb_per_s'] / raw if raw and t.get('load_read_gb_per_s') else None, '{:.0%}')})"),
             ("host layout", doc.get("layout_why")),
             ("layers / params", f"{doc['spec']['layers']} / {f(t.get('n_params'), '{:,}')}"),
             ("processes", doc["spec"]["nproc"]),
             ("step s (mean; planner)", f"{f(t.get('step_time_s'))} ({f(p.get('step_s_clip'))})"),
             ("real tokens/s (all GPUs)", f(t.get("tokens_per_s"), "{:,.0f}")),
             ("MFU per GPU (6·N·T)", f(t.get("mfu"), "{:.1%}")),
-            ("host HWM GiB (rank 0; planner)", f"{f(t.get('train_vm_hwm_gib'), '{:.1f}')} "
-             f"({f(p.get('host_need_gib'), '{:.1f}')})"),
+            ("host GiB: rank-0 HWM, all processes added (planner)", f"{f(t.get('train_vm_hwm_gib'), '{:.1f}')}, "
+             f"{f(t.get('host_added_gib'), '{:.1f}')} ({f(p.get('host_need_gib'), '{:.1f}')})"),
             ("GPU peak reserved GiB (planner)", f"{f(t.get('train_peak_gpu_reserved_gib'), '{:.1f}')} "
              f"({f(p.get('gpu_need_gib'), '{:.1f}')})"),
             ("losses", ", ".join(f"{x:.3f}" for x in t.get("losses") or [])),
@@ -214,9 +238,10 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(os.path.join(out, "logs"), exist_ok=True)
     _, slug = schema.gpu_slug(a.tiny)
     phases = a.phases.split(",")
-    spec.update(out=out, export_dir=os.path.abspath(a.export_dir or os.path.join(out, "hub_export")),
+    spec.update(out=out, export_dir=os.path.abspath(a.export_dir or spec["hub_dir"].rstrip("/") + "_export"),
                 logits_path=os.path.join(out, "logs", f"hub_heldout_logits_{a.nproc}.pt"))
-    doc: dict[str, Any] = {**schema.header(__file__, argv, host=info), "spec": spec}
+    doc: dict[str, Any] = {**schema.header(__file__, argv, host=info), "spec": spec,
+                           "disk_free_gib": shutil.disk_usage(os.path.dirname(spec["hub_dir"]) or ".").free / GIB}
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(
         [ROOT] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))}
     env.setdefault("PYTORCH_CUDA_ALLOC_CONF", a.alloc_conf)
@@ -228,6 +253,13 @@ def main(argv: list[str] | None = None) -> int:
         doc["wall_s"] = time.perf_counter() - t0
         doc["acceptance"] = {"trained": t.get("status") == "ok" and bool(t.get("loss_finite")),
                              "export_reloads_with_matching_logits": b.get("logits_match")}
+        p = doc.get("prediction") or {}
+        ratio = lambda x, y: x / y if x and y else None  # noqa: E731
+        doc["measured_over_planner"] = {  # (issue 46: host within 5 %, GPU within 10 %, step within 15 %)
+            "host_added": ratio(t.get("host_added_gib"), p.get("host_need_gib")),
+            "host_rank0_hwm": ratio(t.get("train_vm_hwm_gib"), p.get("host_need_gib")),
+            "gpu_reserved": ratio(t.get("train_peak_gpu_reserved_gib"), p.get("gpu_need_gib")),
+            "step": ratio(t.get("step_time_s"), p.get("step_s_clip"))}
         if path[0]:
             schema.write(path[0], doc, summary(doc))
             if a.mirror:
@@ -262,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     elif a.layers:
         spec["layers"] = int(a.layers)
     spec["config"], doc["prediction"], doc["layout_why"] = choose_config(spec, base, a, host_gib, gpu_gib)
+    spec["export"] = "reload" in phases  # (no reload asked: no save_model either)
+    if a.nproc > 1:
+        doc["shm_free_gib"] = shm_free_bytes(spec["config"]) / GIB
     print(f"[hub32] {spec['layers']} layers, {a.nproc} process(es): {doc['layout_why']}; planner: "
           f"{json.dumps({k: doc['prediction'].get(k) for k in ('host_need_gib', 'gpu_need_gib', 'step_s_clip')})}",
           flush=True)
@@ -284,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     write()
     print(f"[hub32] wrote {path[0]}\n\n{summary(doc)}", flush=True)
     acc = doc["acceptance"]
-    return 0 if acc["trained"] and acc["export_reloads_with_matching_logits"] else 1
+    return 0 if acc["trained"] and (acc["export_reloads_with_matching_logits"] or "reload" not in phases) else 1
 
 
 if __name__ == "__main__":

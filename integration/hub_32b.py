@@ -135,6 +135,18 @@ def has_checkpoint(folder: str) -> bool:
         os.path.isfile(os.path.join(folder, f)) for f in ("model.safetensors.index.json", "model.safetensors"))
 
 
+def depth_overrides(folder: str, layers: int) -> dict[str, Any]:
+    """Config keys that load the checkpoint's first ``layers`` layers (``from_pretrained_streamed``'s kwargs, as
+    ``from_pretrained``'s): ``num_hidden_layers`` and, where the config lists them, ``layer_types`` cut to match
+    (transformers 5 validates the two together; a saved config with 64 types and 52 layers would not load)."""
+    with open(os.path.join(folder, "config.json")) as f:
+        cfg = json.load(f)
+    if int(cfg["num_hidden_layers"]) == layers:
+        return {}
+    return {"num_hidden_layers": layers, **({"layer_types": cfg["layer_types"][:layers]} if cfg.get("layer_types")
+                                            else {})}
+
+
 def shard_paths(folder: str) -> list[str]:
     return sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".safetensors"))
 
@@ -154,27 +166,48 @@ def run_train(spec: dict) -> dict[str, Any]:
     data, data_args = trainer_data(spec, total, 1, 1)
     args = MegaTrainTrainingArguments(
         output_dir=os.path.join(spec["out"], "logs", "trainer"), gradient_accumulation_steps=1, max_steps=total,
-        learning_rate=float(spec.get("lr", 1e-5)), lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=float(spec["max_grad_norm"]),
+        learning_rate=float(spec.get("lr", 1e-5)), lr_scheduler_type="constant", weight_decay=0.0,
+        max_grad_norm=float(spec["max_grad_norm"]),
         logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=0,
         remove_unused_columns=False, seed=int(spec["seed"]), use_cpu=not cuda, megatrain_config=spec["config"],
         **data_args)
     device = args.device  # (initialises torch.distributed under torchrun / accelerate launch)
     rank0 = args.process_index == 0
-    over = {} if int(spec["layers"]) == int(spec["full_layers"]) else {"num_hidden_layers": int(spec["layers"])}
+    over = depth_overrides(spec["hub_dir"], int(spec["layers"]))
+    from hf_megatrain.hf import pretrained
+
+    reads: list[float] = []
+    read_weights = pretrained.load_weights  # (timed inside the user's call: the reads apart from the store's build)
+
+    def timed_read(*args: Any, **kwargs: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return read_weights(*args, **kwargs)
+        finally:
+            reads.append(time.perf_counter() - t)
+
+    pretrained.load_weights = timed_read
     t = time.perf_counter()
-    engine = from_pretrained_streamed(spec["hub_dir"], spec["config"], device=device, show_progress=False,
-                                      attn_implementation="sdpa", **over)
+    try:
+        engine = from_pretrained_streamed(spec["hub_dir"], spec["config"], device=device, show_progress=False,
+                                          attn_implementation="sdpa", **over)
+    finally:
+        pretrained.load_weights = read_weights
     load_s = time.perf_counter() - t
     n_params = engine.num_parameters()
     loaded = sum(os.path.getsize(p) for p in shard_paths(spec["hub_dir"])) * int(spec["layers"]) // int(
         spec["full_layers"]) if over else sum(os.path.getsize(p) for p in shard_paths(spec["hub_dir"]))
+    read_s = sum(reads) or load_s
     out: dict[str, Any] = {"load_s": load_s, "load_bytes_approx": loaded, "load_gb_per_s": loaded / load_s / 1e9,
+                           "load_read_s": read_s, "load_build_s": load_s - read_s,
+                           "load_read_gb_per_s": loaded / read_s / 1e9,
                            "load_vm_hwm_gib": (_vm_hwm_bytes() or 0) / GIB, "n_params": n_params,
                            "device_layers": len(engine.plans.kept), "processes": args.world_size,
                            "device_step_layers": len(engine.plans.device_stepped),
                            "megatrain_config": engine.config.to_dict()}
-    print(f"[train] rank {args.process_index}: loaded {n_params / 1e9:.2f}B params in {load_s:.1f}s "
-          f"({out['load_gb_per_s']:.2f} GB/s of the bf16 shards)", flush=True)
+    print(f"[train] rank {args.process_index}: loaded {n_params / 1e9:.2f}B params in {load_s:.1f}s: engine and "
+          f"store {load_s - read_s:.1f}s, reads {read_s:.1f}s ({out['load_read_gb_per_s']:.2f} GB/s of the bf16 "
+          "shards)", flush=True)
     if cuda:
         out["load_peak_gpu_alloc_gib"] = torch.cuda.max_memory_allocated() / GIB
         torch.cuda.reset_peak_memory_stats()
@@ -190,6 +223,8 @@ def run_train(spec: dict) -> dict[str, Any]:
                    train_peak_gpu_reserved_gib=torch.cuda.max_memory_reserved() / GIB)
     print(f"[train] {out['tokens_per_s']:,.0f} real tokens/s, MFU {out['mfu']:.1%}, step {out['step_time_s']:.2f}s",
           flush=True)
+    if not spec.get("export", True):
+        return out
     model = trainer.model
     model.eval()
     with torch.no_grad():
@@ -229,6 +264,7 @@ def run_reload(spec: dict) -> dict[str, Any]:
            "devices": sorted({str(p.device) for p in model.parameters()}), "logits_shape": list(ref.shape),
            "max_abs_diff": float(diff.max()), "mean_abs_diff": float(diff.mean()), "ref_abs_max": scale,
            "rel_max_diff": float(diff.max()) / max(scale, 1e-30),
+           "rel_mean_diff": float(diff.mean()) / max(float(ref.abs().mean()), 1e-30),
            "top1_agree": float((got.argmax(-1) == ref.argmax(-1)).float().mean()), "tolerance_rel": LOGIT_TOL}
     out["logits_match"] = bool(torch.isfinite(got).all()) and out["rel_max_diff"] <= LOGIT_TOL
     print(f"[reload] {load_s:.1f}s, host HWM {hwm:.1f} GiB for a {out['model_gib']:.1f} GiB model; logits max |diff| "

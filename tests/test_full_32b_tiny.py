@@ -61,9 +61,13 @@ def test_written_checkpoint_has_the_hub_layout_and_loads_both_ways(tmp_path):
     engine = from_pretrained_streamed(folder, {"compute_dtype": "bfloat16"}, device="cpu", show_progress=False)
     assert torch.equal(dict(engine.model.named_parameters())["model.layers.1.mlp.up_proj.weight"].detach(),
                        up.float())
-    one = from_pretrained_streamed(folder, {"compute_dtype": "bfloat16"}, device="cpu", show_progress=False,
-                                   num_hidden_layers=1)
+    over = hub_32b.depth_overrides(folder, 1)
+    assert over == {"num_hidden_layers": 1, "layer_types": ["full_attention"]}
+    assert not hub_32b.depth_overrides(folder, 2)
+    one = from_pretrained_streamed(folder, {"compute_dtype": "bfloat16"}, device="cpu", show_progress=False, **over)
     assert one.num_parameters() < engine.num_parameters() and len(one.layer_units) == 1
+    one.model.save_pretrained(str(tmp_path / "one_layer"))  # its export loads in plain transformers
+    assert AutoModelForCausalLM.from_pretrained(str(tmp_path / "one_layer")).config.num_hidden_layers == 1
 
 
 def test_planner_chooses_a_layout_or_a_depth(tmp_path):
@@ -73,7 +77,8 @@ def test_planner_chooses_a_layout_or_a_depth(tmp_path):
     spec = full_32b_hub.make_spec(full_32b_hub.parse_args(["--hub-checkpoint", folder]))
     hub_32b.hf_config(spec).save_pretrained(folder)
     base = {"compute_dtype": "bfloat16", "placement_tokens": 32768}
-    assert full_32b_hub.deepest_layers({**spec, "nproc": 4}, base, 499.0, 79.2) == 52
+    assert full_32b_hub.deepest_layers({**spec, "nproc": 4}, base, 499.0, 79.2, shm_free=10 ** 15) == 52
+    assert full_32b_hub.deepest_layers({**spec, "nproc": 4}, base, 499.0, 79.2, shm_free=250 * 2 ** 30) < 52
     assert full_32b_hub.deepest_layers({**spec, "nproc": 1}, {**base, "lean_store": True, "lean_grad_plane": "on"},
                                        499.0, 79.2) == 64
 
@@ -97,7 +102,7 @@ def test_tiny_hub_path_end_to_end(tmp_path):
     assert reload["logits_match"] and reload["rel_max_diff"] <= hub_32b.LOGIT_TOL
     assert doc["prediction"]["command"].startswith("megatrain estimate") and doc["acceptance"] == {
         "trained": True, "export_reloads_with_matching_logits": True}
-    assert not os.path.exists(os.path.join(out, "hub_export"))  # removed unless --keep-export
+    assert not os.path.exists(hub + "_export")  # removed unless --keep-export
     # trained: the export's logits are not the starting checkpoint's
     from transformers import AutoModelForCausalLM
 

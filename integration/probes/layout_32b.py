@@ -43,15 +43,18 @@ def verdict(layers: int, config: MegaTrainConfig, gpus: int, host: int, gpu: int
     out = {"layers": layers, "gpus": gpus, "params": shape.trainable, "host_need_gib": plan.host_total / GIB,
            "host_at_construction_gib": store.host_total / GIB, "gpu_need_gib": plan.device_total / GIB,
            "limit_gib": config.host_memory_fraction * host / GIB}
-    if gpus == 1:
-        out["kept_layers"] = len(plans.kept)
-        out["gpu_stepped_layers"] = len(plans.device_stepped)
-        try:
-            planner.check_fits(shape, config, device_type="cuda", gpu_available=gpu, baseline_paid=True,
-                               plans=plans, host_available=host)
-            out["engine_check"] = "builds"
-        except MemoryError as e:
-            out["engine_check"] = str(e)
+    # The engine's own check before it allocates (engine/conversion_plan.py); each data-parallel rank runs it on the
+    # placement data parallel resolves to (parallel/setup.py: every layer streamed and stepped on the host).
+    cfg = config if gpus == 1 else config.resolved(device_layers=0, device_step_layers=0)
+    rank_plans = plans or planner.unit_plans(shape, cfg, "cuda", gpu, host_free=host)
+    out["kept_layers"] = len(rank_plans.kept)
+    out["gpu_stepped_layers"] = len(rank_plans.device_stepped)
+    try:
+        planner.check_fits(shape, cfg, device_type="cuda", gpu_available=gpu, baseline_paid=True,
+                           plans=rank_plans, host_available=host)
+        out["engine_check"] = "builds"
+    except MemoryError as e:
+        out["engine_check"] = str(e)
     out["fits"] = plan.host_total <= config.host_memory_fraction * host and plan.device_total <= gpu
     return out
 

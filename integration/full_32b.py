@@ -22,7 +22,7 @@ time, reload verdict. Progress lines are flushed; meant for the background:
     python integration/full_32b.py --dry-run --machines               # planner prediction for the lent machines
     python integration/full_32b.py --tiny --out /tmp/f32              # CPU smoke of the same code (seconds)
 
-``--hub-checkpoint DIR`` runs the user's path instead (full_32b_hub.py, phases in hub_32b.py): a Hub-layout bf16
+``full_32b_hub.py --hub-checkpoint DIR`` runs the user's path instead (phases in hub_32b.py): a Hub-layout bf16
 checkpoint written to DIR, ``from_pretrained_streamed``, ``MegaTrainTrainer`` on packed fine-tune rows (1 GPU or
 ``--nproc N``), ``save_model`` and a plain-transformers reload whose logits must match. The device plan for the
 4 x H100, 512 GiB host (commands, predicted times): integration/results/full_32b/NEXT.md.
@@ -416,10 +416,6 @@ def summary(doc: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if any(x.split("=")[0] == "--hub-checkpoint" for x in (sys.argv[1:] if argv is None else argv)):
-        import full_32b_hub  # the Hub path: checkpoint in, from_pretrained_streamed, export out (issue 46)
-
-        return full_32b_hub.main(argv)
     a = parse_args(argv)
     spec = make_spec(a)
     margin = int(a.margin_gib * GIB)

@@ -1,4 +1,4 @@
-"""``full_32b.py --hub-checkpoint DIR``: the 32B run as a user runs it (issue 46 parts 1, 2/3, 5); phases: hub_32b.py.
+"""``full_32b_hub.py --hub-checkpoint DIR``: the 32B run as a user runs it (issue 46 parts 1, 2/3, 5); phases: hub_32b.py.
 
 write (when DIR holds no checkpoint) -> raw read of the shards (O_DIRECT, else after posix_fadvise(DONTNEED)) -> pages
 dropped -> train (``from_pretrained_streamed`` + ``MegaTrainTrainer``, 1 process or ``--nproc N`` through torchrun)
@@ -8,7 +8,7 @@ it does not fit; then, with one process, the layout ``megatrain estimate`` choos
 the library switches to a lean layout by itself, the engine refuses), with several, the default store at the depth
 given (``--layers auto``: the deepest the planner fits; data parallel refuses ``lean_store``).
 
-    python integration/full_32b.py --hub-checkpoint /tmp/q32 --tiny --out /tmp/f32hub     # CPU smoke, ~25 s
+    python integration/full_32b_hub.py --hub-checkpoint /tmp/q32 --tiny --out /tmp/f32hub     # CPU smoke, ~25 s
 
 On the 4 x H100, 512 GiB host (integration/results/full_32b/NEXT.md: the plan, the planner's predicted times), as a
 background queue (integration/results/full_32b/queue_46.txt) across chained calls of the device tool (nvidia-h100-x4):
@@ -20,8 +20,8 @@ background queue (integration/results/full_32b/queue_46.txt) across chained call
 
 The queue's runs, D the largest non-tmpfs mount:
 
-    CUDA_VISIBLE_DEVICES=0 python3 integration/full_32b.py --hub-checkpoint D/q32_46 --out /tmp/q46/f32
-    python3 integration/full_32b.py --hub-checkpoint D/q32_46 --nproc 4 --layers auto --raw-read none \
+    CUDA_VISIBLE_DEVICES=0 python3 integration/full_32b_hub.py --hub-checkpoint D/q32_46 --out /tmp/q46/f32
+    python3 integration/full_32b_hub.py --hub-checkpoint D/q32_46 --nproc 4 --layers auto --raw-read none \
         --phases train --out /tmp/q46/f32
 """
 

@@ -1,7 +1,7 @@
 """The 32B run as a user runs it (issue 46 parts 1 and 5): a Hub-layout checkpoint in, ``from_pretrained_streamed``,
 ``MegaTrainTrainer`` on packed fine-tune rows, ``save_model`` out, plain transformers loads it back.
 
-The child phases of ``full_32b.py --hub-checkpoint DIR`` (each in its own process, ``bench.common.runner_main``):
+The child phases of ``full_32b_hub.py --hub-checkpoint DIR`` (each in its own process, ``bench.common.runner_main``):
 
 * ``write``: a Qwen2.5-32B-shaped random-init model written to DIR as ``save_pretrained`` lays it out (config.json,
   ``model-0000k-of-0000n.safetensors``, ``model.safetensors.index.json``), bf16, tensor by tensor: each value is

@@ -1,4 +1,4 @@
-"""integration/full_32b.py --hub-checkpoint (issue 46 parts 1 and 5) at tiny width on the CPU: a Hub-layout bf16
+"""integration/full_32b_hub.py --hub-checkpoint (issue 46 parts 1 and 5) at tiny width on the CPU: a Hub-layout bf16
 checkpoint written shard by shard, loaded as a user loads it (``from_pretrained_streamed``), trained through
 ``MegaTrainTrainer`` on packed fine-tune rows, exported with ``save_model``, reloaded by plain transformers with the
 trained model's logits."""
@@ -15,7 +15,6 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "integration"))
 
-import full_32b  # noqa: E402
 import full_32b_hub  # noqa: E402
 import hub_32b  # noqa: E402
 
@@ -87,7 +86,7 @@ def test_planner_chooses_a_layout_or_a_depth(tmp_path):
 @pytest.mark.slow  # four subprocesses: write, the planner's CLI, train, reload
 def test_tiny_hub_path_end_to_end(tmp_path):
     hub, out = str(tmp_path / "hub"), str(tmp_path / "out")
-    assert full_32b.main(["--hub-checkpoint", hub, "--tiny", "--out", out, "--raw-read", "both"]) == 0
+    assert full_32b_hub.main(["--hub-checkpoint", hub, "--tiny", "--out", out, "--raw-read", "both"]) == 0
     doc = json.loads((tmp_path / "out" / "full_32b_hub_cpu_tiny_1gpu.json").read_text())
     assert (tmp_path / "out" / "full_32b_hub_cpu_tiny_1gpu.md").exists()
     write, train, reload = doc["write"], doc["train"], doc["reload"]

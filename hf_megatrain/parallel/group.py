@@ -31,6 +31,16 @@ from ..core.store import Unit
 from .shards import shard_range, shard_size
 
 
+# Units stepped on the host live once per node, in its shared store, and are sharded over the node's ranks: those
+# with a gradient buffer (HOST) and the lean store's (LEAN: each rank consumes its shard of the reduced gradient).
+SHARDED = (Stepper.HOST, Stepper.LEAN)
+
+
+def sharded(unit: Unit) -> bool:
+    """Whether ``unit`` lives in the node's shared store, each rank stepping its shard (else: replicated)."""
+    return unit.plan.stepper in SHARDED
+
+
 @dataclass
 class DataParallel:
     rank: int
@@ -127,17 +137,17 @@ class DataParallel:
     def owns(self, unit: Unit) -> tuple[int, int]:
         """The range of ``unit``'s flat buffers this rank writes: its shard of a host-stepped unit (shared by the
         node's ranks), all of a replicated one (its own copy on its device)."""
-        return self.shard(unit.numel) if unit.plan.stepper is Stepper.HOST else (0, unit.numel)
+        return self.shard(unit.numel) if sharded(unit) else (0, unit.numel)
 
     def writes_shared(self, unit: Unit) -> bool:
         """Whether this rank fills ``unit``'s masters on a load: each node's local rank 0 its node's shared ones,
         every rank its own."""
-        return self.is_leader or unit.plan.stepper is not Stepper.HOST
+        return self.is_leader or not sharded(unit)
 
     def counts_in_norm(self, unit: Unit) -> bool:
         """Whether this rank's part of ``unit``'s gradient enters the global norm: a shard once, from node 0 (every
         node holds the same reduced shards); a replicated unit once, from rank 0."""
-        return self.node == 0 if unit.plan.stepper is Stepper.HOST else self.rank == 0
+        return self.node == 0 if sharded(unit) else self.rank == 0
 
     # -- collectives ---------------------------------------------------------------------------------------------------
     def barrier(self, timeout_s: float | None = None) -> None:

@@ -42,6 +42,7 @@ CASES: dict[str, tuple[str, dict, list]] = {
     "rerun_spec_skip": ("llama", dict(lean_grad_plane="off"), SPEC_SKIP),
     "plane_spec_skip": ("llama", dict(lean_grad_plane="on"), SPEC_SKIP),
     "exact_mix": ("llama", dict(lean_grad_plane="off", exact_take_back=True), MIX),
+    "exact_spec_skip": ("llama", dict(lean_grad_plane="off", exact_take_back=True), SPEC_SKIP),
 }
 # bf16 compute (the compute copy exists only there): lean + compute copy + plane, against the full store in the
 # same processes (same bf16 rounding per row, so the same results), and against one process (rows regrouped).
@@ -49,6 +50,11 @@ BF16_CASES: dict[str, tuple[str, dict, list]] = {
     "copy_bf16": ("llama", dict(lean_compute_copy=True, lean_grad_plane="on"), MIX),
     "copy_rerun_bf16": ("llama", dict(lean_compute_copy=True, lean_grad_plane="off"), MIX),
     "full_bf16": ("llama", dict(lean_store=False), MIX),
+    # The native kernel: updates from the plane split per shard (new weights first) or whole, the same bits.
+    "split_bf16": ("llama", dict(lean_compute_copy=True, lean_grad_plane="on", host_kernel="native",
+                                 split_host_update="on"), MIX),
+    "whole_bf16": ("llama", dict(lean_compute_copy=True, lean_grad_plane="on", host_kernel="native",
+                                 split_host_update="off"), MIX),
 }
 RESUME = "plane_mix"  # the case checkpointed after SAVE_AT steps and resumed across process counts
 SAVE_AT = 2  # (after a step that did not clip: the resumed run speculates, then takes back)
@@ -92,6 +98,7 @@ def run(engine: MegaTrainEngine, opt, schedule: list, start: int, stop: int, ran
         out = engine(input_ids=ids[rows], labels=labels[rows], num_items_in_batch=n_items)
         (out.loss * world).backward()
         opt.step()
+        opt.split_steps_seen = getattr(opt, "split_steps_seen", 0) + opt.last_step_split
         loss = out.loss.detach().float().reshape(1).clone()
         if world > 1:
             dist.all_reduce(loss)
@@ -107,7 +114,8 @@ def run(engine: MegaTrainEngine, opt, schedule: list, start: int, stop: int, ran
 def counters(opt) -> dict[str, int]:
     plane = getattr(opt, "plane", None)
     return {"regenerated": getattr(opt, "regenerated_steps", 0), "plane": getattr(opt, "plane_steps", 0),
-            "skipped": opt.skipped_steps, "plane_bytes": plane.nbytes if plane is not None else 0}
+            "skipped": opt.skipped_steps, "plane_bytes": plane.nbytes if plane is not None else 0,
+            "split_steps": getattr(opt, "split_steps_seen", 0)}
 
 
 def reference(case: str, shm: str) -> dict:

@@ -83,6 +83,8 @@ def test_lean_two_processes_match_one_and_resume_across_counts(tmp_path):
     assert [out[r]["rerun_spec_skip"]["regenerated"] for r in (0, 1)] == [refs["rerun_spec_skip"]["regenerated"] + 1] * 2
     assert [out[r]["plane_spec_skip"]["plane"] for r in (0, 1)] == [refs["plane_spec_skip"]["plane"] + 1,
                                                                     refs["plane_spec_skip"]["plane"]]
+    # (exact take-back: rank 0 restores its copies, nobody re-runs)
+    assert [out[r]["exact_spec_skip"]["regenerated"] for r in (0, 1)] == [refs["exact_spec_skip"]["regenerated"]] * 2
     assert refs["plane_every"]["plane_bytes"] > 0 and refs["rerun_every"]["plane_bytes"] == 0
 
     # bf16 + the compute copy: as the full store in the same processes; each rank's shard of the copy exact.
@@ -92,6 +94,12 @@ def test_lean_two_processes_match_one_and_resume_across_counts(tmp_path):
         assert _close(out[0][case]["norms"], out[0]["full_bf16"]["norms"]) < TOL
         assert out[0][case]["copies_exact"] and out[1][case]["copies_exact"]
         worst[case] = w
+
+    # Split updates from the plane (each rank its shards, loads waiting for every rank's new weights) = whole ones.
+    assert out[0]["split_bf16"]["split_steps"] > 0 and out[0]["whole_bf16"]["split_steps"] == 0
+    for name, t in out[0]["whole_bf16"]["weights"].items():
+        assert torch.equal(out[0]["split_bf16"]["weights"][name], t), name
+    assert out[0]["split_bf16"]["copies_exact"] and out[1]["split_bf16"]["copies_exact"]
 
     ref, steps = refs[W.RESUME]["weights"], len(W.CASES[W.RESUME][2])
     w12, name = _worst(out[0]["resumed_1to2"]["weights"], ref, steps)
@@ -140,3 +148,17 @@ def test_planner_counts_the_lean_store_and_its_plane_once():
         one = planner.estimate(shape, cfg, 64, 2, device_type="cuda", gpu_free=80 << 30)
         stage = "executor staging (2 x layer, offload dtype)"
         assert 0 < two.host[stage] <= one.host[stage] + 2 * 64 * 4 * 2
+
+
+def test_settle_path_per_process():
+    """What one process would do with a step's decision; data-parallel ranks of a non-finite step then agree on
+    RERUN if any of them needs it (optim/lean.py)."""
+    from hf_megatrain.optim.speculation import Settle, StepDecision, settle_path
+
+    nothing = StepDecision(False, [], set())
+    spec = StepDecision(True, [3, 2], {3, 2})
+    assert settle_path(nothing, True, False, True) is Settle.NOTHING  # (a rank whose first shard was non-finite)
+    assert settle_path(spec, True, True, False) is Settle.REPLAY
+    assert settle_path(spec, True, False, True) is Settle.RESTORE
+    assert settle_path(spec, False, False, True) is Settle.RERUN  # (a clipping step needs the gradients again)
+    assert settle_path(spec, True, False, False) is Settle.RERUN

@@ -46,6 +46,7 @@ decides alike from the global norm except on a skipped step, where they agree on
 from __future__ import annotations
 
 import logging
+import math
 from functools import partial
 from typing import Any, Callable
 
@@ -226,9 +227,9 @@ class LeanAdamW(UnitAdamW):
         for i in self.policy.applied:  # speculative updates the true norm proves right count from now on
             if i not in decision.take_back:
                 self.step_state.finish_update(i, changed=False)
-        # (data parallel, a skipped step: ranks may have speculated on different layers -- a non-finite shard stops
-        # only its own rank -- so each goes through ``_rerun``, where they agree on what runs collectively)
-        if decision.rerun or (skip and self.ranks.world > 1):
+        # (data parallel, a non-finite norm: ranks may have speculated on different layers -- a non-finite shard
+        # stops only its own rank -- so each goes through ``_rerun``, where they agree on what runs collectively)
+        if decision.rerun or self._ranks_may_differ(skip):
             self._rerun(grad_scale, skip, hyper, decision)
         if skip:
             self._end(None)
@@ -257,7 +258,7 @@ class LeanAdamW(UnitAdamW):
         step), or by re-running the forward+backward (``_regenerate``).
 
         Data parallel: the re-run is collective (each regenerated gradient is reduce-scattered), so the ranks must
-        agree on it. They decide alike except on a skipped step (a non-finite shard stops speculation on its rank
+        agree on it. They decide alike except on a non-finite norm (a non-finite shard stops speculation on its rank
         only; take-back copies are per rank): then if any rank must re-run, every rank does (the re-run settles
         whatever the plane or the copies would have). A skipped step's take-backs count no update, so no rank leaves
         it before every rank's are written (a barrier): the next forward's loads could not tell."""
@@ -267,7 +268,7 @@ class LeanAdamW(UnitAdamW):
             logger.warning("hf_megatrain: lean_grad_plane: this step's gradients are not all on the gradient "
                            "plane (%s): re-running its forward+backward instead", self.plane.why_not())
         path = settle_path(d, skip, holds, all(self.take_back_copies.has(i) for i in d.take_back))
-        if skip and self.ranks.world > 1 and self.ranks.any_rank(path is Settle.RERUN):
+        if self._ranks_may_differ(skip) and self.ranks.any_rank(path is Settle.RERUN):
             path = Settle.RERUN
         if path is Settle.REPLAY:
             self._replay(grad_scale, skip, hyper, d)
@@ -279,6 +280,11 @@ class LeanAdamW(UnitAdamW):
             self._regenerate(grad_scale, skip, hyper, d)
         if skip:
             self.ranks.barrier()
+
+    def _ranks_may_differ(self, skip: bool) -> bool:
+        """Whether data-parallel ranks may have decided this step differently: only where the global norm (the same
+        on every rank) is non-finite -- skipped, or kept with ``skip_nonfinite=False`` -- or a backward is dropped."""
+        return self.ranks.world > 1 and (skip or not math.isfinite(self.last_grad_norm or 0.0))
 
     def _regenerate(self, grad_scale: float | None, skip: bool, hyper: list[kernels.Hyper],
                     d: StepDecision) -> None:

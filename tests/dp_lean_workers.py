@@ -168,3 +168,39 @@ def lean_worker(rank: int, world: int, tmp: str) -> None:
         out["resumed_1to2"] = {"weights": resumed(tmp, os.path.join(tmp, "lean_ckpt_1proc"), rank, world, dp)}
         torch.save(out, os.path.join(tmp, f"lean_rank{rank}.pt"))
         dp.barrier()
+
+
+# -- through MegaTrainTrainer (accelerate, gloo) -----------------------------------------------------------------------
+def trainer_run(tmp: str, world: int, run: str, resume: str | None = None) -> dict[str, torch.Tensor]:
+    """4 steps of MegaTrainTrainer with the lean store and its plane, one backward per step over a global batch of 4
+    rows (4 // world per process), in-order samples, every step clipped, a checkpoint at step 2 in ``tmp/run``:
+    the final FP32 masters."""
+    from torch.utils.data import SequentialSampler
+
+    from hf_megatrain import MegaTrainTrainer
+    from tests.test_trainer import dataset, mt_args
+
+    class InOrder(MegaTrainTrainer):  # (the same rows make each global batch, whatever the process count)
+        def _get_train_sampler(self, *args, **kwargs):
+            return SequentialSampler(self.train_dataset)
+
+    config = dict(compute_dtype="float32", shared_memory_dir=tmp, lean_store=True, lean_grad_plane="on")
+    args = mt_args(os.path.join(tmp, run), config=config, per_device_train_batch_size=4 // world,
+                   gradient_accumulation_steps=1, max_steps=4, ddp_backend="gloo" if world > 1 else None,
+                   save_strategy="steps", save_steps=2, max_grad_norm=0.5)
+    trainer = InOrder(model=tiny("llama"), args=args, train_dataset=dataset())
+    trainer.train(resume_from_checkpoint=resume)
+    return weights(trainer.engine)
+
+
+def trainer_worker(rank: int, world: int, tmp: str, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    try:
+        final = trainer_run(tmp, world, "lean_trainer_2proc")
+        if rank == 0:
+            torch.save(final, os.path.join(tmp, "lean_trainer_2proc.pt"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -162,3 +162,24 @@ def test_settle_path_per_process():
     assert settle_path(spec, True, False, True) is Settle.RESTORE
     assert settle_path(spec, False, False, True) is Settle.RERUN  # (a clipping step needs the gradients again)
     assert settle_path(spec, True, False, False) is Settle.RERUN
+
+
+@pytest.mark.slow  # (spawns processes)
+def test_lean_trainer_two_processes_match_one_and_resume_in_one(tmp_path):
+    """MegaTrainTrainer with the lean store and its plane under 2 gloo processes (accelerate's multi-CPU state):
+    the final masters equal one process on the same global batches, and its checkpoint of step 2 resumes in one
+    process to the same end."""
+    import socket
+
+    tmp = str(tmp_path)
+    ref = W.trainer_run(tmp, 1, "lean_trainer_1proc")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(W.trainer_worker, args=(2, tmp, port), nprocs=2, join=True)
+    w, name = _worst(torch.load(os.path.join(tmp, "lean_trainer_2proc.pt")), ref)
+    assert w <= TOL, f"Trainer, 2 processes vs 1: {name} differs by {w:.2e}"
+    resumed = W.trainer_run(tmp, 1, "lean_trainer_2to1",
+                            resume=os.path.join(tmp, "lean_trainer_2proc", "checkpoint-2"))
+    w, name = _worst(resumed, ref)
+    assert w <= TOL, f"Trainer, 2-process checkpoint resumed in 1: {name} differs by {w:.2e}"

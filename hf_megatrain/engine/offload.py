@@ -81,7 +81,7 @@ class GradientOffload:
         self.lean_wait: list[Callable[[], None] | None] = [None, None]  # the consumer's wait() per slab
         # The route of each layer's gradients, decided here once from its plan (and data parallel for host ones).
         routes = {Where.DEVICE: self._to_device, Where.HOST: self._to_host if dp is None else self._to_shard,
-                  Where.NONE: self._to_consumer}
+                  Where.NONE: self._to_consumer if dp is None else self._shard_to_consumer}
         self.route: list[Callable[[int, Unit, torch.Tensor, bool], None]] = [routes[u.plan.grad] for u in units]
         # (the squared-norm cells of the consumer's two slabs)
         self.sq_host = [alloc_host(1, torch.float32, pin) for _ in range(2)]
@@ -193,9 +193,11 @@ class GradientOffload:
         self.d2h_bytes += off.numel() * off.element_size()
         self.pending[k] = (unit, "" if direct else "copy" if first else "add", at, n)
 
+    def _shard_to_consumer(self, k: int, unit: Unit, off: torch.Tensor, first: bool) -> None:
+        """Data parallel, a lean gradient: reduce-scattered over the ranks; the consumer steps this rank's shard."""
+        self._to_consumer(k, unit, self._reduce(k, unit)[0], first)
+
     def _to_consumer(self, k: int, unit: Unit, off: torch.Tensor, first: bool) -> None:
-        if self.dp is not None:  # (data parallel: the consumer steps this rank's shard, from its shard's gradient)
-            off, _ = self._reduce(k, unit)
         sq = self._sq(off, True)  # (a lean unit's every gradient is a whole step's, a re-run's included)
         ready = self.streams.record(self.streams.compute)
         self._drain(k)  # slab k released by the consumer (it may still be reading the gradient of two layers up)

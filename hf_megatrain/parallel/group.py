@@ -26,19 +26,16 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from ..core.plan import Stepper
+from ..core.plan import Where
 from ..core.store import Unit
 from .shards import shard_range, shard_size
 
 
-# Units stepped on the host live once per node, in its shared store, and are sharded over the node's ranks: those
-# with a gradient buffer (HOST) and the lean store's (LEAN: each rank consumes its shard of the reduced gradient).
-SHARDED = (Stepper.HOST, Stepper.LEAN)
-
-
 def sharded(unit: Unit) -> bool:
-    """Whether ``unit`` lives in the node's shared store, each rank stepping its shard (else: replicated)."""
-    return unit.plan.stepper in SHARDED
+    """Whether ``unit`` lives in the node's shared store, each rank stepping its shard: its master is on the host
+    (a host-stepped layer, with a gradient buffer or the lean store's without); else it is replicated on every
+    rank's device."""
+    return unit.plan.master is Where.HOST
 
 
 @dataclass

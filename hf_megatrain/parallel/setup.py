@@ -13,8 +13,8 @@ import logging
 import torch
 
 from ..config import MegaTrainConfig
-from ..core.plan import Plans, Where
-from .group import SHARDED, DataParallel
+from ..core.plan import Plans, Stepper, Where
+from .group import DataParallel
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,8 @@ def data_parallel_config(config: MegaTrainConfig, dp: DataParallel) -> MegaTrain
 def check_plans(plans: Plans) -> None:
     """Refuse plans the data-parallel path would run wrongly (a safety net behind ``data_parallel_config``)."""
     for p in plans.layers:
-        if p.numel > 0 and p.stepper not in SHARDED:
+        # (host-stepped layers, with a gradient buffer or consuming each gradient as it lands: master on the host)
+        if p.numel > 0 and (p.master is not Where.HOST or p.stepper is Stepper.DEVICE_STREAMED):
             raise ValueError(f"data parallel: layer {p.index} is planned {p.stepper.value}; only host-stepped "
                              "layers are supported (device_layers=0, device_step_layers=0)")
     if plans.resident.numel > 0 and plans.resident.master is not Where.DEVICE:

@@ -183,7 +183,8 @@ class MegaTrainConfig:
             of re-running its forward+backward (optim/grad_plane.py). bf16 where the gradients cross narrow (the
             ``narrow_grads`` condition: one backward per step, no ``micro_batch_size`` split, a bf16-reading
             ``host_kernel``; such a gradient is exactly a bf16 tensor): +2 bytes per parameter, 14 with
-            ``lean_store`` alone, 16 with ``lean_compute_copy``; else FP32, +4. "auto": on where the host plan with
+            ``lean_store`` alone, 16 with ``lean_compute_copy``; else FP32, +4 (always with data-parallel processes,
+            whose reduced gradients are FP32; each keeps the plane of its shards). "auto": on where the host plan with
             it fits ``host_memory_fraction`` of the RAM, and not with a bf16 plane and ``micro_batch_size`` (a split
             visit's gradient is an FP32 sum); ``megatrain estimate`` says which layout and why. "on": always (a step
             whose gradients cannot land on it still re-runs, with a log line saying why). "off": never.

@@ -102,7 +102,6 @@ def _dp(world: int = 2) -> DataParallel:
 
 
 @pytest.mark.parametrize("over, needle", [
-    (dict(lean_store=True), "lean_store"),
     (dict(device_layers=2), "device_layers"),
     (dict(device_step_layers=1), "device_step_layers"),
     (dict(resident_placement="host"), "resident_placement"),
@@ -277,15 +276,12 @@ def test_planner_counts_the_shared_store_once():
                              64, 2, device_type="cuda", gpu_free=80 << 30)
     assert one.store_host_bytes == 0  # (one process keeps this tiny model on the GPU) ...
     assert two.store_host_bytes == alone.store_host_bytes > 0  # ... N processes step every layer on the host, once
-    staging = "executor staging (2 x layer, offload dtype)"
+    stage = "executor staging (2 x layer, offload dtype)"  # (each process lands its shard of a gradient only)
     for key, v in alone.host.items():
-        if key != staging:
-            assert two.host[key] == (v if key in planner.predict.STORE_ROWS else 2 * v), key
-    # (each process stages its shard of a layer's gradient, not the layer: 2 processes x 2 buffers x half a layer)
-    n_max = max(shape.layer_numels)
-    assert alone.host[staging] == 2 * n_max * 4 and two.host[staging] == 2 * (2 * -(-n_max // 2) * 4)
-    with pytest.raises(ValueError, match="lean_store"):
-        planner.estimate(shape, MegaTrainConfig(lean_store=True), 64, 2, device_type="cuda", gpus=2)
+        assert two.host[key] == (v if key in planner.predict.STORE_ROWS else 2 * v if key != stage else
+                                 2 * 2 * 4 * shard_size(max(shape.layer_numels), 2)), key
+    with pytest.raises(ValueError, match="device_layers"):
+        planner.estimate(shape, MegaTrainConfig(device_layers=1), 64, 2, device_type="cuda", gpus=2)
 
 
 @pytest.mark.slow  # (spawns processes)

@@ -112,6 +112,7 @@ class PlanInputs:
     device_type: str
     gpu_budget: int | None = None
     plane_fits: bool = False  # lean_grad_plane="auto": the host has room for the gradient plane (the planner's)
+    data_parallel: bool = False  # one of several data-parallel ranks (gradients reduced in FP32: no narrow ones)
 
 
 @dataclass(frozen=True)
@@ -265,13 +266,14 @@ def build_plans(inputs: PlanInputs, config: MegaTrainConfig) -> Plans:
 def _grad_plane(config: MegaTrainConfig, inputs: PlanInputs) -> tuple[int, str]:
     """``lean_grad_plane``: the bytes per parameter of the lean layers' gradient plane (optim/grad_plane.py; 0:
     none), and why. It holds each gradient as it crosses: bf16 where ``decide_modes`` makes them narrow (exact for
-    a visit computed whole), else FP32."""
+    a visit computed whole), else FP32 (data-parallel ranks: the reduce-scatter's mean of the ranks' gradients is an
+    FP32 value)."""
     if not config.lean_store:
         return 0, ""
     choice = config.lean_grad_plane
     if choice == "off":
         return 0, "no gradient plane (lean_grad_plane='off'): a step that clips re-runs its forward+backward"
-    narrow = decide_modes(config, Plans(), inputs.device_type, data_parallel=False, probe=False).narrow
+    narrow = decide_modes(config, Plans(), inputs.device_type, data_parallel=inputs.data_parallel, probe=False).narrow
     size = 4 if narrow is None else narrow.itemsize
     if choice == "auto" and narrow is not None and config.micro_batch_size > 0:
         return 0, ("no gradient plane: micro_batch_size splits each layer visit, whose gradient is then an FP32 "

@@ -176,15 +176,17 @@ class StepState:
         coming = self.phase[i] is Phase.UPDATING and not self._weights_final[i]
         return e if e[2] == self.version[i] + (1 if coming else 0) else None
 
-    def finish_update(self, i: int, changed: bool = True, keep_grad: bool = False) -> None:
+    def finish_update(self, i: int, changed: bool = True, keep_grad: bool = False, judged: bool = True) -> None:
         """Unit ``i``'s state is final for this step; ``changed``: its master moved (weights must be reloaded).
-        ``keep_grad``: a speculative update -- the gradient (and its norm) stays landed for the step to judge."""
+        ``keep_grad``: a speculative update -- the gradient (and its norm) stays landed for the step to judge.
+        ``judged=False``: a speculative update whose gradient is gone (the lean store's): not counted until a later
+        ``finish_update`` (judged right) or ``touch`` (taken back) settles it, as with ``keep_grad``."""
         self.phase[i] = Phase.LANDED if keep_grad else Phase.READY
         if not keep_grad:
             self.grad_sq[i] = None
         if changed and not self._weights_final[i]:  # (a split update moved it at finish_weights)
             self.version[i] += 1
-        if keep_grad:
+        if keep_grad or not judged:
             self._unjudged[i] = self._unjudged[i] or changed
         elif changed or self._unjudged[i]:  # final: a plain update, or a speculative one judged right
             self._unjudged[i] = False

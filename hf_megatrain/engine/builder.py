@@ -69,7 +69,8 @@ def build_engine(model: nn.Module, config: MegaTrainConfig, device: torch.device
     """Every phase, in order. ``config`` resolved (data parallel: ``data_parallel_config``'s); ``decay_names``: the
     parameters weight decay applies to (None: Trainer's rule); ``dp``: None alone; ``show_progress``: the
     conversion's bar of bytes."""
-    convert_in = partial(_convert, model, config, device, decay_names, show_progress=show_progress)
+    convert_in = partial(_convert, model, config, device, decay_names, show_progress=show_progress,
+                         data_parallel=dp is not None)
     if dp is None:
         conv = convert_in(alloc_host, None)
     else:  # (each rank in turn, into its node's shared store)
@@ -82,18 +83,19 @@ def build_engine(model: nn.Module, config: MegaTrainConfig, device: torch.device
 
 
 def _convert(model: nn.Module, config: MegaTrainConfig, device: torch.device, decay_names: set[str] | None,
-             host_alloc: HostAlloc, host_available: int | None, *, show_progress: bool = True) -> Converted:
+             host_alloc: HostAlloc, host_available: int | None, *, show_progress: bool = True,
+             data_parallel: bool = False) -> Converted:
     """plan -> store -> templates: the model into a filled store (data parallel: what each rank runs in turn).
     ``host_alloc`` makes the store's host buffers; ``host_available``: the RAM the fit check counts on (None: now)."""
-    plan = _plan(model, config, device, decay_names, host_available)
+    plan = _plan(model, config, device, decay_names, host_available, data_parallel)
     store = _store(plan, config, device, host_alloc)
     return _templates(model, plan, store, config, device, show_progress)
 
 
 # -- the phases -------------------------------------------------------------------------------------------------------
 def _plan(model: nn.Module, config: MegaTrainConfig, device: torch.device, decay_names: set[str] | None,
-          host_available: int | None) -> ConversionPlan:
-    return plan_conversion(model, config, device, decay_names, host_available)
+          host_available: int | None, data_parallel: bool = False) -> ConversionPlan:
+    return plan_conversion(model, config, device, decay_names, host_available, data_parallel)
 
 
 def _store(plan: ConversionPlan, config: MegaTrainConfig, device: torch.device, host_alloc: HostAlloc) -> UnitStore:

@@ -101,10 +101,11 @@ def host_layout_for(model: nn.Module, config: MegaTrainConfig, device: torch.dev
 
 
 def plan_conversion(model: nn.Module, config: MegaTrainConfig, device: torch.device, decay_names: set[str] | None,
-                    host_available: int | None = None) -> ConversionPlan:
+                    host_available: int | None = None, data_parallel: bool = False) -> ConversionPlan:
     """``decay_names``: the parameters weight decay applies to (None: Trainer's rule, ``default_decay_names``);
     ``host_available``: the host RAM the fit check measures against (None: available now; data-parallel ranks
-    measure against what their node had before any rank allocated: engine/shared_convert.py)."""
+    measure against what their node had before any rank allocated: engine/shared_convert.py); ``data_parallel``: one
+    of several ranks (a lean store's gradient plane is then FP32: core/plan.py)."""
     if hasattr(model, "config"):
         model.config.use_cache = False
     _check_not_converted(model)
@@ -117,7 +118,7 @@ def plan_conversion(model: nn.Module, config: MegaTrainConfig, device: torch.dev
     decay = default_decay_names(model) if decay_names is None else set(decay_names)
     layouts = unit_layouts(model, stack, decay)
     shape = planner.ModelShape.from_layouts(model, layouts)
-    plans = planner.unit_plans(shape, config, device.type, gpu_budget(device))
+    plans = planner.unit_plans(shape, config, device.type, gpu_budget(device), data_parallel=data_parallel)
     logger.info("hf_megatrain: %s", plans.summary())
     planner.check_fits(shape, config, device_type=device.type, gpu_available=gpu_budget(device),
                        baseline_paid=True, plans=plans, host_available=host_available)

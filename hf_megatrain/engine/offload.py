@@ -10,7 +10,8 @@ two offload buffers (``buffer()``); ``send`` hands it to the sink the unit's pla
     no gradient (lean)                           D2H into one of two FP32 staging slabs (or the sink's bf16
                                                  gradient plane: ``plane_slab``), with its squared norm, and
                                                  handed to the sink's ``consume`` (the lean optimizer), which
-                                                 releases the slab before it is reused
+                                                 releases the slab before it is reused (data parallel: this
+                                                 rank's shard of the reduce-scattered gradient, as below)
 
 The sink (optim/gradient_path.py) is the optimizer, attached by the engine where it creates it: the one object
 this module calls besides the step state. In the step's last backward (``final_backward``, which only the engine
@@ -70,10 +71,10 @@ class GradientOffload:
         # This rank's reduced shard, per offload buffer (its D2H may still read it when the other one is filled).
         self.reduced = [] if dp is None else [torch.empty(padded // dp.local_world, dtype=offload_dtype,
                                                           device=device) for _ in range(2)]
-        # Host staging (accumulating visits, narrow or lean gradients): a data-parallel host gradient lands as this
-        # rank's shard, so its staging is a shard's size, not a layer's (per process: N ranks would hold N layers).
-        staged = [u.numel if dp is None or u.plan.grad is not Where.HOST else dp.shard_size(u.numel)
-                  for u in units if u.plan.grad is not Where.DEVICE]
+        # Host staging (accumulating visits, narrow or lean gradients). Data parallel: a rank lands only its shard of
+        # each host or lean gradient, so its staging holds the largest such shard, not a layer (N ranks would hold N
+        # layers); device-landed (resident) gradients never pass through it.
+        staged = [u.numel if dp is None else dp.shard_size(u.numel) for u in units if u.plan.grad is not Where.DEVICE]
         self.staging = [alloc_host(max(staged, default=1), offload_dtype, pin) for _ in range(2)]
         self.done: list[Any] = [None, None]  # event: offload buffer k drained
         # In flight per buffer: (unit, what landing does with the staging buffer: "", "copy", "add", at which
@@ -82,7 +83,7 @@ class GradientOffload:
         self.lean_wait: list[Callable[[], None] | None] = [None, None]  # the consumer's wait() per slab
         # The route of each layer's gradients, decided here once from its plan (and data parallel for host ones).
         routes = {Where.DEVICE: self._to_device, Where.HOST: self._to_host if dp is None else self._to_shard,
-                  Where.NONE: self._to_consumer}
+                  Where.NONE: self._to_consumer if dp is None else self._shard_to_consumer}
         self.route: list[Callable[[int, Unit, torch.Tensor, bool], None]] = [routes[u.plan.grad] for u in units]
         # (the squared-norm cells of the consumer's two slabs)
         self.sq_host = [alloc_host(1, torch.float32, pin) for _ in range(2)]
@@ -141,6 +142,12 @@ class GradientOffload:
 
     def _to_shard(self, k: int, unit: Unit, off: torch.Tensor, first: bool) -> None:
         """Data parallel, a host gradient: reduce-scattered over the ranks, this rank's shard goes to the host."""
+        part, lo = self._reduce(k, unit)
+        self._copy_to_host(k, unit, part, self._sq(part, first), lo)
+
+    def _reduce(self, k: int, unit: Unit) -> tuple[torch.Tensor, int]:
+        """Data parallel: offload buffer ``k``'s gradient of ``unit`` reduce-scattered over the ranks (a mean); this
+        rank's shard of it (on the device) and where the shard starts in the unit."""
         dp = self.dp
         size = dp.shard_size(unit.numel)
         full = self.offload[k][:size * dp.local_world]
@@ -148,8 +155,7 @@ class GradientOffload:
         out = self.reduced[k][:size]
         dp.reduce_scatter_mean_(out, full)
         lo, hi = dp.shard(unit.numel)
-        part = out[:hi - lo]
-        self._copy_to_host(k, unit, part, self._sq(part, first), lo)
+        return out[:hi - lo], lo
 
     def _to_device(self, k: int, unit: Unit, off: torch.Tensor, first: bool) -> None:
         if self.state.accumulate(unit.index, self._sq(off, first)):
@@ -189,6 +195,10 @@ class GradientOffload:
         self.d2h_bytes += off.numel() * off.element_size()
         self.pending[k] = (unit, "" if direct else "copy" if first else "add", at, n)
 
+    def _shard_to_consumer(self, k: int, unit: Unit, off: torch.Tensor, first: bool) -> None:
+        """Data parallel, a lean gradient: reduce-scattered over the ranks; the consumer steps this rank's shard."""
+        self._to_consumer(k, unit, self._reduce(k, unit)[0], first)
+
     def _to_consumer(self, k: int, unit: Unit, off: torch.Tensor, first: bool) -> None:
         sq = self._sq(off, True)  # (a lean unit's every gradient is a whole step's, a re-run's included)
         ready = self.streams.record(self.streams.compute)
@@ -199,8 +209,9 @@ class GradientOffload:
             raise RuntimeError("hf_megatrain: lean_store needs the optimizer before the first backward "
                                "(engine.create_optimizer)")
         slab = self.sink.plane_slab(unit.index, narrow)  # (lean_grad_plane: the gradient stays on the host there)
+        n = off.numel()
         if slab is None:
-            slab = self.staging[k][:unit.numel] if narrow is None else self.staging[k].view(narrow)[:unit.numel]
+            slab = self.staging[k][:n] if narrow is None else self.staging[k].view(narrow)[:n]
         sq_host = self.sq_host[k][0]
         st = self.streams
         with st.on(st.d2h):
@@ -208,8 +219,8 @@ class GradientOffload:
             slab.copy_(off, non_blocking=True)
             sq_host.copy_(sq, non_blocking=True)
             self.done[k] = st.record(st.d2h)
-        self.d2h_bytes += unit.numel * slab.element_size()
-        self.pending[k] = (unit, "", 0, unit.numel)
+        self.d2h_bytes += n * slab.element_size()
+        self.pending[k] = (unit, "", 0, n)
         self.state.accumulate(unit.index, sq)  # (keeps the device scalar alive until its copy is done)
         self.lean_wait[k] = self.sink.consume(unit.index, slab, sq_host, self.done[k])
 

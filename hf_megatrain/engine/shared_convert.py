@@ -18,9 +18,8 @@ from typing import Callable
 import torch
 
 from ..core.memory import available_host_bytes
-from ..core.plan import Stepper
 from ..parallel import liveness
-from ..parallel.group import DataParallel
+from ..parallel.group import DataParallel, sharded
 from ..parallel.setup import check_plans
 from ..parallel.shared_alloc import SharedHostAllocator, new_run_dir
 from .convert import Converted
@@ -97,7 +96,7 @@ def _same_store_on_every_node(conv: Converted, dp: DataParallel) -> None:
     """Each rank's shard of every host unit's master and frozen copy from node 0 (global rank 0's weights on every
     node: the nodes' stores step identically from there); then its shard's compute copy refreshed."""
     for u in conv.store.units:
-        if u.plan.stepper is Stepper.HOST and u.numel:
+        if sharded(u) and u.numel:
             lo, hi = dp.shard(u.numel)
             if hi > lo:
                 dp.broadcast_across_nodes_(u.master[lo:hi])

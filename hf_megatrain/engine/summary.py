@@ -15,6 +15,7 @@ import torch
 from ..core.memory import format_bytes
 from ..core.plan import Stepper, Where
 from ..export.weights import checkpoint_bytes
+from ..parallel.group import sharded
 from ..parallel.shards import shard_range
 
 __all__ = ["run_summary", "format_summary"]
@@ -91,10 +92,13 @@ def _processes(engine: Any, trainable: int) -> dict[str, Any]:
     if ranks.world == 1:
         return {"processes": 1}
     on_host = ranks.on_host
-    shared = sum(u.plan.nbytes(Where.HOST, engine.compute_dtype) for u in engine.store.units)
+    # (a lean store's gradient plane is no store buffer: each rank holds the plane of its shards, the host the
+    # whole plane once)
+    plane = sum(u.plan.grad_plane * u.numel for u in engine.store.units)
+    shared = sum(u.plan.nbytes(Where.HOST, engine.compute_dtype) for u in engine.store.units) - plane
     private = engine.store.nbytes - shared
-    host = shared + on_host * private
-    units = [u for u in engine.store.units if u.plan.stepper is Stepper.HOST and u.numel]
+    host = shared + on_host * private + plane
+    units = [u for u in engine.store.units if sharded(u) and u.numel]
     mine = [ranks.own(u) for u in units]  # (this rank's shard of each: what its optimizer steps)
     state = [sum(t.element_size() for t in (u.master, u.grad, u.exp_avg, u.exp_avg_sq, u.compute)
                  if t is not None and t.device.type == "cpu") for u in units]  # bytes per element of the unit

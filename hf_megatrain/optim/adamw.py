@@ -290,18 +290,25 @@ class UnitAdamW(SpeculativeStep, AdamWStateIO, torch.optim.Optimizer):
         return u.grad_as(self.step_state.narrow[u.index])
 
     def update_(self, unit: Unit, flats: list[torch.Tensor], hyper: list[kernels.Hyper], grad_scale: float | None,
-                refresh: bool = True, part: kernels.UpdatePart = kernels.UpdatePart.WHOLE) -> None:
+                refresh: bool = True, part: kernels.UpdatePart = kernels.UpdatePart.WHOLE,
+                local: bool = False) -> None:
         """One AdamW update of ``unit`` on [master, grad, exp_avg, exp_avg_sq] (counted), with its compute copy;
-        or one half of a split update (``part``: WEIGHTS counts it, STATE completes it with the same steps)."""
+        or one half of a split update (``part``: WEIGHTS counts it, STATE completes it with the same steps).
+        ``local``: the flats hold only the range this process steps (``own``), from their element 0 (the lean
+        store's shard-sized gradients): the spans are shifted and the compute copy cut to match."""
         compute = unit.compute if refresh else None
         t0 = time.perf_counter()
         lo, hi = self.own(unit)
+        if local and compute is not None:
+            compute = compute[lo:hi]
         if part is kernels.UpdatePart.STATE:
             by_step = self.splits.take(unit.index)
         else:
             self.counts.add(unit.index)
             by_step = [(step, self.owned(unit, groups)) for step, groups
                        in self.counts.by_step(unit.index, hyper, self._reached.pop(unit.index, None))]
+            if local and lo:
+                by_step = [(step, shifted(groups, lo)) for step, groups in by_step]
             if part is kernels.UpdatePart.WEIGHTS:
                 self.splits.remember(unit.index, by_step)
         for step, groups in by_step:
@@ -336,6 +343,11 @@ class UnitAdamW(SpeculativeStep, AdamWStateIO, torch.optim.Optimizer):
         """``unit``'s spans per param group, with that group's hyper-parameters."""
         return self.counts.groups(unit.index, hyper)
 
+    def local_groups(self, unit: Unit, hyper: list[kernels.Hyper]) -> kernels.Groups:
+        """``groups_of`` within the range this process steps, counted from its start (for flats cut to it)."""
+        lo, _ = self.own(unit)
+        return shifted(self.owned(unit, self.groups_of(unit, hyper)), lo)
+
     # -- the gradient sink (optim/gradient_path.py; ``landed``: speculative_step.py) ---------------------------------
     def consume(self, i: int, slab: torch.Tensor, sq: torch.Tensor, ready: object) -> Callable[[], None]:
         raise RuntimeError("hf_megatrain: a lean unit's gradient reached an optimizer without lean units "
@@ -369,6 +381,11 @@ class UnitAdamW(SpeculativeStep, AdamWStateIO, torch.optim.Optimizer):
         self.grads.discard()
         if self.grad_reach is not None:
             self.grad_reach.clear()
+
+
+def shifted(groups: kernels.Groups, by: int) -> kernels.Groups:
+    """``groups`` with every span moved down by ``by`` elements (spans of a range starting at ``by``)."""
+    return groups if not by else [(h, [(a - by, b - by) for a, b in spans]) for h, spans in groups]
 
 
 CPUAdamW = UnitAdamW  # the name of the first releases (it steps GPU-placed units too)

@@ -20,20 +20,28 @@ from __future__ import annotations
 
 import torch
 
+from typing import Callable
+
 from ..core.memory import alloc_host
 from ..core.store import Unit
 
 
 class GradPlane:
-    """One flat host buffer of ``dtype`` holding a slice per unit given (the lean layers)."""
+    """One flat host buffer of ``dtype`` holding a slice per unit given (the lean layers).
 
-    def __init__(self, units: list[Unit], dtype: torch.dtype, pin: bool) -> None:
+    Data parallel: each rank keeps the plane of its own shards (``span``: the range of a unit it steps; the slice
+    holds that range from its element 0), in its own memory: the host holds each gradient once over its ranks, as
+    one process would, and no rank reads another's."""
+
+    def __init__(self, units: list[Unit], dtype: torch.dtype, pin: bool,
+                 span: Callable[[Unit], tuple[int, int]] | None = None) -> None:
         self.dtype = dtype
         self._at: dict[int, tuple[int, int]] = {}
         n = 0
         for u in units:
-            self._at[u.index] = (n, u.numel)
-            n += u.numel
+            lo, hi = span(u) if span is not None else (0, u.numel)
+            self._at[u.index] = (n, hi - lo)
+            n += hi - lo
         self.buffer = alloc_host(max(n, 1), dtype, pin)
         self.landed: set[int] = set()  # units whose gradient of the step in progress is here
         self.missed: set[int] = set()  # units whose gradient of the step went elsewhere (not narrow)
@@ -46,7 +54,7 @@ class GradPlane:
         return i in self._at
 
     def of(self, i: int) -> torch.Tensor:
-        """Unit ``i``'s slice (its gradient of the step, once landed)."""
+        """Unit ``i``'s slice (its gradient of the step, once landed; data parallel: of this rank's shard)."""
         lo, n = self._at[i]
         return self.buffer[lo:lo + n]
 

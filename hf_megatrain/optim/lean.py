@@ -32,11 +32,21 @@ plane, a visit split into micro-batches) re-runs as above.
 A layer whose gradient is non-finite is never updated (the step will be skipped), so a NaN loss leaves every
 weight and moment bit-identical without a re-run. The resident unit keeps its gradient buffer and steps as in
 ``UnitAdamW``.
+
+Data parallel (optim/ranks.py): each layer gradient is reduce-scattered before it lands (engine/offload.py), so a
+rank consumes only its shard -- the staging slab and its plane hold that shard, and every update, take-back and copy
+works on the state cut to its range (``own``; ``update_(local=True)``); the norm sums the shards' squared norms.
+The ranks' loads of a layer wait for every rank's count of its updates (parallel/peer_cells.py), so a speculative
+update counts only once ``step()`` judges it right (a taken-back one never counts), a re-run starts once every
+rank's take-backs are written, and a skipped step ends with every rank's (barriers: both are rare). Every rank
+decides alike from the global norm except on a skipped step, where they agree on what runs collectively
+(``_rerun``).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from functools import partial
 from typing import Any, Callable
 
@@ -50,7 +60,7 @@ from .adamw import UnitAdamW
 from .grad_plane import GradPlane
 from .gradient_path import GradientPath
 from .jobs import Jobs
-from .speculation import Act, Key, SpeculationPolicy, StepDecision
+from .speculation import Act, Key, Settle, SpeculationPolicy, StepDecision, settle_path
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +95,7 @@ class LeanAdamW(UnitAdamW):
         modes: StepModes = kwargs.get("modes", StepModes())
         units = [u for u in store.units if u.index in self.lean]
         clipping = bool(self.max_grad_norm and self.max_grad_norm > 0)
-        self.plane = GradPlane(units, modes.grad_plane, pin=any(u.master.is_pinned() for u in units)) \
+        self.plane = GradPlane(units, modes.grad_plane, pin=any(u.master.is_pinned() for u in units), span=self.own) \
             if modes.grad_plane is not None and units and clipping else None
         if modes.grad_plane is not None and not clipping:
             logger.info("hf_megatrain: lean_grad_plane: no clipping (max_grad_norm=%s): the gradient plane is not "
@@ -130,7 +140,7 @@ class LeanAdamW(UnitAdamW):
                     act = self.policy.first_pass(i, s, self._key(hyper, None))
                     if act is Act.UPDATE:
                         self._copy_before_update(i)
-                        self.update_(u, [u.master, grad, u.exp_avg, u.exp_avg_sq], hyper, None)
+                        self.update_(u, self._flats(u, grad), hyper, None, local=True)
                         changed = True
                     return
                 grad_scale, skip, want = self.policy.rerun
@@ -138,20 +148,30 @@ class LeanAdamW(UnitAdamW):
                 if act in (Act.UNDO, Act.REDO):
                     self._undo_moments(i, grad, self._applied_before[i])
                 if act in (Act.REDO, Act.UPDATE):
-                    self.update_(u, [u.master, grad, u.exp_avg, u.exp_avg_sq], self._rerun_hyper, grad_scale)
-                changed = act is not Act.KEEP
+                    self.update_(u, self._flats(u, grad), self._rerun_hyper, grad_scale, local=True)
+                changed = act in (Act.REDO, Act.UPDATE)  # (an undo's master was taken back, and touched, before)
         finally:
-            self.step_state.finish_update(i, changed)
+            # A speculative update counts as one of the unit's updates only once ``step()`` judges it right (data
+            # parallel: the other ranks' loads wait on the counts; one taken back must never have counted).
+            self.step_state.finish_update(i, changed, judged=not first)
 
     # -- the AdamW pieces --------------------------------------------------------------------------------------------
+    # A lean gradient (staging slab or plane slice) holds the range of the unit this process steps (``own``: all of
+    # it alone, its shard with data parallel), so every piece works on the state cut to that range.
+    def _flats(self, u: Any, grad: torch.Tensor) -> list[torch.Tensor]:
+        """[master, grad, exp_avg, exp_avg_sq] over this process's range of unit ``u`` (``update_(local=True)``)."""
+        lo, hi = self.own(u)
+        return [u.master[lo:hi], grad, u.exp_avg[lo:hi], u.exp_avg_sq[lo:hi]]
+
     def _copy_before_update(self, i: int) -> None:
         """Keep what a speculative update of unit ``i`` overwrites, so its take-back is a restore; without room for
         the copy the update still runs (its gradient is consumed now) and a take-back is arithmetic."""
         u = self.store.units[i]
         if not self.exact_take_back:
             return  # (the default: a take-back is the arithmetic inverse, within an ulp; no copy traffic)
-        if self.take_back_copies.reserve(i, u.numel):
-            self.take_back_copies.save(i, u.master, u.exp_avg, u.exp_avg_sq, 0, u.numel)
+        lo, hi = self.own(u)
+        if self.take_back_copies.reserve(i, hi - lo):
+            self.take_back_copies.save(i, u.master, u.exp_avg, u.exp_avg_sq, lo, hi)
         elif not self._warned_inexact:
             self._warned_inexact = True
             logger.warning("hf_megatrain: lean_store: not enough free host memory to keep an exact copy of layer "
@@ -164,9 +184,9 @@ class LeanAdamW(UnitAdamW):
         if self.take_back_copies.has(i):
             self.take_back_copies.restore_master(i, u.master)
         else:
-            kernels.undo_master_(u.master, u.exp_avg, u.exp_avg_sq, self.groups_of(u, list(key[1])),
-                                 self.counts.of(i))
-        u.refresh_compute_()  # (lean_compute_copy: the re-run streams the copy)
+            master, _, m, v = self._flats(u, u.master)
+            kernels.undo_master_(master, m, v, self.local_groups(u, list(key[1])), self.counts.of(i))
+        u.refresh_compute_(self.own(u))  # (lean_compute_copy: the re-run streams the copy; its shard only)
         self.step_state.touch(i)
 
     def _undo_moments(self, i: int, grad: torch.Tensor | None, key: Key) -> None:
@@ -176,9 +196,9 @@ class LeanAdamW(UnitAdamW):
         if self.take_back_copies.has(i):
             self.take_back_copies.restore_moments(i, u.exp_avg, u.exp_avg_sq)
             self.take_back_copies.forget(i)
-        else:
-            kernels.undo_moments_(grad, u.exp_avg, u.exp_avg_sq, self.groups_of(u, list(key[1])), self.counts.of(i),
-                                  key[0])
+        else:  # (cut to this process's range: the first update's undo zeroes the moments it covers, no more)
+            _, _, m, v = self._flats(u, u.master)
+            kernels.undo_moments_(grad, m, v, self.local_groups(u, list(key[1])), self.counts.of(i), key[0])
         self.counts.take_back(i)
 
     # -- step ---------------------------------------------------------------------------------------------------------
@@ -204,7 +224,12 @@ class LeanAdamW(UnitAdamW):
         still needs its right update (norm first, clipped, ...), re-run the step's forward+backward; lean units no
         backward reached get a zero-gradient update. Returns the lean units (the launch steps the others)."""
         decision = self.policy.decide(skip, self._key(hyper, grad_scale), self.skip_nonfinite)
-        if decision.rerun:
+        for i in self.policy.applied:  # speculative updates the true norm proves right count from now on
+            if i not in decision.take_back:
+                self.step_state.finish_update(i, changed=False)
+        # (data parallel, a non-finite norm: ranks may have speculated on different layers -- a non-finite shard
+        # stops only its own rank -- so each goes through ``_rerun``, where they agree on what runs collectively)
+        if decision.rerun or self._ranks_may_differ(skip):
             self._rerun(grad_scale, skip, hyper, decision)
         if skip:
             self._end(None)
@@ -214,8 +239,10 @@ class LeanAdamW(UnitAdamW):
         zero = torch.zeros(max((self.store.units[i].numel for i in missing), default=0), dtype=torch.float32)
         for i in missing:
             u = self.store.units[i]
-            self.update_(u, [u.master, zero[:u.numel], u.exp_avg, u.exp_avg_sq], hyper, None)
-            self.step_state.touch(i)
+            lo, hi = self.own(u)
+            self.step_state.begin_update(i)  # (counted, as every update: data-parallel loads wait on the counts)
+            self.update_(u, self._flats(u, zero[:hi - lo]), hyper, None, local=True)
+            self.step_state.finish_update(i)
         self._end(grad_scale is not None)
         return self.lean
 
@@ -227,20 +254,41 @@ class LeanAdamW(UnitAdamW):
                 self.step_state.landed(u.index)
 
     def _rerun(self, grad_scale: float | None, skip: bool, hyper: list[kernels.Hyper], d: StepDecision) -> None:
-        if self.plane is not None:
-            if self.plane.holds(d.expected | set(d.take_back)):
-                self._replay(grad_scale, skip, hyper, d)
-                return
-            if not self._warned_plane:
-                self._warned_plane = True
-                logger.warning("hf_megatrain: lean_grad_plane: this step's gradients are not all on the gradient "
-                               "plane (%s): re-running its forward+backward instead", self.plane.why_not())
-        if skip and all(self.take_back_copies.has(i) for i in d.take_back):
-            # A skipped (or dropped) step whose updates all have copies: restored whole, nothing to regenerate.
+        """Settle what the decision ``d`` leaves: from the plane (``_replay``), from take-back copies (a skipped
+        step), or by re-running the forward+backward (``_regenerate``).
+
+        Data parallel: the re-run is collective (each regenerated gradient is reduce-scattered), so the ranks must
+        agree on it. They decide alike except on a non-finite norm (a non-finite shard stops speculation on its rank
+        only; take-back copies are per rank): then if any rank must re-run, every rank does (the re-run settles
+        whatever the plane or the copies would have). A skipped step's take-backs count no update, so no rank leaves
+        it before every rank's are written (a barrier): the next forward's loads could not tell."""
+        holds = self.plane is not None and self.plane.holds(d.expected | set(d.take_back))
+        if self.plane is not None and not holds and (d.take_back or d.expected) and not self._warned_plane:
+            self._warned_plane = True
+            logger.warning("hf_megatrain: lean_grad_plane: this step's gradients are not all on the gradient "
+                           "plane (%s): re-running its forward+backward instead", self.plane.why_not())
+        path = settle_path(d, skip, holds, all(self.take_back_copies.has(i) for i in d.take_back))
+        if self._ranks_may_differ(skip) and self.ranks.any_rank(path is Settle.RERUN):
+            path = Settle.RERUN
+        if path is Settle.REPLAY:
+            self._replay(grad_scale, skip, hyper, d)
+        elif path is Settle.RESTORE:  # a skipped (or dropped) step whose updates all have copies: restored whole
             for i in d.take_back:
                 self._undo_master(i, self.policy.applied[i])
                 self._undo_moments(i, None, self.policy.applied.pop(i))
-            return
+        elif path is Settle.RERUN:
+            self._regenerate(grad_scale, skip, hyper, d)
+        if skip:
+            self.ranks.barrier()
+
+    def _ranks_may_differ(self, skip: bool) -> bool:
+        """Whether data-parallel ranks may have decided this step differently: only where the global norm (the same
+        on every rank) is non-finite -- skipped, or kept with ``skip_nonfinite=False`` -- or a backward is dropped."""
+        return self.ranks.world > 1 and (skip or not math.isfinite(self.last_grad_norm or 0.0))
+
+    def _regenerate(self, grad_scale: float | None, skip: bool, hyper: list[kernels.Hyper],
+                    d: StepDecision) -> None:
+        """Re-run the step's forward+backward; each regenerated gradient settles its layer as it lands."""
         self.regenerated_steps += 1
         if not self._warned:
             self._warned = True
@@ -251,6 +299,9 @@ class LeanAdamW(UnitAdamW):
         self._applied_before = dict(self.policy.applied)
         for i in d.take_back:  # the re-run must see the weights the first pass saw
             self._undo_master(i, self.policy.applied[i])
+        # (data parallel: every rank's take-backs are written before any rank's re-run loads a layer; a take-back
+        # counts no update for those loads to wait on)
+        self.ranks.barrier()
         self.policy.corrected = set()
         self.policy.rerun = (grad_scale, skip, self._key(hyper, grad_scale))
         self._rerun_hyper = hyper
@@ -301,8 +352,8 @@ class LeanAdamW(UnitAdamW):
         try:
             u = self.store.units[i]
             with torch.no_grad(), torch.profiler.record_function("megatrain.optimizer.lean_unit"):
-                self.update_(u, [u.master, self.plane.of(i), u.exp_avg, u.exp_avg_sq], hyper, grad_scale,
-                             refresh=part is not kernels.UpdatePart.STATE, part=part)
+                self.update_(u, self._flats(u, self.plane.of(i)), hyper, grad_scale,
+                             refresh=part is not kernels.UpdatePart.STATE, part=part, local=True)
             weights_out = part is kernels.UpdatePart.WEIGHTS
         finally:
             if weights_out:
@@ -331,7 +382,7 @@ class LeanAdamW(UnitAdamW):
             with torch.no_grad():
                 self.wait()
                 self.grads.land()
-                if self.policy.applied:
+                if self.policy.applied or self.ranks.world > 1:  # (data parallel: the ranks agree in _rerun)
                     decision = StepDecision(True, list(self.policy.applied), set(self.policy.applied))
                     self._rerun(None, True, self._hyper(), decision)
                 self._end(None)

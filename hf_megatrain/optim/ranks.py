@@ -55,6 +55,10 @@ class Alone:
         """Whether this process fills ``u``'s masters on a load (checkpoint/folders.py): alone, every one."""
         return True
 
+    def any_rank(self, flag: bool) -> bool:
+        """``flag`` OR-ed over the processes (a decision every rank must take alike): alone, ``flag``."""
+        return flag
+
     def barrier(self, timeout_s: float | None = None) -> None:
         pass
 
@@ -105,7 +109,9 @@ class SharedHostRanks:
         for u in units:
             lo, hi = self.own(u)
             s = state.grad_sq[u.index]
-            if s is None:
+            if u.grad is None:  # (a lean unit: its gradient is gone, the optimizer kept its shard's norm)
+                s = unit_norm(u).square()
+            elif s is None:
                 s = torch.linalg.vector_norm(u.grad[lo:hi], dtype=torch.float32).square()
             if not self.dp.counts_in_norm(u):  # (a copy of what another rank counts)
                 s = torch.zeros(())
@@ -122,6 +128,9 @@ class SharedHostRanks:
         """Each node's local rank 0 fills its shared (HOST) units' masters on a load, every rank its own replicated
         ones."""
         return self.dp.writes_shared(u)
+
+    def any_rank(self, flag: bool) -> bool:
+        return self.dp.any_flags([flag])[0]
 
     def barrier(self, timeout_s: float | None = None) -> None:
         self.dp.barrier(timeout_s)

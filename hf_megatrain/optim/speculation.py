@@ -35,11 +35,34 @@ class Act(enum.Enum):
     REDO = "redo"  # undo the applied moments, then apply the right update
 
 
+class Settle(enum.Enum):
+    """How the lean store settles a step's decision (optim/lean.py ``_rerun``)."""
+
+    NOTHING = "nothing"  # nothing speculated to take back, nothing left to update
+    REPLAY = "replay"  # from the gradient plane: every gradient of the step is there
+    RESTORE = "restore"  # a skipped step whose speculated updates all have take-back copies
+    RERUN = "rerun"  # re-run the step's forward+backward (collective with data parallel)
+
+
 @dataclass
 class StepDecision:
     rerun: bool  # the forward+backward must run again
     take_back: list[int]  # units whose applied update was wrong: take their masters back before the re-run
     expected: set[int]  # units the re-run must bring a gradient for
+
+
+def settle_path(d: StepDecision, skip: bool, plane_holds: bool, copies_all: bool) -> Settle:
+    """How one process settles ``d``: ``plane_holds``, every gradient it needs is on the plane; ``copies_all``,
+    every update to take back has an exact copy. (Data parallel: the ranks of a skipped step may answer differently
+    -- a non-finite shard stops speculation on its rank only, copies are per rank -- and then agree on RERUN if any
+    rank needs it: the re-run is collective.)"""
+    if not d.take_back and not d.expected:
+        return Settle.NOTHING
+    if plane_holds:
+        return Settle.REPLAY
+    if skip and copies_all:
+        return Settle.RESTORE
+    return Settle.RERUN
 
 
 @dataclass

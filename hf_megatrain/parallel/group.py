@@ -26,9 +26,16 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from ..core.plan import Stepper
+from ..core.plan import Where
 from ..core.store import Unit
 from .shards import shard_range, shard_size
+
+
+def sharded(unit: Unit) -> bool:
+    """Whether ``unit`` lives in the node's shared store, each rank stepping its shard: its master is on the host
+    (a host-stepped layer, with a gradient buffer or the lean store's without); else it is replicated on every
+    rank's device."""
+    return unit.plan.master is Where.HOST
 
 
 @dataclass
@@ -127,17 +134,17 @@ class DataParallel:
     def owns(self, unit: Unit) -> tuple[int, int]:
         """The range of ``unit``'s flat buffers this rank writes: its shard of a host-stepped unit (shared by the
         node's ranks), all of a replicated one (its own copy on its device)."""
-        return self.shard(unit.numel) if unit.plan.stepper is Stepper.HOST else (0, unit.numel)
+        return self.shard(unit.numel) if sharded(unit) else (0, unit.numel)
 
     def writes_shared(self, unit: Unit) -> bool:
         """Whether this rank fills ``unit``'s masters on a load: each node's local rank 0 its node's shared ones,
         every rank its own."""
-        return self.is_leader or unit.plan.stepper is not Stepper.HOST
+        return self.is_leader or not sharded(unit)
 
     def counts_in_norm(self, unit: Unit) -> bool:
         """Whether this rank's part of ``unit``'s gradient enters the global norm: a shard once, from node 0 (every
         node holds the same reduced shards); a replicated unit once, from rank 0."""
-        return self.node == 0 if unit.plan.stepper is Stepper.HOST else self.rank == 0
+        return self.node == 0 if sharded(unit) else self.rank == 0
 
     # -- collectives ---------------------------------------------------------------------------------------------------
     def barrier(self, timeout_s: float | None = None) -> None:

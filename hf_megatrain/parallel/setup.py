@@ -1,7 +1,8 @@
 """What the data-parallel path of one host supports (the conversion into one shared store: engine/shared_convert.py).
 
 ``data_parallel_config`` says which placements the data-parallel path supports and refuses the others with what to
-change: every decoder layer is host-stepped (sharded over the ranks), the resident unit stays on each rank's device
+change: every decoder layer is host-stepped (sharded over the ranks; with ``lean_store`` each rank consumes its shard
+of every reduced layer gradient as it lands: optim/lean.py), the resident unit stays on each rank's device
 (replicated); ``check_plans`` is the safety net behind it.
 """
 
@@ -22,9 +23,9 @@ def data_parallel_config(config: MegaTrainConfig, dp: DataParallel) -> MegaTrain
     """``config`` for a data-parallel run of ``dp.world`` processes: automatic GPU layer placement resolved to
     none (every layer sharded on the host); unsupported options raise, naming the change to make."""
     n = f"{dp.world} processes"
-    if config.lean_store:
-        raise ValueError(f"lean_store=True is not supported with {n} (data parallel): each layer's update needs "
-                         "every rank's gradient. Use lean_store=False.")
+    if config.lean_store and getattr(dp, "nodes", 1) > 1:
+        raise ValueError(f"lean_store=True is not supported with {n} on {dp.nodes} hosts (data parallel across "
+                         "hosts: not tested with the lean store). Use lean_store=False, or one host.")
     if config.optimizer_state_dir:
         raise ValueError(f"optimizer_state_dir (AdamW state on disk) is not supported with {n} (data parallel): "
                          "the host's one copy of the state lives in shared memory. Unset optimizer_state_dir.")
@@ -44,9 +45,10 @@ def data_parallel_config(config: MegaTrainConfig, dp: DataParallel) -> MegaTrain
 def check_plans(plans: Plans) -> None:
     """Refuse plans the data-parallel path would run wrongly (a safety net behind ``data_parallel_config``)."""
     for p in plans.layers:
-        if p.numel > 0 and p.stepper is not Stepper.HOST:
+        # (host-stepped layers, with a gradient buffer or consuming each gradient as it lands: master on the host)
+        if p.numel > 0 and (p.master is not Where.HOST or p.stepper is Stepper.DEVICE_STREAMED):
             raise ValueError(f"data parallel: layer {p.index} is planned {p.stepper.value}; only host-stepped "
-                             "layers are supported (device_layers=0, device_step_layers=0, lean_store=False)")
+                             "layers are supported (device_layers=0, device_step_layers=0)")
     if plans.resident.numel > 0 and plans.resident.master is not Where.DEVICE:
         raise ValueError("data parallel: the resident parts (embeddings, final norm, lm_head) were planned on the "
                          "host (they do not fit resident_device_fraction of the GPU); set "

@@ -26,6 +26,7 @@ from ..core.plan import (CAST_STAGING_BYTES, GRAD_PLANE_ROW, PlanInputs, Plans, 
                          stepper_buffer_bytes)
 from .long_context import (activation_bytes, attention_workspace_bytes, flops_per_token, offload_layers,
                            positionwise_bytes, seq_chunk, tiled)
+from ..parallel.shards import shard_size
 from .model_shape import ModelShape
 
 __all__ = ["HOST_BASELINE_BYTES", "CUDA_CONTEXT_HOST_BYTES", "CUDA_CONTEXT_GPU_BYTES", "GiB", "ModelShape",
@@ -97,7 +98,7 @@ def placement_budget(shape: ModelShape, config: MegaTrainConfig, gpu_free: int |
 
 
 def unit_plans(shape: ModelShape, config: MegaTrainConfig, device_type: str, gpu_free: int | None,
-               host_free: int | None = None) -> Plans:
+               host_free: int | None = None, data_parallel: bool = False) -> Plans:
     """The engine's plans for ``shape`` (core/plan.py ``build_plans``, same inputs as the engine's conversion).
 
     With ``placement_tokens`` the auto rules' share of the GPU is the largest ``device_step_fraction`` whose plan
@@ -105,8 +106,9 @@ def unit_plans(shape: ModelShape, config: MegaTrainConfig, device_type: str, gpu
     stands in for the activations the rule cannot see, so here they are counted instead of guessed.
 
     ``lean_grad_plane="auto"``: the lean layers keep a gradient plane when the whole host plan with it fits
-    ``host_memory_fraction`` of ``host_free`` (default: this machine's available RAM, for a running process)."""
-    plans = _unit_plans(shape, config, device_type, gpu_free, True)
+    ``host_memory_fraction`` of ``host_free`` (default: this machine's available RAM, for a running process).
+    ``data_parallel``: the plans of one of several ranks (their lean gradients are reduced in FP32: an FP32 plane)."""
+    plans = _unit_plans(shape, config, device_type, gpu_free, True, data_parallel)
     if config.lean_grad_plane != "auto" or not any(p.grad_plane for p in plans.units):
         return plans  # (no plane, or one asked for: no RAM question)
     baseline = 0 if host_free is not None else HOST_BASELINE_BYTES  # (a running process has paid its own)
@@ -116,13 +118,13 @@ def unit_plans(shape: ModelShape, config: MegaTrainConfig, device_type: str, gpu
     if need <= config.host_memory_fraction * host:
         return dataclasses.replace(plans, grad_plane_why=f"{plans.grad_plane_why}; the host plan with it fits "
                                    f"({format_bytes(need)} of {config.host_memory_fraction:g} x {format_bytes(host)})")
-    return _unit_plans(shape, config, device_type, gpu_free, False)
+    return _unit_plans(shape, config, device_type, gpu_free, False, data_parallel)
 
 
 def _unit_plans(shape: ModelShape, config: MegaTrainConfig, device_type: str, gpu_free: int | None,
-                plane_fits: bool) -> Plans:
+                plane_fits: bool, data_parallel: bool = False) -> Plans:
     inputs = PlanInputs(shape.layer_numels + [shape.resident_numel], shape.layer_frozen + [shape.resident_frozen],
-                        device_type, placement_budget(shape, config, gpu_free), plane_fits)
+                        device_type, placement_budget(shape, config, gpu_free), plane_fits, data_parallel)
     auto = config.device_layers == -1 or config.device_step_layers == -1
     if not (config.placement_tokens and auto and device_type == "cuda" and gpu_free is not None):
         return build_plans(inputs, config)
@@ -210,7 +212,7 @@ def estimate(shape: ModelShape, config: MegaTrainConfig, seq_len: int, batch_siz
     cdt, odt = config.torch_compute_dtype, config.torch_grad_offload_dtype
     c, o, cuda = _elt(cdt), _elt(odt), device_type == "cuda"
     plan = MemoryPlan(device_type=device_type, construction_extra=source_bytes, pinned=cuda and config.pin_memory)
-    plans = plans or unit_plans(shape, config, device_type, gpu_free)
+    plans = plans or unit_plans(shape, config, device_type, gpu_free, data_parallel=gpus > 1)
     n_max = max(shape.layer_numels, default=0)
     slot = max((a + b for a, b in zip(shape.layer_numels, shape.layer_frozen)), default=0)
     h, d = plan.host, plan.device
@@ -244,8 +246,9 @@ def estimate(shape: ModelShape, config: MegaTrainConfig, seq_len: int, batch_siz
     lean = any(up.stepper is Stepper.LEAN for up in plans.units)
     # Staging is touched only when pinned (CUDA) or used: a second accumulation step or a non-fp32 offload.
     staged = plan.pinned or grad_accum > 1 or o != 4 or lean
-    # (data parallel: each process stages its shard of a layer's gradient, engine/offload.py)
-    h["executor staging (2 x layer, offload dtype)"] = 2 * -(-n_max // max(gpus, 1)) * o if staged else 0
+    # (data parallel: each process lands only its shard of a gradient, so its staging holds the largest shard)
+    n_stage = n_max if gpus <= 1 else shard_size(n_max, gpus)
+    h["executor staging (2 x layer, offload dtype)"] = 2 * n_stage * o if staged else 0
     tokens, V, H, L = batch_size * seq_len, shape.vocab, shape.hidden, shape.num_layers
     chunk_seqs = config.micro_batch_size if 0 < config.micro_batch_size < batch_size else batch_size
     if cuda:
@@ -338,7 +341,8 @@ def estimate(shape: ModelShape, config: MegaTrainConfig, seq_len: int, batch_siz
                           "default); each process adds its own baseline, staging and offloaded activations (the "
                           "device rows are per GPU)")
         for key in list(h):
-            if key not in STORE_ROWS:
+            # (a lean gradient plane: each process holds the plane of its shards, the host the whole plane once)
+            if key not in STORE_ROWS and key != GRAD_PLANE_ROW:
                 h[key] *= gpus
         plan.construction_extra *= gpus  # (every process holds its copy of the model while it converts)
     return plan

@@ -91,6 +91,9 @@ def host_layout_for(model: nn.Module, config: MegaTrainConfig, device: torch.dev
     the config to build with and, when it switched to a lean layout, the note saying so (logged at WARNING)."""
     if config.host_layout != "auto" or config.explicit_keys & set(LAYOUT_KEYS):
         return config, None  # (before measuring anything: the user chose)
+    # The model's own refusals first, in plan_conversion's order: their messages say what to change.
+    _check_not_converted(model)
+    check_supported(model, find_layer_stack(model, config.layers_path))
     shape = planner.ModelShape.from_model(model, config.layers_path)
     gpu_free = gpu_budget(device) if device.type == "cuda" else None
     config, note = auto_layout(shape, config, device.type, gpu_free, available_host_bytes(),

@@ -204,3 +204,36 @@ def trainer_worker(rank: int, world: int, tmp: str, port: int) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def auto_layout_worker(rank: int, world: int, tmp: str) -> None:
+    """``host_layout="auto"`` with 2 processes: only rank 0 sees too little RAM for the full store; both ranks build
+    the lean store it chose (one shared store), then train 2 clipped steps; each rank saves its config's layout keys
+    and rank 0 the weights."""
+    import hf_megatrain.engine.conversion_plan as cp
+    from hf_megatrain import planner
+
+    model = tiny("llama")
+    cfg = MegaTrainConfig(compute_dtype="float32", shared_memory_dir=tmp)
+    if rank == 0:
+        shape = planner.ModelShape.from_model(model)
+        as_run = cfg.resolved(device_layers=0, device_step_layers=0)
+        full = planner.estimate(shape, as_run, 2048, 8, device_type="cpu", gpus=world,
+                                plans=planner.unit_plans(shape, as_run, "cpu", None, host_free=1 << 50,
+                                                         data_parallel=True)).host_total
+        cp.available_host_bytes = lambda: int(full / cfg.host_memory_fraction) - 1
+    with ranks(rank, world, tmp) as dp:
+        engine = MegaTrainEngine(model, cfg, device="cpu", dp=dp)
+        opt = engine.create_optimizer(lr=LR, weight_decay=WD, max_grad_norm=CLIP)
+        data = batches(2)
+        for ids, labels in data:
+            rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+            n_items = int((labels != -100).sum())
+            loss = engine(input_ids=ids[rows], labels=labels[rows], num_items_in_batch=n_items).loss
+            (loss * world).backward()
+            opt.step()
+            opt.zero_grad()
+        keys = {k: getattr(engine.config, k) for k in ("lean_store", "lean_compute_copy", "lean_grad_plane")}
+        torch.save({"keys": keys, "note": engine.host_layout_note,
+                    "weights": weights(engine) if rank == 0 else None}, os.path.join(tmp, f"auto_rank{rank}.pt"))
+        dp.barrier()

@@ -11,11 +11,12 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from hf_megatrain import MegaTrainConfig, planner
+from hf_megatrain import MegaTrainConfig, MegaTrainEngine, planner
 from hf_megatrain.core.plan import PlanInputs, Stepper, build_plans
 from hf_megatrain.parallel import DataParallel
 from hf_megatrain.parallel.setup import check_plans, data_parallel_config
 from tests import dp_lean_workers as W
+from tests.models import tiny
 from tests.parity import rel
 
 TOL = 1e-5
@@ -183,3 +184,26 @@ def test_lean_trainer_two_processes_match_one_and_resume_in_one(tmp_path):
                             resume=os.path.join(tmp, "lean_trainer_2proc", "checkpoint-2"))
     w, name = _worst(resumed, ref)
     assert w <= TOL, f"Trainer, 2-process checkpoint resumed in 1: {name} differs by {w:.2e}"
+
+
+@pytest.mark.slow  # (spawns processes)
+def test_auto_layout_is_rank_zeros_for_every_rank(tmp_path):
+    """``host_layout="auto"`` with 2 processes of one host: only rank 0 is shown too little RAM for the full store;
+    every rank builds the lean layout rank 0 chose (one shared store: a rank deciding alone would build another),
+    and the 2 processes train as one process given those keys explicitly (1e-5)."""
+    tmp = str(tmp_path)
+    mp.spawn(W.auto_layout_worker, args=(2, tmp), nprocs=2, join=True)
+    out = [torch.load(os.path.join(tmp, f"auto_rank{r}.pt")) for r in (0, 1)]
+    assert out[0]["keys"]["lean_store"] and out[0]["keys"] == out[1]["keys"]
+    assert out[0]["note"] and out[0]["note"] == out[1]["note"] and "host_layout='auto'" in out[0]["note"]
+    engine = MegaTrainEngine(tiny("llama"), MegaTrainConfig(compute_dtype="float32", shared_memory_dir=tmp,
+                                                            **out[0]["keys"]), device="cpu")
+    opt = engine.create_optimizer(lr=W.LR, weight_decay=W.WD, max_grad_norm=W.CLIP)
+    for ids, labels in W.batches(2):
+        engine(input_ids=ids, labels=labels, num_items_in_batch=int((labels != -100).sum())).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    ref = W.weights(engine)
+    for name, t in out[0]["weights"].items():
+        assert float((t - ref[name]).norm() / ref[name].norm().clamp_min(1e-12)) < 1e-5 or \
+            float((t - ref[name]).abs().max()) < 2e-5, name  # (k_proj biases: absolute, as tests/parity.py)

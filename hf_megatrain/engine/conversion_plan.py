@@ -22,6 +22,8 @@ from .. import planner
 from ..config import MegaTrainConfig
 from ..core.memory import available_host_bytes, gpu_budget
 from ..core.plan import Plans
+from ..parallel.group import DataParallel
+from ..parallel.setup import data_parallel_config
 from ..model import attention
 from ..model.cross_layer import drop_unread_kv_stores
 from ..model.families import check_row_split, check_supported
@@ -85,21 +87,34 @@ class ConversionPlan:
     attention: attention.AttentionChoice  # masked batches' attention kernel (model/attention.py), applied
 
 
-def host_layout_for(model: nn.Module, config: MegaTrainConfig, device: torch.device,
-                    grad_accum: int = 1) -> tuple[MegaTrainConfig, str | None]:
+def host_layout_for(model: nn.Module, config: MegaTrainConfig, device: torch.device, grad_accum: int = 1,
+                    dp: DataParallel | None = None) -> tuple[MegaTrainConfig, str | None]:
     """``host_layout="auto"``'s decision for this model on this machine (planner/host_layout.py ``auto_layout``):
-    the config to build with and, when it switched to a lean layout, the note saying so (logged at WARNING)."""
+    the config to build with and, when it switched to a lean layout, the note saying so (logged at WARNING).
+    Data parallel (``dp``, one host): rank 0 decides for the node's ranks and every rank takes its decision (the
+    ranks share one store: they must build the same one, whatever RAM each saw free)."""
     if config.host_layout != "auto" or config.explicit_keys & set(LAYOUT_KEYS):
         return config, None  # (before measuring anything: the user chose)
+    if dp is not None and dp.nodes > 1:
+        return config, None  # (the lean store is refused across hosts: parallel/setup.py)
     # The model's own refusals first, in plan_conversion's order: their messages say what to change.
     _check_not_converted(model)
     check_supported(model, find_layer_stack(model, config.layers_path))
-    shape = planner.ModelShape.from_model(model, config.layers_path)
-    gpu_free = gpu_budget(device) if device.type == "cuda" else None
-    config, note = auto_layout(shape, config, device.type, gpu_free, available_host_bytes(),
-                                                   grad_accum=grad_accum)
+    chosen: tuple[dict[str, object], str | None] = ({}, None)
+    if dp is None or dp.rank == 0:
+        shape = planner.ModelShape.from_model(model, config.layers_path)
+        gpu_free = gpu_budget(device) if device.type == "cuda" else None
+        out, note = auto_layout(shape, config, device.type, gpu_free, available_host_bytes(), grad_accum=grad_accum,
+                                gpus=1 if dp is None else dp.local_world)
+        chosen = ({k: getattr(out, k) for k in LAYOUT_KEYS} if note else {}, note)
+    if dp is not None:
+        chosen = dp.broadcast_object(chosen)
+    keys, note = chosen
     if note:
         logger.warning("hf_megatrain: %s", note)
+        config = config.resolved(**keys)
+        if dp is not None:
+            config = data_parallel_config(config, dp)
     return config, note
 
 

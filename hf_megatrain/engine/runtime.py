@@ -82,10 +82,8 @@ class MegaTrainEngine:
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
         # The host layout, decided once before anything is planned: the full store, or a lean one where only that
-        # fits this host's RAM (host_layout="auto"; data parallel runs the full store: data_parallel_config).
-        self.host_layout_note: str | None = None
-        if self.dp is None:
-            config, self.host_layout_note = host_layout_for(model, config, self.device, grad_accum)
+        # fits this host's RAM (host_layout="auto"; data parallel: rank 0's decision for every rank).
+        config, self.host_layout_note = host_layout_for(model, config, self.device, grad_accum, self.dp)
         self.config = config
         self.model = model
         # Before anything large is allocated: the pages the bound threads touch first land on their node.

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
@@ -57,23 +58,26 @@ class Layout:
 
 def host_layouts(shape: ModelShape, config: MegaTrainConfig, seq_len: int, batch_size: int, gpu_free: int | None,
                  host_free: int, machine: MachineProfile, clipping: bool = True, grad_accum: int = 1,
-                 device_type: str = "cuda", step_model: bool = True) -> list[Layout]:
+                 device_type: str = "cuda", step_model: bool = True, gpus: int = 1) -> list[Layout]:
     """Every layout of ``LAYOUTS`` planned for this model, a ``gpu_free``-byte GPU and ``host_free`` bytes of RAM
     (bf16 compute). It fits when its host plan fits ``host_memory_fraction`` of the RAM and its step's GPU peak the
     GPU; with ``optimizer_state_dir`` in ``config`` its step counts the moments' disk traffic (disk_tier.py).
     Layouts the other keys rule out (the lean store with ``device_layers`` > 0, a bf16 gradient offload, or
-    gradient accumulation) are left out: the engine would refuse them."""
+    gradient accumulation) are left out: the engine would refuse them. ``gpus`` > 1: that many data-parallel
+    processes of one host (their placement, one shared store, each process's own buffers)."""
     out = []
     for name, keys in LAYOUTS:
         if keys["lean_store"] and grad_accum > 1:
             continue  # (lean_store refuses gradient accumulation: hf/training_args.py)
         try:
             cfg = dataclasses.replace(config, **keys)
-        except ValueError:  # (a combination config validation refuses)
+            if gpus > 1:
+                cfg = _data_parallel(cfg, gpus)
+        except ValueError:  # (a combination config validation or the data-parallel path refuses)
             continue
-        plans = unit_plans(shape, cfg, device_type, gpu_free, host_free=host_free)
+        plans = unit_plans(shape, cfg, device_type, gpu_free, host_free=host_free, data_parallel=gpus > 1)
         mem = estimate(shape, cfg, seq_len, batch_size, device_type=device_type, gpu_free=gpu_free, plans=plans,
-                       grad_accum=grad_accum)
+                       grad_accum=grad_accum, gpus=gpus)
         numel = sum(p.numel for p in plans.layers) or 1
         per = sum(p.nbytes(Where.HOST, cfg.torch_compute_dtype) for p in plans.layers) / numel
         pred = predict_step(shape, cfg, plans, seq_len, batch_size, machine, clipping=clipping,
@@ -132,13 +136,21 @@ def is_planned(config: MegaTrainConfig, gpus: int) -> bool:
     return config.torch_compute_dtype == torch.bfloat16 and gpus == 1
 
 
+def _data_parallel(config: MegaTrainConfig, gpus: int) -> MegaTrainConfig:
+    """``config`` as ``gpus`` data-parallel processes of one host run it (raises what that path refuses)."""
+    from ..parallel.setup import data_parallel_config  # (as predict.estimate takes it)
+
+    return data_parallel_config(config, SimpleNamespace(world=gpus))
+
+
 # Keys whose explicit setting means the user chose the host layout (``host_layout="auto"`` then leaves it alone).
 LAYOUT_KEYS = _KEYS + ("optimizer_state_dir",)
 AUTO_SEQ_LEN, AUTO_BATCH = 2048, 8  # (the step ``auto_layout`` ranks layouts for when the config plans no tokens)
 
 
 def auto_layout(shape: ModelShape, config: MegaTrainConfig, device_type: str, gpu_free: int | None, host_free: int,
-                grad_accum: int = 1, machine: MachineProfile | None = None) -> tuple[MegaTrainConfig, str | None]:
+                grad_accum: int = 1, machine: MachineProfile | None = None,
+                gpus: int = 1) -> tuple[MegaTrainConfig, str | None]:
     """``host_layout="auto"``: the config to build the engine with, and a note when it is not ``config``'s layout.
 
     The full store is kept whenever its host plan fits ``host_memory_fraction`` of ``host_free``; the user's own
@@ -146,20 +158,23 @@ def auto_layout(shape: ModelShape, config: MegaTrainConfig, device_type: str, gp
     accumulation the lean layouts are out (they take one backward per step). Otherwise: on a GPU with bf16 compute,
     the fastest exact layout that fits (``choose``, clipping on every step as Trainer's default); elsewhere the first
     of ``LAYOUTS`` that fits (most bytes: the fewest re-runs). None fits: ``config`` unchanged, and the engine's fit
-    check refuses with what to change."""
+    check refuses with what to change. ``gpus`` > 1: data-parallel processes of one host sharing one store (the
+    step model covers one GPU: the first layout that fits)."""
     if config.host_layout != "auto" or config.explicit_keys & set(LAYOUT_KEYS) or grad_accum > 1:
         return config, None
     if config.placement_tokens > 0:
         seq_len, batch = min(AUTO_SEQ_LEN, config.placement_tokens), max(1, config.placement_tokens // AUTO_SEQ_LEN)
     else:
         seq_len, batch = AUTO_SEQ_LEN, AUTO_BATCH
-    full = estimate(shape, config, seq_len, batch, device_type=device_type, gpu_free=gpu_free,
-                    plans=unit_plans(shape, config, device_type, gpu_free, host_free=host_free))
+    as_run = _data_parallel(config, gpus) if gpus > 1 else config
+    full = estimate(shape, as_run, seq_len, batch, device_type=device_type, gpu_free=gpu_free, gpus=gpus,
+                    plans=unit_plans(shape, as_run, device_type, gpu_free, host_free=host_free,
+                                     data_parallel=gpus > 1))
     if full.host_total <= config.host_memory_fraction * host_free:
         return config, None
-    planned = device_type == "cuda" and is_planned(config, 1)
+    planned = device_type == "cuda" and is_planned(config, gpus)
     layouts = host_layouts(shape, config, seq_len, batch, gpu_free if device_type == "cuda" else None, host_free,
-                           machine or MachineProfile(), device_type=device_type, step_model=planned)
+                           machine or MachineProfile(), device_type=device_type, step_model=planned, gpus=gpus)
     if planned:
         best, why = choose(layouts)
     else:

@@ -4,9 +4,9 @@ write (when DIR holds no checkpoint) -> raw read of the shards (O_DIRECT, else a
 dropped -> train (``from_pretrained_streamed`` + ``MegaTrainTrainer``, 1 process or ``--nproc N`` through torchrun)
 -> reload (plain transformers) of the export. The planner's prediction (``megatrain estimate --json`` on DIR's config
 at this run's depth and processes) is recorded beside the measurements. The host layout: the config's default unless
-it does not fit; then, with one process, the layout ``megatrain estimate`` chooses (``--host-layout auto``: nothing in
-the library switches to a lean layout by itself, the engine refuses), with several, the default store at the depth
-given (``--layers auto``: the deepest the planner fits; data parallel refuses ``lean_store``).
+it does not fit; then the layout the library's ``host_layout="auto"`` takes (``--host-layout auto``; one process: the
+estimate's fastest that fits, several: the first that fits), given explicitly so prediction and run are one layout;
+``--layers auto``: the full depth when such a layout fits, else the deepest the planner fits with the default store.
 
     python integration/full_32b_hub.py --hub-checkpoint /tmp/q32 --tiny --out /tmp/f32hub     # CPU smoke, ~25 s
 
@@ -129,19 +129,41 @@ def estimate(spec: dict, config: dict, host_gib: float, gpu_gib: float) -> dict[
             "checkpoint": doc.get("checkpoint"), "host": {k: v / GIB for k, v in doc["host"].items() if v}}
 
 
+def _shape(spec: dict) -> Any:
+    """DIR's model shape at this run's depth (meta device: nothing allocated)."""
+    from hf_megatrain.planner.cli import load_shape
+
+    one = load_shape(spec["hub_dir"])
+    n = int(spec["layers"])
+    return dataclasses.replace(one, layer_numels=[one.layer_numels[0]] * n, layer_frozen=[0] * n)
+
+
+def library_layout(spec: dict, base: dict, host_gib: float, gpu_gib: float) -> tuple[dict, str | None]:
+    """The layout keys the engine's ``host_layout="auto"`` takes for this run (planner/host_layout.py
+    ``auto_layout``, the engine's own rule at this depth and process count), and its note (None: the config as
+    given)."""
+    from hf_megatrain import MegaTrainConfig
+    from hf_megatrain.planner.host_layout import LAYOUT_KEYS, auto_layout
+
+    cfg, note = auto_layout(_shape(spec), MegaTrainConfig.from_dict(base), "cuda", int(gpu_gib * GIB),
+                            int(host_gib * GIB), gpus=int(spec["nproc"]))
+    return ({k: getattr(cfg, k) for k in LAYOUT_KEYS if k != "optimizer_state_dir"} if note else {}), note
+
+
 def choose_config(spec: dict, base: dict, a: argparse.Namespace, host_gib: float, gpu_gib: float
                   ) -> tuple[dict, dict, str]:
-    """(config, prediction, why): the default when it fits; else the planner's layout (one process) or depth."""
+    """(config, prediction, why): the default when it fits; else the layout the library's ``host_layout="auto"``
+    takes (any process count), passed explicitly so the prediction and the run are of one layout."""
     pred = estimate(spec, base, host_gib, gpu_gib)
     if spec["tiny"] or "error" in pred or (pred["host_fits"] and pred["gpu_fits"]):
         return base, pred, "the config as given fits (planner)" if "error" not in pred else pred["error"][:300]
-    if spec["nproc"] == 1 and a.host_layout == "auto" and pred["host_layout_choice"]:
-        keys = next(x["keys"] for x in pred["host_layouts"] if x["name"] == pred["host_layout_choice"])
-        config = {**base, **keys}
-        return config, estimate(spec, config, host_gib, gpu_gib), (
-            f"the default does not fit ({pred['verdict']}); megatrain estimate's host layout: "
-            f"{pred['host_layout_choice']} {keys}")
-    return base, pred, f"does not fit: {pred['verdict']} (several processes: no lean layout; use --layers auto)"
+    if a.host_layout == "auto":
+        keys, note = library_layout(spec, base, host_gib, gpu_gib)
+        if note:
+            config = {**base, **keys}
+            return config, estimate(spec, config, host_gib, gpu_gib), (
+                f"the default does not fit ({pred['verdict']}); host_layout='auto' takes {keys}: {note}")
+    return base, pred, f"does not fit: {pred['verdict']} (no exact layout fits; use --layers auto)"
 
 
 def shm_free_bytes(config: dict) -> int:
@@ -287,7 +309,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"[hub32] {spec['hub_dir']} holds no checkpoint (run the write phase)")
     base = {"compute_dtype": "bfloat16", "save_dtype": "bfloat16", "host_memory_fraction": a.host_fraction,
             "placement_tokens": spec["tokens"], **(json.loads(a.megatrain_config) if a.megatrain_config else {})}
-    if a.layers == "auto":
+    if a.layers == "auto" and a.host_layout == "auto" and not spec["tiny"] and \
+            library_layout(spec, base, host_gib, gpu_gib)[1]:
+        pass  # (the full depth trains in the layout the library takes: no shallower model needed)
+    elif a.layers == "auto":
         spec["layers"] = deepest_layers(spec, base, host_gib, gpu_gib)
         if not spec["layers"]:
             raise SystemExit("[hub32] not even one layer fits this host")

@@ -179,7 +179,8 @@ def auto_layout(shape: ModelShape, config: MegaTrainConfig, device_type: str, gp
         best, why = choose(layouts)
     else:
         best = next((x for x in layouts if x.fits), None)
-        why = "the first exact layout that fits, in the order of host bytes (no step model for this device)"
+        why = "the first exact layout that fits, in the order of host bytes (" + (
+            "the step model covers one GPU" if gpus > 1 else "no step model for this device") + ")"
     if best is None or not best.keys["lean_store"]:
         return config, None
     from ..core.memory import format_bytes

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from hf_megatrain import MegaTrainConfig, MegaTrainEngine
 from hf_megatrain import checkpoint as ckpt
-from tests.dp_workers import ranks, weights
+from tests.dp_workers import as_launched, ranks, weights
 from tests.models import tiny
 from tests.parity import random_batches
 
@@ -194,9 +194,7 @@ def trainer_run(tmp: str, world: int, run: str, resume: str | None = None) -> di
 
 
 def trainer_worker(rank: int, world: int, tmp: str, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
+    as_launched(rank, world, port)
     try:
         final = trainer_run(tmp, world, "lean_trainer_2proc")
         if rank == 0:

@@ -221,10 +221,15 @@ def trainer_run(tmp: str, world: int, run: str, resume: str | None = None,
     return out
 
 
-def trainer_worker(rank: int, world: int, tmp: str, port: int) -> None:
+def as_launched(rank: int, world: int, port: int) -> None:
+    """This process as torchrun starts rank ``rank`` of ``world`` on one host (the Trainer's process group reads it)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
+
+
+def trainer_worker(rank: int, world: int, tmp: str, port: int) -> None:
+    as_launched(rank, world, port)
     try:
         final = trainer_run(tmp, world, "trainer_2proc")
         if rank == 0:

@@ -64,6 +64,7 @@ MODES: dict[str, tuple[list[str], set[str]]] = {
         "engine/builder.py::build_engine",  # conversion into a shared store: once
         "engine/builder.py::_executor",  # the step modes, the peers, the offload's route: once
         "engine/offload.py::GradientOffload.__init__",  # the host gradients' route (reduce-scatter): once
+        "engine/conversion_plan.py::host_layout_for",  # the host layout: alone, or rank 0's for its node: once
     }),
     "host kernel auto": ([r"\bconfig\.host_kernel\b"], {
         "core/plan.py::decide_modes",  # the one resolution of "auto" (with _host_kernel; the planner asks it too)

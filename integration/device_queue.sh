@@ -8,6 +8,8 @@
 # Each command N runs with `cd` at the tree holding this script, output to DIR/NN.log, exit status and seconds to
 # DIR/NN.rc; DIR/done appears when the queue ends. `wait` packs DIR's small files (logs, JSON, Markdown) into
 # OUT/queue.tgz, so every call brings back what finished so far even if the machine is lost later.
+# Start it from a copy of the tree (`cp -a . /tmp/tree && bash /tmp/tree/integration/device_queue.sh start ...`):
+# each later call re-syncs the working tree and removes the ignored folders it does not carry, under a running queue.
 set -u
 cmd=${1:?start|wait}
 case "$cmd" in

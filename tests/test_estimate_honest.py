@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from hf_megatrain import cli
+from tests.test_moe_flops import DEEPSEEK_V3
 
 GiB = 2 ** 30
 
@@ -82,16 +83,7 @@ def test_disk_tier_step_time_counts_the_disk(tmp_path, capsys, no_gpu):
 
 # -- item 3: the GPU check runs against the planned GPU; "this machine" only when it is this one ----------------------
 # deepseek-ai/DeepSeek-V3's layer shapes (tests/test_moe_flops.py) with 4 layers: one MoE layer is 11.5B parameters.
-DEEPSEEK_V3_SHAPED = {
-    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280,
-    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 4,
-    "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
-    "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
-    "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4,
-    "num_experts_per_tok": 8, "moe_layer_freq": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
-    "scoring_func": "sigmoid", "hidden_act": "silu", "max_position_embeddings": 163840, "rms_norm_eps": 1e-6,
-    "rope_theta": 10000, "tie_word_embeddings": False, "attention_bias": False,
-}
+DEEPSEEK_V3_SHAPED = {**DEEPSEEK_V3, "num_hidden_layers": 4, "first_k_dense_replace": 1}
 
 
 def test_no_gpu_here_is_checked_against_the_planned_gpu(tmp_path, capsys, no_gpu):

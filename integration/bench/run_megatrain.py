@@ -332,15 +332,32 @@ def run_trainer(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str
     opt = state.get("opt")
     if opt is not None and hasattr(opt, "wait"):
         opt.wait()
-    extra = {}
+    extra: dict[str, Any] = {}
     if timeline is not None:
         timeline.restore()
         extra["timeline"] = timeline.summary(keep=3 if not n_prof else n_prof + 2)
+    extra.update(_by_rank(state.get("ex"), per_step, warm, extra.get("timeline")))
     return {**extra, "mode": "trainer", "setup_s": setup_s, "per_step": raw, "train_loss": result.training_loss,
             "grad_norm_last": getattr(opt, "last_grad_norm", None), "periods": clock.periods,
             "cpu_optimizer": _host_phases(per_step[:warm + steps], warm), "phases": state["phases"],
             "host_adamw": _host_adamw(opt, snaps, warm, steps, _mean_step(raw, warm, steps)),
             "megatrain_config": args.megatrain_resolved_config().to_dict(), "trainer_bf16_flag": False}
+
+
+def _by_rank(ex: Any, per_step: list[dict], warm: int, timeline: dict | None) -> dict[str, Any]:
+    """Several processes: every rank's host phases (median of the timed steps), its wait for the other ranks'
+    shards of an update (``PeerCells.waited_s``) and its timeline, gathered onto the rank that writes the record:
+    a step is as slow as its slowest rank, and rank 0 alone does not show which one that is."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return {}
+    peers = getattr(getattr(ex, "state", None), "peers", None)
+    mine = {"rank": dist.get_rank(), "cpu_optimizer": _host_phases(per_step, warm),
+            "peer_wait_s": getattr(peers, "waited_s", None), "timeline": timeline}
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, mine)
+    return {"by_rank": out}
 
 
 def run(spec: dict) -> dict[str, Any]:

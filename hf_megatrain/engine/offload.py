@@ -30,7 +30,7 @@ The two offload buffers alternate, so layer i's D2H overlaps layer i-1's recompu
 flight (``land``: the step's land phase, engine/landing.py).
 
 Data parallel (``dp``, parallel/group.py): a host gradient is first ``reduce_scatter``ed over the node's ranks (on the
-compute stream; the buffer padded to ``local_world`` equal shards; with several nodes, each shard then all-reduced
+D2H stream, beside the next layer's backward; the buffer padded to ``local_world`` equal shards; with several nodes, each shard then all-reduced
 across the nodes), and only this rank's shard -- the mean over all ranks of that range, with its squared norm --
 goes the host way above, into the node's shared host gradient at the shard's range. Every rank of a node writes a
 disjoint range, so accumulation needs no coordination beyond each visit's collective.
@@ -142,20 +142,30 @@ class GradientOffload:
 
     def _to_shard(self, k: int, unit: Unit, off: torch.Tensor, first: bool) -> None:
         """Data parallel, a host gradient: reduce-scattered over the ranks, this rank's shard goes to the host."""
-        part, lo = self._reduce(k, unit)
-        self._copy_to_host(k, unit, part, self._sq(part, first), lo)
+        part, lo, sq = self._reduce(k, unit, first)
+        self._copy_to_host(k, unit, part, sq, lo)
 
-    def _reduce(self, k: int, unit: Unit) -> tuple[torch.Tensor, int]:
+    def _reduce(self, k: int, unit: Unit, first: bool) -> tuple[torch.Tensor, int, torch.Tensor | None]:
         """Data parallel: offload buffer ``k``'s gradient of ``unit`` reduce-scattered over the ranks (a mean); this
-        rank's shard of it (on the device) and where the shard starts in the unit."""
+        rank's shard of it (on the device), where the shard starts in the unit, and (``first``) its squared norm.
+
+        On the D2H stream, which copies the shard out next: the collective then runs beside the backward's next
+        layer instead of holding the compute stream until every rank has joined it and it has finished (a blocking
+        collective makes the stream it is called on wait for it). The offload buffer is reused only once
+        ``done[k]``, recorded on this stream after the copy, has passed."""
         dp = self.dp
         size = dp.shard_size(unit.numel)
         full = self.offload[k][:size * dp.local_world]
         full[unit.numel:].zero_()  # (padding: left over from a larger unit)
         out = self.reduced[k][:size]
-        dp.reduce_scatter_mean_(out, full)
         lo, hi = dp.shard(unit.numel)
-        return out[:hi - lo], lo
+        st = self.streams
+        ready = st.record(st.compute)
+        with st.on(st.d2h):
+            st.wait(st.d2h, ready)
+            dp.reduce_scatter_mean_(out, full)
+            part = out[:hi - lo]
+            return part, lo, self._sq(part, first)
 
     def _to_device(self, k: int, unit: Unit, off: torch.Tensor, first: bool) -> None:
         if self.state.accumulate(unit.index, self._sq(off, first)):
@@ -197,10 +207,15 @@ class GradientOffload:
 
     def _shard_to_consumer(self, k: int, unit: Unit, off: torch.Tensor, first: bool) -> None:
         """Data parallel, a lean gradient: reduce-scattered over the ranks; the consumer steps this rank's shard."""
-        self._to_consumer(k, unit, self._reduce(k, unit)[0], first)
+        part, _, sq = self._reduce(k, unit, True)
+        self._to_consumer(k, unit, part, first, sq)
 
-    def _to_consumer(self, k: int, unit: Unit, off: torch.Tensor, first: bool) -> None:
-        sq = self._sq(off, True)  # (a lean unit's every gradient is a whole step's, a re-run's included)
+    def _to_consumer(self, k: int, unit: Unit, off: torch.Tensor, first: bool,
+                     sq: torch.Tensor | None = None) -> None:
+        """A lean gradient (``sq``: its squared norm when ``_reduce`` took it on the D2H stream) -> a slab on the
+        host, handed to the consumer."""
+        if sq is None:
+            sq = self._sq(off, True)  # (a lean unit's every gradient is a whole step's, a re-run's included)
         ready = self.streams.record(self.streams.compute)
         self._drain(k)  # slab k released by the consumer (it may still be reading the gradient of two layers up)
         self.state.wait_state(unit.index)  # (the last step's split update may still read its plane slice)

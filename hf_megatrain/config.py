@@ -290,6 +290,10 @@ class MegaTrainConfig:
             and cores each process uses.
         shared_memory_dir: several processes of one host (data parallel, parallel/): the directory on a RAM file system
             where the host's one copy of the FP32 store is created (files removed once every rank mapped them).
+        weight_gather: several processes of one host: in the training forward each process copies only its shard of
+            a layer's weights from host memory and an all-gather between the GPUs (NVLink) brings the others', so
+            the host's memory is read once per layer instead of once per process (engine/weight_gather.py). The
+            backward, evaluation and generation copy whole layers. ``False``: every load copies the whole layer.
     """
 
     compute_dtype: str = "bfloat16"
@@ -331,6 +335,7 @@ class MegaTrainConfig:
     host_threads: int = 0
     host_affinity: str = "auto"
     shared_memory_dir: str = "/dev/shm"
+    weight_gather: bool = True
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:

@@ -30,9 +30,11 @@ def batches() -> list:
 
 
 def make_engine(dp: DataParallel | None, shm: str, compute_dtype: str = "float32", micro_batch_size: int = 0,
-                peft: bool = False) -> tuple[MegaTrainEngine, torch.optim.Optimizer]:
-    """The tiny llama (``peft``: with LoRA adapters; its frozen base streams from the shared store)."""
-    config = MegaTrainConfig(compute_dtype=compute_dtype, shared_memory_dir=shm, micro_batch_size=micro_batch_size)
+                peft: bool = False, **config: object) -> tuple[MegaTrainEngine, torch.optim.Optimizer]:
+    """The tiny llama (``peft``: with LoRA adapters; its frozen base streams from the shared store); ``config``:
+    more MegaTrainConfig keys."""
+    config = MegaTrainConfig(compute_dtype=compute_dtype, shared_memory_dir=shm, micro_batch_size=micro_batch_size,
+                             **config)
     model = tiny("llama")
     if peft:
         from tests.test_peft import lora

@@ -38,6 +38,7 @@ from .offload import GradientOffload
 from .saved_graph import SavedGraph, SavedGraphs
 from ..core.grad_reach import GradReach
 from .slots import WeightSlots
+from .weight_gather import WeightGather
 
 if TYPE_CHECKING:
     from ..parallel.group import DataParallel
@@ -48,7 +49,7 @@ class StreamingExecutor:
                  buffers: list[dict[str, torch.Tensor]], *, device: torch.device, compute_dtype: torch.dtype,
                  grad_offload_dtype: torch.dtype, num_slots: int, micro_batch_size: int, pin: bool,
                  activation_prefetch: int = 2, dp: DataParallel | None = None,
-                 narrow: torch.dtype | None = None) -> None:
+                 narrow: torch.dtype | None = None, weight_gather: bool = True) -> None:
         self.units, self.kinds, self.templates, self.buffers = units, kinds, templates, buffers
         self.device = device
         self.state = state
@@ -57,8 +58,9 @@ class StreamingExecutor:
         self.micro_batch_size = micro_batch_size
         self.rows = BatchRows()  # which call inputs hold rows of the batch (sliced per micro-batch)
         self.streams = StreamSet(device)
+        gather = WeightGather(units, dp, compute_dtype) if dp is not None and weight_gather else None
         self.weights = WeightSlots(units, state, self.streams, device=device, compute_dtype=compute_dtype,
-                                   num_slots=num_slots)
+                                   num_slots=num_slots, gather=gather if gather is not None and gather.order else None)
         self.grads = GradientOffload(units, state, self.streams, device=device, compute_dtype=compute_dtype,
                                      offload_dtype=grad_offload_dtype, pin=pin, dp=dp, narrow=narrow)
         # The layers' saved inputs, on the device or offloaded to host (the engine sets which per step shape).
@@ -95,6 +97,20 @@ class StreamingExecutor:
     @property
     def gpu_wait_optimizer_s(self) -> float | None:
         return self.weights.gpu_wait_optimizer_s
+
+    def begin_forward(self, training: bool) -> None:
+        """A forward of the layer stack starts (engine/runtime.py, its module's pre-hook): in training mode or not;
+        a training forward with autograd on is one every data-parallel rank runs alike (weight_gather.py)."""
+        self.training = training
+        self.weights.begin_pass(training and torch.is_grad_enabled())
+
+    def end_forward(self, completed: bool) -> None:
+        """The forward of the layer stack ended; ``completed``: it returned (not raised), so the loads it owes the
+        other ranks are made (a raising rank makes none: its failure ends the others, parallel/liveness.py)."""
+        if completed:
+            self.weights.end_pass()
+        else:
+            self.weights.begin_pass(False)
 
     def finish(self) -> None:
         """Land every in-flight gradient and let the host touch weights again."""

@@ -159,7 +159,7 @@ class MegaTrainEngine:
     def _before_decoder(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         """Forward pre-hook of the module that owns the layer stack (runs for every forward, ours or HF's)."""
         self.publish_resident()
-        self.executor.training = module.training
+        self.executor.begin_forward(module.training)
         self.executor.rows.begin_forward(module, args, kwargs)  # (micro-batches: which inputs are batch rows)
         router = self.head_extras.router
         if router is not None and not router.tap.active and router.wanted(kwargs):
@@ -169,6 +169,8 @@ class MegaTrainEngine:
             self._hf_router_capture = (capture, capture.__enter__())  # (context, the list it fills)
 
     def _after_decoder(self, module: nn.Module, args: Any, output: Any) -> None:
+        # (``always_call``: also when the forward raised, with no output then)
+        self.executor.end_forward(completed=output is not None)
         self.executor.rows.end_forward()
         held, self._hf_router_capture = self._hf_router_capture, None
         if held is None:

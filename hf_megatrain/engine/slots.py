@@ -30,7 +30,7 @@ both). Measured on an H100 (integration/PERF.md, lever 61), an event right after
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,14 +39,19 @@ from ..core.step_state import StepState
 from ..core.store import Unit
 from ..core.streams import StreamSet
 
+if TYPE_CHECKING:
+    from .weight_gather import WeightGather
+
 NOTED_WAIT_S = 50e-6  # host waits shorter than this are not timed on the GPU (a ready update's bookkeeping)
 
 
 class WeightSlots:
     def __init__(self, units: list[Unit], state: StepState, streams: StreamSet, *, device: torch.device,
-                 compute_dtype: torch.dtype, num_slots: int) -> None:
+                 compute_dtype: torch.dtype, num_slots: int, gather: WeightGather | None = None) -> None:
         self.units, self.state, self.streams = units, state, streams
-        slot_numel = max(u.numel + u.frozen_numel for u in units)
+        # Data parallel: the training forward's loads by shards plus an all-gather (engine/weight_gather.py).
+        self.gather = gather
+        slot_numel = max(max(u.numel + u.frozen_numel for u in units), gather.slot_numel(units) if gather else 0)
         self.slots = [torch.empty(slot_numel, dtype=compute_dtype, device=device) for _ in range(num_slots)]
         self.held: list[tuple[int, int] | None] = [None] * num_slots  # (layer, version) in each slot
         self.ready: list[Any] = [None] * num_slots  # event: the slot's load finished
@@ -106,7 +111,28 @@ class WeightSlots:
         if 0 <= index < len(self.units):
             self._load(index, protect=set())
 
+    def begin_pass(self, training_forward: bool) -> None:
+        """A forward of the layer stack starts (``training_forward``: every rank runs it alike)."""
+        if self.gather is not None:
+            self.gather.begin_pass(training_forward)
+
+    def end_pass(self) -> None:
+        """The forward ended: the gathers it still owes the other ranks (units it never loaded)."""
+        if self.gather is not None:
+            for k in self.gather.end_pass():
+                self._load_one(k, protect=set(), gathered=True)
+
     def _load(self, index: int, protect: set[int]) -> int:
+        """Make layer ``index`` loaded in some slot not in ``protect`` (a gathered pass first gathers the units it
+        owes before it); returns the slot."""
+        if self.gather is not None:
+            for k in self.gather.due(index):
+                s = self._load_one(k, protect, gathered=True)
+                if k == index:
+                    return s
+        return self._load_one(index, protect, gathered=False)
+
+    def _load_one(self, index: int, protect: set[int], gathered: bool) -> int:
         unit = self.units[index]
         t0 = time.perf_counter()
         before = self.streams.record(self.streams.compute, timing=True)
@@ -116,23 +142,36 @@ class WeightSlots:
         self.wait_optimizer_s += waited
         # ``early``: updated on the GPU, its new weights are there already (the copies to the host may still run)
         held = (index, self.state.version[unit.index] if early is None else early[2])
-        if held in self.held:
+        if held in self.held and not gathered:
             s = self.held.index(held)
         else:
-            s = min((k for k in range(len(self.slots)) if k not in protect), key=lambda k: self.tick[k])
+            # (a gathered load takes part in the collective even when a slot holds the unit: the same bytes again;
+            # that slot is not in use, its last reader is before its ``free`` event)
+            s = self.held.index(held) if held in self.held else min(
+                (k for k in range(len(self.slots)) if k not in protect), key=lambda k: self.tick[k])
             self._waited_from.pop(s, None)  # (refilled: a measurement its old load carried is void)
-            self._fill(s, index, held, early)
+            self._fill(s, index, held, early, gathered)
         if before is not None and waited > NOTED_WAIT_S and self._waited_from.get(s, (None,))[0] != index:
             self._waited_from[s] = (index, before)  # (a wait measured since this load began counts from there)
         return s
 
-    def _fill(self, s: int, index: int, held: tuple[int, int], early: Any) -> None:
+    def _fill(self, s: int, index: int, held: tuple[int, int], early: Any, gathered: bool = False) -> None:
         """Load layer ``index`` (version ``held``) into slot ``s``: from the GPU copy its updater published, the
-        device master, or the host."""
+        device master, the host, or (``gathered``) this rank's shard from the host and the others' from their GPUs."""
         unit = self.units[index]
         st = self.streams
         self.held[s] = held
         slot = self.slots[s]
+        if gathered:
+            assert early is None and self.gather is not None and not self.from_device[index]
+            with st.on(st.h2d):
+                st.wait(st.h2d, self.free[s])
+                self.h2d_bytes += self.gather.fill(st, slot, unit)
+                if unit.frozen is not None:  # (after the gather: it may have written padding over their place)
+                    slot[unit.numel:unit.numel + unit.frozen_numel].copy_(unit.frozen, non_blocking=True)
+                self.ready[s] = st.record(st.h2d)
+            self.h2d_bytes += unit.frozen_numel * slot.element_size()
+            return
         if early is not None:
             st.wait(st.compute, self.free[s])
             st.wait(st.compute, early[1])

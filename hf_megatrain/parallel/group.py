@@ -208,6 +208,13 @@ class DataParallel:
             dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.cross_group)
         out.mul_(1.0 / self.world)
 
+    def all_gather_shards_(self, full: torch.Tensor) -> None:
+        """``full`` (``local_world`` equal shards, this rank's in place at its offset) gets every node rank's shard:
+        a layer's weights, each rank having copied in only its own (engine/weight_gather.py)."""
+        size = full.numel() // self.local_world
+        mine = full[self.local_rank * size:(self.local_rank + 1) * size]
+        dist.all_gather_into_tensor(full, mine, group=self.group if self.node_group is None else self.node_group)
+
     def all_reduce_mean_(self, t: torch.Tensor) -> None:
         self.all_reduce_sum_(t)
         t.mul_(1.0 / self.world)

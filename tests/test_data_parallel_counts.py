@@ -95,6 +95,8 @@ def _assert_summary(out: str, spec: dict) -> None:
     assert (s0["processes"], s0["processes_on_host"], s0["rank"], s1["rank"]) == (2, 2, 0, 1), what
     layers = written["shard_elements_per_layer"]
     assert len(layers) == written["layers"] and s0["shard_elements"] == sum(layers), what
+    # (fp32 compute on the CPU: every shared layer loads from its master as is, so each is gathered by shards)
+    assert s0["weight_gather_layers"] == s1["weight_gather_layers"] == len(layers), what
     assert s0["shard_elements_by_rank"] == s1["shard_elements_by_rank"] == \
         [s0["shard_elements"], s1["shard_elements"]], what
     # every trainable element of every layer stepped by one rank: the two shards make the layers' parameters

@@ -115,6 +115,8 @@ def _processes(engine: Any, trainable: int) -> dict[str, Any]:
         "host_bytes_per_process": private,
         "host_bytes": host,
         "host_bytes_per_trainable_parameter": round(host / trainable, 2) if trainable else 0.0,
+        # (engine/weight_gather.py: how many of those layers the training forward loads by shards + all-gather)
+        "weight_gather_layers": len(gather.order) if (gather := engine.executor.weights.gather) is not None else 0,
     }
 
 
@@ -142,7 +144,8 @@ def _shard(s: dict[str, Any]) -> str:
     return (f"  data parallel: {s['processes']} processes ({s['processes_on_host']} on this host, sharing its store); "
             f"rank {s['rank']} steps its shard, {s['shard_elements']:,} elements of the host-stepped layers "
             f"({format_bytes(s['shard_bytes'])} of state; {spread} per layer); the host's ranks: "
-            + ", ".join(f"{n:,}" for n in s["shard_elements_by_rank"]))
+            + ", ".join(f"{n:,}" for n in s["shard_elements_by_rank"])
+            + f"; the training forward loads {s['weight_gather_layers']} layers by shards + all-gather")
 
 
 def _checkpoint_line(c: dict[str, Any]) -> str:

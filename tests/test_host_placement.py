@@ -42,12 +42,13 @@ def test_ranks_split_their_gpus_nodes_and_never_oversubscribe():
     # four ranks, two per node: halves of each node, disjoint, covering the host
     shares = [numa.plan_cores(nodes, every, [0, 0, 1, 1], r)[1] for r in range(4)]
     assert sorted(c for s in shares for c in s) == sorted(every) and all(len(s) == 4 for s in shares)
-    # no NUMA information (a VM): the allowed cores split among all local ranks
-    assert numa.plan_cores({0: list(range(16))}, every, [None, None], 1) == (None, list(range(8, 16)))
+    # no NUMA information (a VM), one node: every rank keeps every core (the thread count is split, not the cores)
+    assert numa.plan_cores({0: list(range(16))}, every, [None, None], 1) == (None, list(range(16)))
+    assert numa.plan_cores({0: list(range(16))}, every, [0, 0], 1) == (0, list(range(16)))
     # one process, or every GPU on one node of two: not confined to that node (the other node's memory bandwidth
-    # serves the host AdamW); the cores split among the processes
+    # serves the host AdamW), not bound
     assert numa.plan_cores(nodes, every, [1], 0) == (None, list(range(16)))
-    assert numa.plan_cores(nodes, every, [0, 0], 1) == (None, list(range(8, 16)))
+    assert numa.plan_cores(nodes, every, [0, 0], 1) == (None, list(range(16)))
     # one node's cores allowed by the launcher: that node, the processes split it
     assert numa.plan_cores(nodes, {8, 9}, [1, 1, 1], 2) == (1, [8, 9])
 
@@ -55,13 +56,24 @@ def test_ranks_split_their_gpus_nodes_and_never_oversubscribe():
 def test_place_host_binds_every_thread_and_sizes_the_pool():
     before_aff, before_threads = os.sched_getaffinity(0), torch.get_num_threads()
     try:
-        p = threads.place_host("auto", 0, [None, None], 1)  # rank 1 of 2 on this machine
+        # rank 1 of 2 whose GPUs sit on no known node: unbound, half the cores' worth of threads
+        torch.set_num_threads(1)  # (as torchrun leaves it)
+        p = threads.place_host("auto", 0, [None, None], 1)
         cores = sorted(before_aff)
-        want = cores[len(cores) // 2 * 1:len(cores) // 2 * 2] if len(cores) >= 2 else cores
-        assert list(p.cores) == want and p.threads == len(want) == torch.get_num_threads()
-        assert p.bound == (set(want) != before_aff) and os.sched_getaffinity(0) == set(want)
+        assert list(p.cores) == cores and not p.bound and os.sched_getaffinity(0) == before_aff
+        assert p.threads == max(len(cores) // 2, 1) == torch.get_num_threads()
         assert "cores" in p.describe()
-        os.sched_setaffinity(0, before_aff)
+        # rank 1 of 2 whose GPUs sit on the two nodes of a (made-up) host: bound to its node's cores
+        if len(cores) >= 2:
+            fake = {0: cores[:len(cores) // 2], 1: cores[len(cores) // 2:]}
+            real = threads.numa.nodes
+            threads.numa.nodes = lambda: fake  # type: ignore[assignment]
+            try:
+                b = threads.place_host("auto", 0, [0, 1], 1)
+            finally:
+                threads.numa.nodes = real  # type: ignore[assignment]
+            assert b.bound and list(b.cores) == fake[1] == sorted(os.sched_getaffinity(0)) and b.threads == len(fake[1])
+            os.sched_setaffinity(0, before_aff)
         q = threads.place_host("none", 0, [None, None], 1)  # the launcher's affinity kept
         assert not q.bound and os.sched_getaffinity(0) == before_aff
     finally:

@@ -94,19 +94,20 @@ def plan_cores(node_cpus: dict[int, list[int]], allowed: set[int], gpu_nodes: li
     When the processes' GPUs cover every NUMA node that has allowed cores, each process takes its GPU's node's
     allowed cores, split evenly in local-rank order among the processes on that node: every node's memory
     bandwidth then serves its own ranks' shards. Otherwise (one node, no NUMA information, one process, or every GPU
-    on one node of several) the allowed cores are split among all local processes: confining them to the GPUs'
-    node would leave the other nodes' memory bandwidth, which the memory-bound host AdamW needs more than a nearer
-    PCIe root, unused. Each share keeps at least one core; a share that would be empty (more processes than cores)
-    falls back to every core of its pool rather than to none.
+    on one node of several) every process keeps every allowed core, unbound (the caller splits the thread count):
+    confining them to the GPUs' node would leave the other nodes' memory bandwidth, which the memory-bound host
+    AdamW needs more than a nearer PCIe root, unused, and splitting the cores of one node gains no locality while
+    a rank's other threads (the training loop, autograd's, NCCL's, the CUDA driver's) then preempt its AdamW
+    threads on its few cores: measured on a 2-GPU host of one node, each rank's weights pass ended on the 4 ms
+    scheduler tick (36 / 40 ms per layer instead of ~34; integration/PERF.md, lever 79). Each share keeps at least
+    one core; a share that would be empty (more processes than cores) falls back to every core of its pool.
     """
     busy = {n for n, cpus in node_cpus.items() if set(cpus) & allowed}
     node = gpu_nodes[local_rank]
     pool = sorted(set(node_cpus.get(node, ())) & allowed) if node is not None else []
-    if pool and len(busy) > 1 and busy <= set(gpu_nodes):
-        peers = [r for r, n in enumerate(gpu_nodes) if n == node]
-    else:
-        node, pool = (node if len(busy) == 1 else None), sorted(allowed)
-        peers = list(range(len(gpu_nodes)))
+    if not (pool and len(busy) > 1 and busy <= set(gpu_nodes)):
+        return (node if len(busy) == 1 else None), sorted(allowed)
+    peers = [r for r, n in enumerate(gpu_nodes) if n == node]
     k, i = len(peers), peers.index(local_rank)
     share = len(pool) // k
     if share == 0:

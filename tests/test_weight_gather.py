@@ -42,9 +42,9 @@ def test_a_pass_gathers_every_eligible_unit_once_in_order():
 
 
 def _worker(rank: int, world: int, tmp: str) -> None:
-    """Two steps with gathered loads and two without, same data: each rank's final weights and the bytes its
-    forwards copied from host memory. Between the steps rank 0 alone runs a no-grad forward (a sample generation on
-    the main process), which must make no collective."""
+    """Three steps with gathered loads and three without, same data: each rank's final weights and the bytes its
+    forwards copied from host memory. Between the first two steps rank 0 alone runs a no-grad forward (a sample
+    generation on the main process), which must make no collective; the third step skips the last two layers."""
     with W.ranks(rank, world, tmp) as dp:
         out = {}
         for gather in (True, False):
@@ -55,8 +55,21 @@ def _worker(rank: int, world: int, tmp: str) -> None:
                 with torch.no_grad():
                     engine(input_ids=W.batches()[0][0][0][:1])
             W.run_steps(engine, opt, 1, 2, rank, world)
+            # A step whose forward never reaches the last layers (as LayerDrop skips some): their gathers are owed
+            # at the forward's end, on every rank alike.
+            config = engine.model.config
+            config.num_hidden_layers -= 2  # (the layer after the last one run is prefetched, so gathered, anyway)
+            owed: list[int] = []
+            if gather:
+                g = engine.executor.weights.gather
+                real_end = g.end_pass
+                g.end_pass = lambda: (lambda r: owed.extend(r) or r)(real_end())  # type: ignore[method-assign]
+            try:
+                W.run_steps(engine, opt, 2, 3, rank, world)
+            finally:
+                config.num_hidden_layers += 2
             opt.wait()
-            out[gather] = (W.weights(engine), engine.executor.h2d_bytes)
+            out[gather] = (W.weights(engine), engine.executor.h2d_bytes, owed, config.num_hidden_layers)
         torch.save(out, os.path.join(tmp, f"gather_rank{rank}.pt"))
 
 
@@ -66,7 +79,8 @@ def test_gathered_loads_are_the_whole_copies(tmp_path):
     mp.spawn(_worker, args=(2, tmp), nprocs=2, join=True)
     for rank in (0, 1):
         out = torch.load(os.path.join(tmp, f"gather_rank{rank}.pt"))
-        (gathered, bytes_gathered), (whole, bytes_whole) = out[True], out[False]
+        (gathered, bytes_gathered, owed, layers), (whole, bytes_whole, _, _) = out[True], out[False]
+        assert owed == [layers - 1] * W.GA  # (each micro-batch's forward of step 3 owed the last, never prefetched, layer)
         assert gathered.keys() == whole.keys()
         for n in whole:  # bit for bit: the same host bytes, moved another way
             assert torch.equal(gathered[n], whole[n]), n

@@ -77,7 +77,7 @@ def build_engine(model: nn.Module, config: MegaTrainConfig, device: torch.device
         conv = convert_shared(dp, config.shared_memory_dir, convert_in)
     modes, state, executor = _executor(conv, config, device, dp)
     head, unpadding = _head(model, conv, executor, config, device)
-    landing = _landing(conv, state, executor)
+    landing = _landing(model, conv, state, executor)
     return EngineParts(conv.stack, conv.plans, conv.store, conv.resident_params, conv.frozen_resident,
                        conv.persistent_buffers, conv.attention, modes, state, executor, head, unpadding, landing)
 
@@ -146,6 +146,20 @@ def _head(model: nn.Module, conv: Converted, executor: StreamingExecutor, config
     return head, unpadding
 
 
-def _landing(conv: Converted, state: StepState, executor: StreamingExecutor) -> GradientLanding:
+def _landing(model: nn.Module, conv: Converted, state: StepState, executor: StreamingExecutor) -> GradientLanding:
     # (the optimizer's land phase calls it; so do accumulation and parameters())
-    return GradientLanding(state, executor, conv.store.units[-1], conv.resident_params)
+    return GradientLanding(state, executor, conv.store.units[-1], conv.resident_params,
+                           early_names=_head_names(model, conv.resident_params))
+
+
+def _head_names(model: nn.Module, resident: dict[str, nn.Parameter]) -> frozenset[str]:
+    """The resident parameters of the output head, unless tied to the input embeddings: the loss's backward makes
+    their whole gradient before any layer's (autograd runs a leaf's accumulation first), so it can land early."""
+    get_head, get_embed = getattr(model, "get_output_embeddings", None), getattr(model, "get_input_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if head is None:
+        return frozenset()
+    embed = get_embed() if callable(get_embed) else None
+    tied = {id(p) for p in embed.parameters()} if isinstance(embed, nn.Module) else set()
+    mine = {id(p) for p in head.parameters()} - tied
+    return frozenset(n for n, p in resident.items() if id(p) in mine)

@@ -32,10 +32,15 @@ if TYPE_CHECKING:
 
 class GradientLanding:
     def __init__(self, state: StepState, executor: StreamingExecutor, resident: Unit,
-                 resident_params: dict[str, nn.Parameter]) -> None:
+                 resident_params: dict[str, nn.Parameter], early_names: frozenset[str] = frozenset()) -> None:
         self.state, self.executor = state, executor
         self.resident, self.resident_params = resident, resident_params
         self.replay: StepReplay | None = None  # the recorded forward of the step being computed (lean store)
+        # Resident parameters whose gradient is final once the loss's backward has run (an untied output head):
+        # ``land_early`` lands them before the layers' backward, and which of them a backward reached is kept here
+        # until the land phase records it.
+        self.early_names = early_names
+        self._early: dict[str, bool] = {}
 
     # -- the step's last backward --------------------------------------------------------------------------------------
     @property
@@ -60,15 +65,51 @@ class GradientLanding:
         self.executor.land()
         self._land_resident()
 
+    def land_early(self) -> list[torch.Tensor]:
+        """The step's last backward has sent its first layer gradient, so the loss's backward is over: land the
+        ``early_names`` parameters' gradients into the resident unit's FP32 gradient now (added to what earlier
+        micro-batches landed; zeros where this backward reached none), so their reduction over data-parallel ranks
+        can run beside the layers' backward. Returns their flat views of the unit's gradient."""
+        u = self.resident
+        if not self.early_names or u.grad is None:
+            return []
+        first = not self.state.has_grad(u.index)
+        out = []
+        for p in u.params:
+            if p.name not in self.early_names:
+                continue
+            g, dst = self.resident_params[p.name].grad, u.view(u.grad, p)
+            if g is None:
+                if first:
+                    dst.zero_()
+            elif first:
+                dst.copy_(g)
+            else:
+                dst.add_(g.to(torch.float32))
+            self.resident_params[p.name].grad = None
+            self._early[p.name] = g is not None
+            out.append(u.grad[p.offset:p.offset + p.numel])
+        return out
+
     def _land_resident(self) -> None:
-        """The resident parameters' compute-dtype ``.grad`` into the unit's FP32 gradient."""
+        """The resident parameters' compute-dtype ``.grad`` into the unit's FP32 gradient (those ``land_early``
+        landed already are only recorded)."""
         u = self.resident
         grads = {p.name: self.resident_params[p.name].grad for p in u.params}
-        if all(g is None for g in grads.values()):
+        early, self._early = self._early, {}
+        late = [n for n in early if grads[n] is not None]
+        if late:  # (its reduction over the ranks has run without this part: refuse rather than train on it)
+            raise RuntimeError(f"hf_megatrain: the gradient of {late[0]} grew after the loss's backward (this model "
+                               "uses its output head's weight elsewhere too). With several processes that gradient "
+                               "is averaged as soon as the loss's backward ends, so this step cannot be trained "
+                               "exactly: train this model with one process, and please report it")
+        if all(g is None for g in grads.values()) and not early:
             return
         first = self.state.accumulate(u.index)
-        self.executor.reach.record(u.index, [g is not None for g in grads.values()], first)
+        self.executor.reach.record(u.index, [early[n] if n in early else grads[n] is not None for n in grads], first)
         for p in u.params:
+            if p.name in early:
+                continue
             g, dst = grads[p.name], u.view(u.grad, p)
             if g is None:  # no gradient reached this parameter: it contributes zeros
                 if first:
@@ -95,6 +136,7 @@ class GradientLanding:
 
     def discard(self) -> None:
         """Drop every gradient of the step: units become READY (masters unchanged), the step is over."""
+        self._early = {}
         self.state.discard()
         self.replay = None
         self.set_final_backward(False)

@@ -102,8 +102,18 @@ class GradientOffload:
         # progress is the step's last (written only by engine/landing.py: ``MegaTrainEngine.set_final_backward``,
         # reset when the step's gradients are discarded).
         self.sink: GradientSink | None = None
-        self.final_backward = False
+        self._final_backward = False
+        self._first_pending = False  # the step's last backward has sent no layer gradient yet
         self.unlanded = False  # a visit sent a gradient that the step's ``land`` has not landed yet
+
+    @property
+    def final_backward(self) -> bool:
+        return self._final_backward
+
+    @final_backward.setter
+    def final_backward(self, final: bool) -> None:
+        self._final_backward = final
+        self._first_pending = final
 
     def attach(self, sink: GradientSink) -> None:
         """The optimizer the engine created (a replaced one's successor): the one sink of every gradient."""
@@ -134,6 +144,10 @@ class GradientOffload:
         # The gradient-norm reduction rides along with the gradient's departure (first visit of the step only).
         first = not self.state.has_grad(unit.index)
         self.unlanded = True
+        if self._first_pending:  # (the loss's backward is over: the resident gradients it made are final)
+            self._first_pending = False
+            if self.sink is not None:
+                self.sink.first_layer_gradient()
         self.route[index](k, unit, off, first)
 
     @staticmethod

@@ -43,7 +43,7 @@ import functools
 import logging
 import math
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -125,6 +125,9 @@ class UnitAdamW(SpeculativeStep, AdamWStateIO, torch.optim.Optimizer):
         # which were reached: ``take(unit)`` -> a flag per parameter, or None to step them all).
         self.grad_reach = grad_reach
         self._reached: dict[int, list[bool] | None] = {}
+        # Reductions over the ranks started before step() (``first_layer_gradient``): (gradient view, work).
+        self._early: list[tuple[torch.Tensor, Any]] = []
+        self._stepping = False  # inside step()
         self.skipped_steps = 0
         self.last_step_skipped = False  # the last step() was skipped (non-finite norm): Trainer keeps its LR then
         # Wall time of the last *finished* step's unit updates; published by wait(), so reading it right after
@@ -151,6 +154,13 @@ class UnitAdamW(SpeculativeStep, AdamWStateIO, torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         loss = closure() if closure is not None else None
+        self._stepping = True  # (a lean store's re-run of the backward inside the step starts no early reduction)
+        try:
+            return self._step(loss)
+        finally:
+            self._stepping = False
+
+    def _step(self, loss: float | None) -> float | None:
         self._join_before_step()
         self.splits.begin_step(time.perf_counter(), self.host_update_bytes, self.host_update_seconds)
         self.grads.land()  # (may hand the last units to the speculative worker)
@@ -160,7 +170,8 @@ class UnitAdamW(SpeculativeStep, AdamWStateIO, torch.optim.Optimizer):
             if i not in self.policy.applied:
                 self.step_state.wait_ready(i)
         self._zero_missing()
-        self.ranks.before_norm(self.store.units, self.step_state, self.grad_reach)
+        early, self._early = self._early, []
+        self.ranks.before_norm(self.store.units, self.step_state, self.grad_reach, early)
         t0 = time.perf_counter()
         norm = self.grad_norm()
         self.last_norm_seconds = time.perf_counter() - t0
@@ -177,6 +188,20 @@ class UnitAdamW(SpeculativeStep, AdamWStateIO, torch.optim.Optimizer):
             # StepState.peers, so each rank's AdamW overlaps its next forward as in one process)
             self._launch(hyper, grad_scale, [i for i in self.unit_order if i not in done])
         return loss
+
+    def first_layer_gradient(self) -> None:
+        """The step's last backward sent its first layer gradient (engine/offload.py): the loss's backward is
+        over. With data parallel, the output head's gradient lands now and its mean over the ranks starts beside
+        the layers' backward, instead of after it (``before_norm``)."""
+        if self.ranks.world > 1 and not self._stepping:
+            self._drop_early()
+            self._early = self.ranks.reduce_early(self.grads.land_early())
+
+    def _drop_early(self) -> None:
+        """Early reductions of a step that ends without ``step()`` (``zero_grad``): finished, not used."""
+        for _, work in self._early:
+            work.wait()
+        self._early = []
 
     # (The lean store, optim/lean.py, plugs into the same phases through these three.)
     def _join_before_step(self) -> None:
@@ -378,6 +403,7 @@ class UnitAdamW(SpeculativeStep, AdamWStateIO, torch.optim.Optimizer):
             for i, key in list(self.policy.applied.items()):
                 self._take_back(i, key)
             self._end_speculation(None)
+        self._drop_early()
         self.grads.discard()
         if self.grad_reach is not None:
             self.grad_reach.clear()

@@ -35,8 +35,18 @@ class GradientPath(Protocol):
         """Run the step's recorded forward+backward again (lean store); its gradients reach ``consume`` again."""
         ...
 
+    def land_early(self) -> list[torch.Tensor]:
+        """Land the resident gradients the loss's backward has finished (an untied output head) now, before the
+        layers' backward ends; their flat views of the resident unit's FP32 gradient."""
+        ...
+
 
 class GradientSink(Protocol):
+    def first_layer_gradient(self) -> None:
+        """The step's last backward sends its first layer gradient (every rank at the same point of its backward):
+        the loss's backward, and the output head's gradient, are done."""
+        ...
+
     def landed(self, unit: int, sq: float | None) -> None:
         """The step's last backward: ``unit``'s gradient is final where its plan keeps it (``sq``: its squared
         norm, read on the host, when a single visit produced it)."""

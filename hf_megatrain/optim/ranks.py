@@ -40,7 +40,12 @@ class Alone:
     def own(self, u: Unit) -> tuple[int, int]:
         return 0, u.numel
 
-    def before_norm(self, units: list[Unit], state: StepState, reach: GradReach | None) -> None:
+    def reduce_early(self, views: list[torch.Tensor]) -> list[tuple[torch.Tensor, Any]]:
+        """Alone: nothing to reduce."""
+        return []
+
+    def before_norm(self, units: list[Unit], state: StepState, reach: GradReach | None,
+                    early: list[tuple[torch.Tensor, Any]] | None = None) -> None:
         pass
 
     def grad_norm(self, units: list[Unit], state: StepState, unit_norm: Callable[[Unit], torch.Tensor]) -> float:
@@ -87,13 +92,28 @@ class SharedHostRanks:
         """This rank's shard of a HOST unit shared by the node's ranks, else all of it."""
         return self.dp.owns(u)
 
-    def before_norm(self, units: list[Unit], state: StepState, reach: GradReach | None) -> None:
-        """The mean over ranks of each replicated (device-stepped) unit's gradient; the reached flags merged. Over
-        every unit, in one order on all ranks: which units a rank launches differs where one speculated and
-        another did not (a speculating rank's flags were all set, so the merged ones are too: the same update)."""
+    def reduce_early(self, views: list[torch.Tensor]) -> list[tuple[torch.Tensor, Any]]:
+        """Start the sum over ranks of ``views`` (parts of a replicated unit's gradient that the loss's backward
+        finished: optim/adamw.py ``first_layer_gradient``) beside the layers' backward; ``before_norm`` waits for
+        them and makes them means. Every rank calls this at the same point of its backward (its first layer
+        gradient), before that gradient's own collective: the same order everywhere."""
+        return [(v, self.dp.all_reduce_sum_async(v)) for v in views]
+
+    def before_norm(self, units: list[Unit], state: StepState, reach: GradReach | None,
+                    early: list[tuple[torch.Tensor, Any]] | None = None) -> None:
+        """The mean over ranks of each replicated (device-stepped) unit's gradient (``early``: parts of it whose
+        sums ``reduce_early`` started; the rest reduced here); the reached flags merged. Over every unit, in one
+        order on all ranks: which units a rank launches differs where one speculated and another did not (a
+        speculating rank's flags were all set, so the merged ones are too: the same update)."""
+        started = []
+        for view, work in early or ():
+            work.wait()
+            view.mul_(1.0 / self.dp.world)
+            started.append(view)
         for u in units:
             if u.plan.stepper is Stepper.DEVICE and u.numel and state.has_grad(u.index):
-                self.dp.all_reduce_mean_(u.grad)
+                for lo, hi in _rest(u.grad, started):
+                    self.dp.all_reduce_mean_(u.grad[lo:hi])
                 state.void_norm(u.index)
         flags = [f for u in units for f in ((reach.peek(u.index) if reach is not None else None)
                                             or [True] * len(u.params))]
@@ -140,6 +160,21 @@ class SharedHostRanks:
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         return self.dp.all_gather_object(obj)
+
+
+def _rest(flat: torch.Tensor, parts: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """The ranges of ``flat`` outside ``parts`` (views of it, or of other tensors: ignored), in order."""
+    size, base = flat.element_size(), flat.data_ptr()
+    taken = sorted(((p.data_ptr() - base) // size, (p.data_ptr() - base) // size + p.numel()) for p in parts
+                   if p.numel() and base <= p.data_ptr() < base + flat.numel() * size)
+    out, at = [], 0
+    for lo, hi in taken:
+        if lo > at:
+            out.append((at, lo))
+        at = max(at, hi)
+    if at < flat.numel():
+        out.append((at, flat.numel()))
+    return out
 
 
 Ranks = Alone | SharedHostRanks

@@ -219,6 +219,11 @@ class DataParallel:
         self.all_reduce_sum_(t)
         t.mul_(1.0 / self.world)
 
+    def all_reduce_sum_async(self, t: torch.Tensor) -> Any:
+        """Start the sum of ``t`` (on this rank's device) over every rank, in place; the returned work's ``wait()``
+        orders what follows after it (on a GPU: the waiting stream)."""
+        return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+
     def all_reduce_sum_(self, t: torch.Tensor) -> None:
         x = t if t.device == self.device else t.to(self.device)
         dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.group)

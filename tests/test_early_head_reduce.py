@@ -1,0 +1,75 @@
+"""The output head's gradient averaged over data-parallel ranks beside the layers' backward (optim/adamw.py
+``first_layer_gradient``, optim/ranks.py ``reduce_early``), on the CPU with gloo: the same weights as one process,
+started at the first layer gradient, and none where the head is tied to the embeddings."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from hf_megatrain.optim.ranks import _rest
+from tests import dp_workers as W
+from tests.parity import rel
+
+
+def test_rest_is_the_complement_of_the_parts():
+    flat = torch.zeros(10)
+    assert _rest(flat, []) == [(0, 10)]
+    assert _rest(flat, [flat[6:10]]) == [(0, 6)]
+    assert _rest(flat, [flat[2:4], flat[0:1]]) == [(1, 2), (4, 10)]
+    assert _rest(flat, [torch.zeros(3)]) == [(0, 10)]  # (another tensor's view: not a part of this one)
+
+
+def run_final_steps(engine, opt, rank: int = 0, world: int = 1) -> list[int]:
+    """W.run_steps with each step's last backward marked final (as Trainer marks it); how many head views each
+    step reduced early."""
+    data = W.batches()
+    early = []
+    for step in range(W.STEPS):
+        micro = data[step]
+        n_items = sum(int((labels != -100).sum()) for _, labels in micro)
+        for k, (ids, labels) in enumerate(micro):
+            engine.set_final_backward(k == len(micro) - 1)
+            rows = slice(rank * W.BATCH // world, (rank + 1) * W.BATCH // world)
+            out = engine(input_ids=ids[rows], labels=labels[rows], num_items_in_batch=n_items)
+            (out.loss * world).backward()
+        early.append(len(opt._early))
+        opt.step()
+        opt.zero_grad()
+    return early
+
+
+def _worker(rank: int, world: int, tmp: str) -> None:
+    with W.ranks(rank, world, tmp) as dp:
+        engine, opt = W.make_engine(dp, tmp)
+        early = run_final_steps(engine, opt, rank, world)
+        opt.wait()
+        torch.save((W.weights(engine), early), os.path.join(tmp, f"early_rank{rank}.pt"))
+
+
+@pytest.mark.slow  # (spawns processes)
+def test_head_reduced_early_matches_one_process(tmp_path):
+    tmp = str(tmp_path)
+    engine, opt = W.make_engine(None, tmp)
+    assert engine.landing.early_names == {"lm_head.weight"}
+    assert run_final_steps(engine, opt) == [0] * W.STEPS  # (one process: nothing to reduce)
+    ref = W.weights(engine)
+    mp.spawn(_worker, args=(2, tmp), nprocs=2, join=True)
+    for rank in (0, 1):
+        got, early = torch.load(os.path.join(tmp, f"early_rank{rank}.pt"))
+        assert early == [1] * W.STEPS  # (the head's view, started in each step's last backward)
+        worst = max((rel(got[n], ref[n]), n) for n in ref)
+        assert worst[0] <= 1e-5, worst
+
+
+def test_a_tied_head_is_not_reduced_early():
+    from hf_megatrain import MegaTrainConfig, MegaTrainEngine
+    from tests.models import tiny
+
+    model = tiny("llama")
+    model.lm_head.weight = model.model.embed_tokens.weight  # (tied: its gradient is final only at the end)
+    engine = MegaTrainEngine(model, MegaTrainConfig(compute_dtype="float32"), device="cpu")
+    assert engine.landing.early_names == frozenset()

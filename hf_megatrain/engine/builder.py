@@ -42,6 +42,7 @@ from .executor import StreamingExecutor
 from .kv_cache import CachingStreamedLayer
 from .landing import GradientLanding
 from .shared_convert import HostAlloc, convert_shared
+from .weight_gather import WeightGather
 
 
 @dataclass
@@ -118,12 +119,15 @@ def _executor(conv: Converted, config: MegaTrainConfig, device: torch.device,
         finished, weights = conv.peer_cells.chunk(2, dim=1)
         peers = PeerCells(finished, dp.local_rank, weights=weights, liveness=conv.liveness)
     state = StepState(len(conv.store.units), peers=peers)
+    # (data parallel: the training forward's loads by shards + all-gather, where some unit qualifies)
+    gather = WeightGather(conv.store.units[:-1], dp, config.torch_compute_dtype) \
+        if dp is not None and config.weight_gather else None
     executor = StreamingExecutor(
         conv.store.units[:-1], state, conv.kinds, conv.templates, conv.buffers, device=device,
         compute_dtype=config.torch_compute_dtype, grad_offload_dtype=config.torch_grad_offload_dtype,
         num_slots=config.num_slots, micro_batch_size=config.micro_batch_size,
         pin=config.pin_memory and device.type == "cuda", activation_prefetch=config.activation_prefetch, dp=dp,
-        narrow=modes.narrow, weight_gather=config.weight_gather)
+        narrow=modes.narrow, gather=gather if gather is not None and gather.order else None)
     # Each decoder layer's place: a weightless proxy run by the executor (one that also runs with a KV cache, for
     # ``generate()``: engine/kv_cache.py).
     layers = conv.stack.layers

@@ -38,10 +38,10 @@ from .offload import GradientOffload
 from .saved_graph import SavedGraph, SavedGraphs
 from ..core.grad_reach import GradReach
 from .slots import WeightSlots
-from .weight_gather import WeightGather
 
 if TYPE_CHECKING:
     from ..parallel.group import DataParallel
+    from .weight_gather import WeightGather
 
 
 class StreamingExecutor:
@@ -49,7 +49,7 @@ class StreamingExecutor:
                  buffers: list[dict[str, torch.Tensor]], *, device: torch.device, compute_dtype: torch.dtype,
                  grad_offload_dtype: torch.dtype, num_slots: int, micro_batch_size: int, pin: bool,
                  activation_prefetch: int = 2, dp: DataParallel | None = None,
-                 narrow: torch.dtype | None = None, weight_gather: bool = True) -> None:
+                 narrow: torch.dtype | None = None, gather: WeightGather | None = None) -> None:
         self.units, self.kinds, self.templates, self.buffers = units, kinds, templates, buffers
         self.device = device
         self.state = state
@@ -58,9 +58,8 @@ class StreamingExecutor:
         self.micro_batch_size = micro_batch_size
         self.rows = BatchRows()  # which call inputs hold rows of the batch (sliced per micro-batch)
         self.streams = StreamSet(device)
-        gather = WeightGather(units, dp, compute_dtype) if dp is not None and weight_gather else None
         self.weights = WeightSlots(units, state, self.streams, device=device, compute_dtype=compute_dtype,
-                                   num_slots=num_slots, gather=gather if gather is not None and gather.order else None)
+                                   num_slots=num_slots, gather=gather)
         self.grads = GradientOffload(units, state, self.streams, device=device, compute_dtype=compute_dtype,
                                      offload_dtype=grad_offload_dtype, pin=pin, dp=dp, narrow=narrow)
         # The layers' saved inputs, on the device or offloaded to host (the engine sets which per step shape).

@@ -30,12 +30,13 @@ def batches() -> list:
 
 
 def make_engine(dp: DataParallel | None, shm: str, compute_dtype: str = "float32", micro_batch_size: int = 0,
-                peft: bool = False, **config: object) -> tuple[MegaTrainEngine, torch.optim.Optimizer]:
-    """The tiny llama (``peft``: with LoRA adapters; its frozen base streams from the shared store); ``config``:
-    more MegaTrainConfig keys."""
+                peft: bool = False, model_over: dict | None = None,
+                **config: object) -> tuple[MegaTrainEngine, torch.optim.Optimizer]:
+    """The tiny llama (``peft``: with LoRA adapters; its frozen base streams from the shared store; ``model_over``:
+    its config's overrides); ``config``: more MegaTrainConfig keys."""
     config = MegaTrainConfig(compute_dtype=compute_dtype, shared_memory_dir=shm, micro_batch_size=micro_batch_size,
                              **config)
-    model = tiny("llama")
+    model = tiny("llama", **(model_over or {}))
     if peft:
         from tests.test_peft import lora
         model = lora(model)

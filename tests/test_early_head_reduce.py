@@ -1,6 +1,7 @@
-"""The output head's gradient averaged over data-parallel ranks beside the layers' backward (optim/adamw.py
-``first_layer_gradient``, optim/ranks.py ``reduce_early``), on the CPU with gloo: the same weights as one process,
-started at the first layer gradient, and none where the head is tied to the embeddings."""
+"""The replicated gradients' mean over data-parallel ranks, on the CPU with gloo: the output head's started beside
+the layers' backward (optim/adamw.py ``first_layer_gradient``, optim/ranks.py ``reduce_early``; none where the head
+is tied to the embeddings), an embedding table's over the rows some rank touched (``_reduce_rows``). The same
+weights as one process."""
 
 from __future__ import annotations
 
@@ -42,16 +43,30 @@ def run_final_steps(engine, opt, rank: int = 0, world: int = 1) -> list[int]:
     return early
 
 
+VOCAB = {"vocab_size": 2048}  # (an embedding table of >= ROWS_MIN rows; the batches use 96 of them)
+
+
 def _worker(rank: int, world: int, tmp: str) -> None:
+    """(a) the tiny llama: how many head views each step reduced early, the final weights; (b) with a 2048-row
+    vocabulary, its embedding table reduced by rows and (ROWS_MIN out of reach) whole: both final weights."""
+    import hf_megatrain.optim.ranks as ranks_module
+
     with W.ranks(rank, world, tmp) as dp:
         engine, opt = W.make_engine(dp, tmp)
         early = run_final_steps(engine, opt, rank, world)
         opt.wait()
-        torch.save((W.weights(engine), early), os.path.join(tmp, f"early_rank{rank}.pt"))
+        by_rows = {}
+        for rows_min in (ranks_module.ROWS_MIN, 10 ** 9):
+            ranks_module.ROWS_MIN = rows_min
+            big, big_opt = W.make_engine(dp, tmp, model_over=VOCAB)
+            run_final_steps(big, big_opt, rank, world)
+            big_opt.wait()
+            by_rows[rows_min] = (W.weights(big), big_opt.ranks.rows_reduced)
+        torch.save((W.weights(engine), early, by_rows), os.path.join(tmp, f"early_rank{rank}.pt"))
 
 
 @pytest.mark.slow  # (spawns processes)
-def test_head_reduced_early_matches_one_process(tmp_path):
+def test_replicated_gradients_reduced_early_and_by_rows_match(tmp_path):
     tmp = str(tmp_path)
     engine, opt = W.make_engine(None, tmp)
     assert engine.landing.early_names == {"lm_head.weight"}
@@ -59,10 +74,17 @@ def test_head_reduced_early_matches_one_process(tmp_path):
     ref = W.weights(engine)
     mp.spawn(_worker, args=(2, tmp), nprocs=2, join=True)
     for rank in (0, 1):
-        got, early = torch.load(os.path.join(tmp, f"early_rank{rank}.pt"))
+        got, early, by_rows = torch.load(os.path.join(tmp, f"early_rank{rank}.pt"))
         assert early == [1] * W.STEPS  # (the head's view, started in each step's last backward)
         worst = max((rel(got[n], ref[n]), n) for n in ref)
         assert worst[0] <= 1e-5, worst
+        (rows_w, rows), (whole_w, whole) = by_rows.values()
+        # each step's embedding table reduced over the rows the two ranks' batches touched (<= 96 of 2048) ...
+        assert len(rows) == W.STEPS and all(0 < k <= 96 and n == 2048 for k, n in rows), rows
+        assert not whole
+        # ... to the very values of the whole table's mean
+        for n in whole_w:
+            assert torch.equal(rows_w[n], whole_w[n]), n
 
 
 def test_a_tied_head_is_not_reduced_early():

@@ -25,6 +25,10 @@ if TYPE_CHECKING:
     from ..parallel.group import DataParallel
 
 
+# A replicated matrix with at least this many rows is reduced by the rows some rank touched (an embedding table).
+ROWS_MIN = 1024
+
+
 class Alone:
     """One process: every unit whole."""
 
@@ -87,6 +91,7 @@ class SharedHostRanks:
         self.is_node_leader = dp.is_leader
         self.node_gather_object = dp.node_gather_object
         self._reached: dict[int, list[bool]] = {}  # each unit's flags OR-ed over the ranks (``before_norm``)
+        self.rows_reduced: list[tuple[int, int]] = []  # (rows touched, rows) of each matrix reduced by rows (tests)
 
     def own(self, u: Unit) -> tuple[int, int]:
         """This rank's shard of a HOST unit shared by the node's ranks, else all of it."""
@@ -113,7 +118,7 @@ class SharedHostRanks:
         for u in units:
             if u.plan.stepper is Stepper.DEVICE and u.numel and state.has_grad(u.index):
                 for lo, hi in _rest(u.grad, started):
-                    self.dp.all_reduce_mean_(u.grad[lo:hi])
+                    self._reduce_range(u, lo, hi)
                 state.void_norm(u.index)
         flags = [f for u in units for f in ((reach.peek(u.index) if reach is not None else None)
                                             or [True] * len(u.params))]
@@ -121,6 +126,35 @@ class SharedHostRanks:
         self._reached = {}
         for u in units:
             self._reached[u.index], merged = merged[:len(u.params)], merged[len(u.params):]
+
+    def _reduce_range(self, u: Unit, lo: int, hi: int) -> None:
+        """The mean over ranks of ``u.grad[lo:hi]``: an embedding matrix inside it by the rows some rank's backward
+        touched (the others are zero on every rank, so their mean is too: the same values as the whole matrix's
+        mean, a fraction of the bytes when the batches use a fraction of the vocabulary), the rest whole."""
+        at = lo
+        for p in sorted(u.params, key=lambda p: p.offset):
+            if not (lo <= p.offset and p.offset + p.numel <= hi and len(p.shape) == 2 and p.shape[0] >= ROWS_MIN):
+                continue
+            if p.offset > at:
+                self.dp.all_reduce_mean_(u.grad[at:p.offset])
+            self._reduce_rows(u.grad[p.offset:p.offset + p.numel].view(p.shape))
+            at = p.offset + p.numel
+        if at < hi:
+            self.dp.all_reduce_mean_(u.grad[at:hi])
+
+    def _reduce_rows(self, g: torch.Tensor) -> None:
+        """The mean over ranks of matrix ``g``, over the rows that are not zero on some rank (every rank learns the
+        same rows, so all decide alike); whole where most rows are touched."""
+        touched = g.ne(0).any(dim=1).to(torch.float32)
+        self.dp.all_reduce_sum_(touched)
+        rows = touched.nonzero().squeeze(1)
+        self.rows_reduced.append((rows.numel(), g.shape[0]))
+        if rows.numel() * 2 > g.shape[0]:
+            self.dp.all_reduce_mean_(g)
+            return
+        part = g.index_select(0, rows)
+        self.dp.all_reduce_mean_(part)
+        g.index_copy_(0, rows, part)
 
     def grad_norm(self, units: list[Unit], state: StepState, unit_norm: Callable[[Unit], torch.Tensor]) -> float:
         """Each unit's squared norm summed over the shards of one node (node 0's: every node holds the same reduced

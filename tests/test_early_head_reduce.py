@@ -11,17 +11,17 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from hf_megatrain.optim.ranks import _rest
+from hf_megatrain.optim.ranks import ranges_outside
 from tests import dp_workers as W
 from tests.parity import rel
 
 
 def test_rest_is_the_complement_of_the_parts():
     flat = torch.zeros(10)
-    assert _rest(flat, []) == [(0, 10)]
-    assert _rest(flat, [flat[6:10]]) == [(0, 6)]
-    assert _rest(flat, [flat[2:4], flat[0:1]]) == [(1, 2), (4, 10)]
-    assert _rest(flat, [torch.zeros(3)]) == [(0, 10)]  # (another tensor's view: not a part of this one)
+    assert ranges_outside(flat, []) == [(0, 10)]
+    assert ranges_outside(flat, [flat[6:10]]) == [(0, 6)]
+    assert ranges_outside(flat, [flat[2:4], flat[0:1]]) == [(1, 2), (4, 10)]
+    assert ranges_outside(flat, [torch.zeros(3)]) == [(0, 10)]  # (another tensor's view: not a part of this one)
 
 
 def run_final_steps(engine, opt, rank: int = 0, world: int = 1) -> list[int]:
@@ -37,7 +37,7 @@ def run_final_steps(engine, opt, rank: int = 0, world: int = 1) -> list[int]:
             rows = slice(rank * W.BATCH // world, (rank + 1) * W.BATCH // world)
             out = engine(input_ids=ids[rows], labels=labels[rows], num_items_in_batch=n_items)
             (out.loss * world).backward()
-        early.append(len(opt._early))
+        early.append(opt.early_reductions)
         opt.step()
         opt.zero_grad()
     return early

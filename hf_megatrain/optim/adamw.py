@@ -197,6 +197,12 @@ class UnitAdamW(SpeculativeStep, AdamWStateIO, torch.optim.Optimizer):
             self._drop_early()
             self._early = self.ranks.reduce_early(self.grads.land_early())
 
+    @property
+    def early_reductions(self) -> int:
+        """Reductions over the ranks that this step's backward started (``first_layer_gradient``) and ``step()``
+        has not finished yet."""
+        return len(self._early)
+
     def _drop_early(self) -> None:
         """Early reductions of a step that ends without ``step()`` (``zero_grad``): finished, not used."""
         for _, work in self._early:

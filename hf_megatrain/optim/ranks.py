@@ -117,7 +117,7 @@ class SharedHostRanks:
             started.append(view)
         for u in units:
             if u.plan.stepper is Stepper.DEVICE and u.numel and state.has_grad(u.index):
-                for lo, hi in _rest(u.grad, started):
+                for lo, hi in ranges_outside(u.grad, started):
                     self._reduce_range(u, lo, hi)
                 state.void_norm(u.index)
         flags = [f for u in units for f in ((reach.peek(u.index) if reach is not None else None)
@@ -196,7 +196,7 @@ class SharedHostRanks:
         return self.dp.all_gather_object(obj)
 
 
-def _rest(flat: torch.Tensor, parts: list[torch.Tensor]) -> list[tuple[int, int]]:
+def ranges_outside(flat: torch.Tensor, parts: list[torch.Tensor]) -> list[tuple[int, int]]:
     """The ranges of ``flat`` outside ``parts`` (views of it, or of other tensors: ignored), in order."""
     size, base = flat.element_size(), flat.data_ptr()
     taken = sorted(((p.data_ptr() - base) // size, (p.data_ptr() - base) // size + p.numel()) for p in parts

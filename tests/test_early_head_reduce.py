@@ -62,7 +62,19 @@ def _worker(rank: int, world: int, tmp: str) -> None:
             run_final_steps(big, big_opt, rank, world)
             big_opt.wait()
             by_rows[rows_min] = (W.weights(big), big_opt.ranks.rows_reduced)
-        torch.save((W.weights(engine), early, by_rows), os.path.join(tmp, f"early_rank{rank}.pt"))
+        # Two backwards of one step both marked final: refused, not averaged twice.
+        ids, labels = W.batches()[0][0]
+        rows = slice(rank * W.BATCH // world, (rank + 1) * W.BATCH // world)
+        refused = ""
+        for _ in range(2):
+            engine.set_final_backward(True)
+            try:
+                engine(input_ids=ids[rows], labels=labels[rows], num_items_in_batch=10).loss.backward()
+            except RuntimeError as e:
+                refused = str(e)
+                break
+        opt.zero_grad()
+        torch.save((W.weights(engine), early, by_rows, refused), os.path.join(tmp, f"early_rank{rank}.pt"))
 
 
 @pytest.mark.slow  # (spawns processes)
@@ -74,7 +86,8 @@ def test_replicated_gradients_reduced_early_and_by_rows_match(tmp_path):
     ref = W.weights(engine)
     mp.spawn(_worker, args=(2, tmp), nprocs=2, join=True)
     for rank in (0, 1):
-        got, early, by_rows = torch.load(os.path.join(tmp, f"early_rank{rank}.pt"))
+        got, early, by_rows, refused = torch.load(os.path.join(tmp, f"early_rank{rank}.pt"))
+        assert "marked as the step's last" in refused, refused
         assert early == [1] * W.STEPS  # (the head's view, started in each step's last backward)
         worst = max((rel(got[n], ref[n]), n) for n in ref)
         assert worst[0] <= 1e-5, worst

@@ -194,7 +194,10 @@ class UnitAdamW(SpeculativeStep, AdamWStateIO, torch.optim.Optimizer):
         over. With data parallel, the output head's gradient lands now and its mean over the ranks starts beside
         the layers' backward, instead of after it (``before_norm``)."""
         if self.ranks.world > 1 and not self._stepping:
-            self._drop_early()
+            if self._early:  # (its head gradient is averaged already: adding more to it now would be wrong)
+                raise RuntimeError("hf_megatrain: a second backward of one step was marked as the step's last "
+                                   "(engine.set_final_backward(True)) before optimizer.step(); with several "
+                                   "processes mark only the last backward before each step (as Trainer does)")
             self._early = self.ranks.reduce_early(self.grads.land_early())
 
     @property

@@ -61,7 +61,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
             big, big_opt = W.make_engine(dp, tmp, model_over=VOCAB)
             run_final_steps(big, big_opt, rank, world)
             big_opt.wait()
-            by_rows[rows_min] = (W.weights(big), big_opt.ranks.rows_reduced)
+            by_rows[rows_min] = (W.weights(big), list(big_opt.ranks.rows_reduced))
         # Two backwards of one step both marked final: refused, not averaged twice.
         ids, labels = W.batches()[0][0]
         rows = slice(rank * W.BATCH // world, (rank + 1) * W.BATCH // world)

@@ -12,6 +12,7 @@ batch would.
 
 from __future__ import annotations
 
+from collections import deque
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -91,7 +92,8 @@ class SharedHostRanks:
         self.is_node_leader = dp.is_leader
         self.node_gather_object = dp.node_gather_object
         self._reached: dict[int, list[bool]] = {}  # each unit's flags OR-ed over the ranks (``before_norm``)
-        self.rows_reduced: list[tuple[int, int]] = []  # (rows touched, rows) of each matrix reduced by rows (tests)
+        # (rows touched, rows) of the latest matrices reduced by rows (diagnostics, tests; bounded: one per step)
+        self.rows_reduced: deque[tuple[int, int]] = deque(maxlen=64)
 
     def own(self, u: Unit) -> tuple[int, int]:
         """This rank's shard of a HOST unit shared by the node's ranks, else all of it."""

@@ -144,11 +144,14 @@ class GradientOffload:
         # The gradient-norm reduction rides along with the gradient's departure (first visit of the step only).
         first = not self.state.has_grad(unit.index)
         self.unlanded = True
+        self.route[index](k, unit, off, first)
         if self._first_pending:  # (the loss's backward is over: the resident gradients it made are final)
             self._first_pending = False
+            # After the layer's own collective: the ranks' collectives run one after another on one communicator,
+            # so the head's mean (GBs) issued first would hold this first gradient's reduce-scatter, and its landing,
+            # behind it; issued after, it runs beside the next layer's backward.
             if self.sink is not None:
                 self.sink.first_layer_gradient()
-        self.route[index](k, unit, off, first)
 
     @staticmethod
     def _sq(off: torch.Tensor, first: bool) -> torch.Tensor | None:

@@ -103,7 +103,7 @@ class SharedHostRanks:
         """Start the sum over ranks of ``views`` (parts of a replicated unit's gradient that the loss's backward
         finished: optim/adamw.py ``first_layer_gradient``) beside the layers' backward; ``before_norm`` waits for
         them and makes them means. Every rank calls this at the same point of its backward (its first layer
-        gradient), before that gradient's own collective: the same order everywhere."""
+        gradient), right after that gradient's own collective: the same order everywhere."""
         return [(v, self.dp.all_reduce_sum_async(v)) for v in views]
 
     def before_norm(self, units: list[Unit], state: StepState, reach: GradReach | None,

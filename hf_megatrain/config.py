@@ -296,6 +296,10 @@ class MegaTrainConfig:
             a layer's weights from host memory and an all-gather between the GPUs (NVLink) brings the others', so
             the host's memory is read once per layer instead of once per process (engine/weight_gather.py). The
             backward, evaluation and generation copy whole layers. ``False``: every load copies the whole layer.
+        gradient_reduce_ctas: several processes on GPUs (NCCL): the most SMs (CTAs) each layer gradient's
+            reduce-scatter may take, on a communicator of its own. It runs beside the backward's GEMMs, which lose
+            the SMs it holds for as long as it runs, waiting for a slower rank included; a few CTAs move a layer's
+            gradient well within one layer's backward. ``0``: NCCL's own choice, on the gradient group.
     """
 
     compute_dtype: str = "bfloat16"
@@ -338,6 +342,7 @@ class MegaTrainConfig:
     host_affinity: str = "auto"
     shared_memory_dir: str = "/dev/shm"
     weight_gather: bool = True
+    gradient_reduce_ctas: int = 8
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:

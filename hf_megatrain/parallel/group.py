@@ -54,6 +54,8 @@ class DataParallel:
     node_group: Any = None  # gradient collectives among this node's ranks (the reduce-scatter); None: ``group``
     node_cpu_group: Any = None  # gloo among this node's ranks (objects); None: ``cpu_group``
     cross_group: Any = None  # this local rank's ranks on every node (shards all-reduced, broadcast); one node: None
+    # The layer gradients' reduce-scatter among the node's ranks, when it has a communicator of its own (``cap_reduce``)
+    reduce_group: Any = None
     node_leader: int = 0  # rank (in ``group``) of this node's local rank 0
     cross_root: int = 0  # rank (in ``group``) of this local rank on node 0
 
@@ -109,6 +111,23 @@ class DataParallel:
         return cls(rank, world, local_rank, device, group, cpu_group, wait_group, local_world=local_world,
                    node=node, nodes=len(names), node_group=node_group, node_cpu_group=node_cpu_group,
                    cross_group=cross_group, node_leader=members[node][0], cross_root=members[0][local_rank])
+
+    def cap_reduce(self, max_ctas: int) -> bool:
+        """Give the layer gradients' reduce-scatter a communicator of its own among the node's ranks whose kernels
+        take at most ``max_ctas`` SMs (NCCL only; 0, another backend, or once done: nothing). It runs beside the
+        backward's GEMMs, which lose the SMs a collective holds while it runs, waiting for a slower rank included.
+        Every rank must call this with the same value (every process creates every node's group, in one order).
+        Whether this rank now has one."""
+        if max_ctas <= 0 or self.reduce_group is not None or dist.get_backend(self.group) != "nccl":
+            return self.reduce_group is not None
+        ranks = self.all_gather_object((self.node, dist.get_rank()))  # (global ranks, by node)
+        opts = dist.ProcessGroupNCCL.Options()
+        opts.config.max_ctas = max_ctas
+        for n in range(self.nodes):
+            g = dist.new_group(ranks=[r for node, r in ranks if node == n], backend="nccl", pg_options=opts)
+            if n == self.node:
+                self.reduce_group = g
+        return True
 
     @classmethod
     def current(cls) -> "DataParallel | None":
@@ -202,8 +221,9 @@ class DataParallel:
         """``out`` (``full.numel() / local_world`` elements) = this rank's shard of the mean of ``full`` over every
         rank: summed over the node's ranks, then over the nodes (among the ranks holding the same shard; every
         node receives the same values), divided by ``world``."""
-        dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM,
-                                   group=self.group if self.node_group is None else self.node_group)
+        group = self.reduce_group if self.reduce_group is not None else \
+            self.group if self.node_group is None else self.node_group
+        dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=group)
         if self.nodes > 1:
             dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.cross_group)
         out.mul_(1.0 / self.world)

@@ -6,7 +6,7 @@
 #   bash integration/device_queue.sh wait SECONDS DIR OUT  # until the queue ends or SECONDS pass; logs+results -> OUT
 #
 # Each command N runs with `cd` at the tree holding this script, output to DIR/NN.log, exit status and seconds to
-# DIR/NN.rc; DIR/done appears when the queue ends. `wait` packs DIR's small files (logs, JSON, Markdown) into
+# DIR/NN.rc; DIR/done appears when the queue ends. `wait` packs DIR's small files (logs, JSON, Markdown, text) into
 # OUT/queue.tgz, so every call brings back what finished so far even if the machine is lost later.
 # Start it from a copy of the tree (`cp -a . /tmp/tree && bash /tmp/tree/integration/device_queue.sh start ...`):
 # each later call re-syncs the working tree and removes the ignored folders it does not carry, under a running queue.
@@ -35,7 +35,7 @@ wait)
     cat "$dir/status" 2>/dev/null
     last=$(ls "$dir"/*.log 2>/dev/null | grep -v queue.log | tail -1)
     [ -n "$last" ] && { echo "--- tail of $last"; tail -c 3000 "$last"; }
-    (cd "$dir" && find . -type f \( -name '*.log' -o -name '*.json' -o -name '*.md' -o -name '*.rc' -o -name '*.cmd' \
+    (cd "$dir" && find . -type f \( -name '*.log' -o -name '*.json' -o -name '*.md' -o -name '*.txt' -o -name '*.rc' -o -name '*.cmd' \
         -o -name status \) -size -4M -print0 | tar -czf "$out/queue.tgz" --null -T -)
     [ -e "$dir/done" ] && echo "queue done" || echo "queue still running"
     ;;

@@ -344,6 +344,22 @@ def run_trainer(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str
             "megatrain_config": args.megatrain_resolved_config().to_dict(), "trainer_bf16_flag": False}
 
 
+def _process_memory() -> dict[str, float]:
+    """This process's resident memory by kind (GiB, /proc/self/status): anonymous (its own heap, pinned staging,
+    the CUDA runtime's host side), file-backed (libraries) and shared (the store's mapped pages, counted once per
+    host by the bench's host figure): what one more rank adds to a host."""
+    out: dict[str, float] = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem", "VmPin", "VmLck"):
+                    out[key] = int(rest.split()[0]) / 2 ** 20  # (kB)
+    except OSError:
+        pass
+    return out
+
+
 def _by_rank(ex: Any, per_step: list[dict], warm: int, timeline: dict | None) -> dict[str, Any]:
     """Several processes: every rank's host phases (median of the timed steps), its wait for the other ranks'
     shards of an update (``PeerCells.waited_s``) and its timeline, gathered onto the rank that writes the record:
@@ -354,7 +370,7 @@ def _by_rank(ex: Any, per_step: list[dict], warm: int, timeline: dict | None) ->
         return {}
     peers = getattr(getattr(ex, "state", None), "peers", None)
     mine = {"rank": dist.get_rank(), "cpu_optimizer": _host_phases(per_step, warm),
-            "peer_wait_s": getattr(peers, "waited_s", None), "timeline": timeline}
+            "peer_wait_s": getattr(peers, "waited_s", None), "timeline": timeline, "memory": _process_memory()}
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, mine)
     return {"by_rank": out}

@@ -300,6 +300,11 @@ class MegaTrainConfig:
             reduce-scatter may take, on a communicator of its own. It runs beside the backward's GEMMs, which lose
             the SMs it holds for as long as it runs, waiting for a slower rank included; a few CTAs move a layer's
             gradient well within one layer's backward. ``0``: NCCL's own choice, on the gradient group.
+        gradient_exchange: several processes: how a layer's gradient becomes each rank's shard of the ranks' mean.
+            ``reduce_scatter`` (default): cast to FP32 on the compute stream, an FP32 reduce-scatter. ``all_to_all``
+            (bf16/fp16 compute, a layer's gradient computed whole): the compute-dtype values themselves cross to
+            the rank owning each shard (half the bytes on the GPUs' links, no cast on the compute stream) and that
+            rank sums them in FP32 beside the backward; the same mean up to FP32 summation order.
     """
 
     compute_dtype: str = "bfloat16"
@@ -343,6 +348,7 @@ class MegaTrainConfig:
     shared_memory_dir: str = "/dev/shm"
     weight_gather: bool = True
     gradient_reduce_ctas: int = 8
+    gradient_exchange: str = "reduce_scatter"
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -385,6 +391,9 @@ class MegaTrainConfig:
         for frac in ("device_step_fraction", "resident_device_fraction"):
             if not 0.0 <= getattr(self, frac) <= 1.0:  # (nan fails too)
                 raise ValueError(f"{frac}={getattr(self, frac)} must be in [0, 1]")
+        if self.gradient_exchange not in ("reduce_scatter", "all_to_all"):
+            raise ValueError(f"gradient_exchange={self.gradient_exchange!r}; use 'reduce_scatter' (FP32 collective) or "
+                             "'all_to_all' (compute-dtype values to each shard's rank, summed there in FP32)")
         if self.host_affinity not in ("auto", "none"):
             raise ValueError(f"host_affinity={self.host_affinity!r}; use 'auto' (each process on its GPU's NUMA node "
                              "and its share of the cores) or 'none' (keep the launcher's affinity)")

@@ -129,7 +129,8 @@ def _executor(conv: Converted, config: MegaTrainConfig, device: torch.device,
         compute_dtype=config.torch_compute_dtype, grad_offload_dtype=config.torch_grad_offload_dtype,
         num_slots=config.num_slots, micro_batch_size=config.micro_batch_size,
         pin=config.pin_memory and device.type == "cuda", activation_prefetch=config.activation_prefetch, dp=dp,
-        narrow=modes.narrow, gather=gather if gather is not None and gather.order else None)
+        narrow=modes.narrow, gather=gather if gather is not None and gather.order else None,
+        exchange=config.gradient_exchange)
     # Each decoder layer's place: a weightless proxy run by the executor (one that also runs with a KV cache, for
     # ``generate()``: engine/kv_cache.py).
     layers = conv.stack.layers

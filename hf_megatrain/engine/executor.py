@@ -49,7 +49,8 @@ class StreamingExecutor:
                  buffers: list[dict[str, torch.Tensor]], *, device: torch.device, compute_dtype: torch.dtype,
                  grad_offload_dtype: torch.dtype, num_slots: int, micro_batch_size: int, pin: bool,
                  activation_prefetch: int = 2, dp: DataParallel | None = None,
-                 narrow: torch.dtype | None = None, gather: WeightGather | None = None) -> None:
+                 narrow: torch.dtype | None = None, gather: WeightGather | None = None,
+                 exchange: str = "reduce_scatter") -> None:
         self.units, self.kinds, self.templates, self.buffers = units, kinds, templates, buffers
         self.device = device
         self.state = state
@@ -61,7 +62,8 @@ class StreamingExecutor:
         self.weights = WeightSlots(units, state, self.streams, device=device, compute_dtype=compute_dtype,
                                    num_slots=num_slots, gather=gather)
         self.grads = GradientOffload(units, state, self.streams, device=device, compute_dtype=compute_dtype,
-                                     offload_dtype=grad_offload_dtype, pin=pin, dp=dp, narrow=narrow)
+                                     offload_dtype=grad_offload_dtype, pin=pin, dp=dp, narrow=narrow,
+                                     exchange=exchange)
         # The layers' saved inputs, on the device or offloaded to host (the engine sets which per step shape).
         self.activations = ActivationStore(device, prefetch=activation_prefetch, pin=pin)
         self.training = True

@@ -59,7 +59,8 @@ _NEVER, _ALWAYS, _FIRST_FINAL = "never", "always", "first final visit"  # when a
 class GradientOffload:
     def __init__(self, units: list[Unit], state: StepState, streams: StreamSet, *, device: torch.device,
                  compute_dtype: torch.dtype, offload_dtype: torch.dtype, pin: bool,
-                 dp: DataParallel | None = None, narrow: torch.dtype | None = None) -> None:
+                 dp: DataParallel | None = None, narrow: torch.dtype | None = None,
+                 exchange: str = "reduce_scatter") -> None:
         self.units, self.state, self.streams = units, state, streams
         self.dp = dp
         n = max(u.numel for u in units)
@@ -98,6 +99,12 @@ class GradientOffload:
         when = {Where.NONE: _ALWAYS, Where.HOST: _FIRST_FINAL, Where.DEVICE: _NEVER}
         self._narrow_when = [when[u.plan.grad] if narrow is not None else _NEVER for u in units]
         self._narrow_k: list[torch.dtype | None] = [None, None]
+        # Data parallel, ``exchange='all_to_all'``: the dtype a whole visit's gradient crosses to the shards' ranks in
+        # (the compute dtype, half of FP32: the offload buffer's first half sends, its second half receives); per
+        # offload buffer, whether its current gradient does.
+        self.wire = compute_dtype if (dp is not None and exchange == "all_to_all" and compute_dtype.itemsize == 2
+                                      and offload_dtype == torch.float32) else None
+        self._wire_k: list[torch.dtype | None] = [None, None]
         # Where landed gradients go besides the step state (the optimizer; ``attach``), and whether the backward in
         # progress is the step's last (written only by engine/landing.py: ``MegaTrainEngine.set_final_backward``,
         # reset when the step's gradients are discarded).
@@ -126,6 +133,8 @@ class GradientOffload:
         self._next ^= 1
         self.streams.wait(self.streams.compute, self.done[k])
         self._narrow_k[k] = self.narrow if whole and self._may_narrow(index) else None
+        # (a gradient summed over micro-batch chunks is FP32 already: it crosses as is)
+        self._wire_k[k] = self.wire if whole and self.units[index].plan.grad is not Where.DEVICE else None
         return k, self._off(k, n)
 
     def _may_narrow(self, index: int) -> bool:
@@ -134,7 +143,7 @@ class GradientOffload:
                                           and not self.state.has_grad(self.units[index].index))
 
     def _off(self, k: int, n: int) -> torch.Tensor:
-        dt = self._narrow_k[k]
+        dt = self._narrow_k[k] if self._narrow_k[k] is not None else self._wire_k[k]
         return self.offload[k][:n] if dt is None else self.offload[k].view(dt)[:n]
 
     def send(self, index: int, k: int) -> None:
@@ -172,7 +181,9 @@ class GradientOffload:
         ``done[k]``, recorded on this stream after the copy, has passed."""
         dp = self.dp
         size = dp.shard_size(unit.numel)
-        full = self.offload[k][:size * dp.local_world]
+        wire = self._wire_k[k]
+        buf = self.offload[k] if wire is None else self.offload[k].view(wire)
+        full = buf[:size * dp.local_world]
         full[unit.numel:].zero_()  # (padding: left over from a larger unit)
         out = self.reduced[k][:size]
         lo, hi = dp.shard(unit.numel)
@@ -180,7 +191,10 @@ class GradientOffload:
         ready = st.record(st.compute)
         with st.on(st.d2h):
             st.wait(st.d2h, ready)
-            dp.reduce_scatter_mean_(out, full)
+            if wire is None:
+                dp.reduce_scatter_mean_(out, full)
+            else:  # (the offload buffer's second half receives the ranks' parts of this rank's shard)
+                dp.exchange_mean_(out, full, buf[size * dp.local_world:2 * size * dp.local_world])
             part = out[:hi - lo]
             return part, lo, self._sq(part, first)
 

@@ -228,6 +228,18 @@ class DataParallel:
             dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.cross_group)
         out.mul_(1.0 / self.world)
 
+    def exchange_mean_(self, out: torch.Tensor, full: torch.Tensor, recv: torch.Tensor) -> None:
+        """As ``reduce_scatter_mean_``, the values crossing in ``full``'s dtype (bf16: half an FP32 reduce-scatter's
+        bytes): each node rank's part of this rank's shard arrives in ``recv`` (``full.numel()`` elements) and is
+        summed here in ``out``'s dtype (FP32), in rank order; then over the nodes, divided by ``world``."""
+        group = self.reduce_group if self.reduce_group is not None else \
+            self.group if self.node_group is None else self.node_group
+        dist.all_to_all_single(recv, full, group=group)
+        torch.sum(recv.view(self.local_world, -1), dim=0, dtype=out.dtype, out=out)
+        if self.nodes > 1:
+            dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.cross_group)
+        out.mul_(1.0 / self.world)
+
     def all_gather_shards_(self, full: torch.Tensor) -> None:
         """``full`` (``local_world`` equal shards, this rank's in place at its offset) gets every node rank's shard:
         a layer's weights, each rank having copied in only its own (engine/weight_gather.py)."""

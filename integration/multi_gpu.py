@@ -78,7 +78,8 @@ def worker(rank: int, world: int, kind: str, a: argparse.Namespace, port: int, c
     model = build_model(spec, dtype)
     n_params = count_params(model)
     config = MegaTrainConfig(compute_dtype=compute, device_layers=0, device_step_layers=0,
-                             torch_compile=kind == "scaling" and cuda and a.compile, shared_memory_dir=a.shm)
+                             torch_compile=kind == "scaling" and cuda and a.compile, shared_memory_dir=a.shm,
+                             **json.loads(a.megatrain_config or "{}"))
     dp = DataParallel.from_process_group() if world > 1 else None
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     engine = MegaTrainEngine(model, config, device=device, dp=dp)
@@ -199,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip", default="", help="comma list of parts to skip: parity, scaling")
     ap.add_argument("--tiny", action="store_true", help="tiny width on the CPU with gloo (smoke test)")
     ap.add_argument("--shm", default="/dev/shm", help="where the shared host store's files live")
+    ap.add_argument("--megatrain-config", default=None,
+                    help='JSON dict of more MegaTrainConfig keys, e.g. \'{"gradient_exchange": "all_to_all"}\'')
     ap.add_argument("--out", default=os.path.join(HERE, "results", "multi_gpu"))
     a = ap.parse_args(argv)
     if a.tiny:

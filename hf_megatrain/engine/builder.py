@@ -115,9 +115,8 @@ def _executor(conv: Converted, config: MegaTrainConfig, device: torch.device,
     modes = decide_modes(config, conv.plans, device.type, data_parallel=dp is not None)
     # (data parallel: loads wait for every rank's shard of an update, not for a barrier per step)
     peers = None
-    if dp is not None:  # (a communicator of its own for the layer gradients' reduce-scatter, SMs capped: NCCL)
-        dp.cap_reduce(config.gradient_reduce_ctas)
     if dp is not None:  # ([ranks, 2 x units]: the final updates, then those whose compute copy is written)
+        dp.cap_reduce(config.gradient_reduce_ctas)  # (the layer gradients' collective: its own communicator, NCCL)
         finished, weights = conv.peer_cells.chunk(2, dim=1)
         peers = PeerCells(finished, dp.local_rank, weights=weights, liveness=conv.liveness)
     state = StepState(len(conv.store.units), peers=peers)

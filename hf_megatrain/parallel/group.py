@@ -221,20 +221,24 @@ class DataParallel:
         """``out`` (``full.numel() / local_world`` elements) = this rank's shard of the mean of ``full`` over every
         rank: summed over the node's ranks, then over the nodes (among the ranks holding the same shard; every
         node receives the same values), divided by ``world``."""
-        group = self.reduce_group if self.reduce_group is not None else \
-            self.group if self.node_group is None else self.node_group
-        dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=group)
+        dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=self._layer_group)
         if self.nodes > 1:
             dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.cross_group)
         out.mul_(1.0 / self.world)
+
+    @property
+    def _layer_group(self) -> Any:
+        """Where a layer gradient's collective among the node's ranks runs: its own communicator when capped, else
+        the node's group (one node: the gradient group)."""
+        if self.reduce_group is not None:
+            return self.reduce_group
+        return self.group if self.node_group is None else self.node_group
 
     def exchange_mean_(self, out: torch.Tensor, full: torch.Tensor, recv: torch.Tensor) -> None:
         """As ``reduce_scatter_mean_``, the values crossing in ``full``'s dtype (bf16: half an FP32 reduce-scatter's
         bytes): each node rank's part of this rank's shard arrives in ``recv`` (``full.numel()`` elements) and is
         summed here in ``out``'s dtype (FP32), in rank order; then over the nodes, divided by ``world``."""
-        group = self.reduce_group if self.reduce_group is not None else \
-            self.group if self.node_group is None else self.node_group
-        dist.all_to_all_single(recv, full, group=group)
+        dist.all_to_all_single(recv, full, group=self._layer_group)
         torch.sum(recv.view(self.local_world, -1), dim=0, dtype=out.dtype, out=out)
         if self.nodes > 1:
             dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.cross_group)

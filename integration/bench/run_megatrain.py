@@ -11,6 +11,7 @@ forward's wait on the previous step's optimizer as a share of the step.
 
 from __future__ import annotations
 
+import glob
 import os
 import statistics
 import sys
@@ -336,6 +337,7 @@ def run_trainer(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str
     if timeline is not None:
         timeline.restore()
         extra["timeline"] = timeline.summary(keep=3 if not n_prof else n_prof + 2)
+    extra["process_memory"] = _process_memory()  # (this rank's; every rank's in by_rank)
     extra.update(_by_rank(state.get("ex"), per_step, warm, extra.get("timeline")))
     return {**extra, "mode": "trainer", "setup_s": setup_s, "per_step": raw, "train_loss": result.training_loss,
             "grad_norm_last": getattr(opt, "last_grad_norm", None), "periods": clock.periods,
@@ -347,17 +349,40 @@ def run_trainer(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str
 def _process_memory() -> dict[str, float]:
     """This process's resident memory by kind (GiB, /proc/self/status): anonymous (its own heap, pinned staging,
     the CUDA runtime's host side), file-backed (libraries) and shared (the store's mapped pages, counted once per
-    host by the bench's host figure): what one more rank adds to a host."""
-    out: dict[str, float] = {}
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem", "VmPin", "VmLck"):
-                    out[key] = int(rest.split()[0]) / 2 ** 20  # (kB)
-    except OSError:
-        pass
-    return out
+    host by the bench's host figure); and its descendants' (e.g. torch.compile's worker pool): what one more rank
+    adds to a host."""
+
+    def status(pid: str) -> dict[str, float]:
+        out: dict[str, float] = {}
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                for line in f:
+                    key, _, rest = line.partition(":")
+                    if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem", "VmPin", "VmLck"):
+                        out[key] = int(rest.split()[0]) / 2 ** 20  # (kB)
+        except (OSError, ValueError):
+            pass
+        return out
+
+    def children(pid: str) -> list[str]:
+        kids: list[str] = []
+        for task in glob.glob(f"/proc/{pid}/task/*/children"):
+            try:
+                with open(task) as f:
+                    kids += f.read().split()
+            except OSError:
+                pass
+        return kids
+
+    me = status("self")
+    todo, seen = children(str(os.getpid())), 0
+    anon = 0.0
+    while todo:
+        pid = todo.pop()
+        seen += 1
+        anon += status(pid).get("RssAnon", 0.0)
+        todo += children(pid)
+    return {**me, "descendants": seen, "descendants_RssAnon": anon}
 
 
 def _by_rank(ex: Any, per_step: list[dict], warm: int, timeline: dict | None) -> dict[str, Any]:

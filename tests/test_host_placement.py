@@ -81,6 +81,31 @@ def test_place_host_binds_every_thread_and_sizes_the_pool():
         torch.set_num_threads(before_threads)
 
 
+def test_compile_workers_take_the_process_share_of_the_cores():
+    assert threads.compile_workers(32, 64, 16) == 16  # (inductor's default on a 64-core host; 4 processes)
+    assert threads.compile_workers(32, 64, 48) == 32  # (never more than inductor's own)
+    assert threads.compile_workers(8, 64, 16) == 8  # (a count the user set stays)
+    assert threads.compile_workers(2, 2, 0) == 1  # (at least one)
+
+
+def test_several_processes_share_the_compile_workers():
+    import torch._inductor.config as inductor
+
+    before_aff, before_threads, before_workers = os.sched_getaffinity(0), torch.get_num_threads(), \
+        inductor.compile_threads
+    try:
+        inductor.compile_threads = min(32, len(before_aff))  # (inductor's default here)
+        alone = threads.place_host("none", 0, [None], 0)
+        assert alone.compile_workers is None and inductor.compile_threads == min(32, len(before_aff))
+        p = threads.place_host("none", 0, [None, None], 1)
+        assert p.compile_workers == inductor.compile_threads == min(32, max(len(before_aff) // 2, 1))
+        assert "compile workers" in p.describe()
+    finally:
+        inductor.compile_threads = before_workers
+        os.sched_setaffinity(0, before_aff)
+        torch.set_num_threads(before_threads)
+
+
 def test_the_run_summary_says_where_the_host_threads_run():
     engine = MegaTrainEngine(tiny("llama"), MegaTrainConfig(compute_dtype="float32"), device="cpu")
     s = run_summary(engine)

@@ -5,6 +5,11 @@ The host AdamW is memory-bound and wants every core the process may run on. Laun
 and torchrun sets 1 per process, which would run the whole optimizer on one core (several times slower steps).
 ``auto`` gives each process its share of the cores (the data-parallel processes of one host share them) and only
 ever raises the count: a larger setting the user chose stays.
+
+``torch.compile``'s Triton compile workers are decided the same way: inductor sizes its worker pool at import, from
+every core of the host (``min(32, cores)``), in every process; N data-parallel processes would start N such pools,
+oversubscribing the cores while they compile and holding their memory until inductor quiesces them (a minute idle).
+Each process of several keeps its share of the cores for them too; a count the user set otherwise stays.
 """
 
 from __future__ import annotations
@@ -33,6 +38,27 @@ def host_threads(requested: int, processes: int, current: int, cores: int) -> in
     return max(current, cores // max(processes, 1), 1)
 
 
+def compile_workers(current: int, cores_at_import: int, share: int) -> int:
+    """Inductor's compile workers for a process of several: its ``share`` of the cores where ``current`` is still
+    inductor's own default for the host (``min(32, cores_at_import)``), never more than that; else ``current``."""
+    default = min(32, cores_at_import)
+    return min(current, max(share, 1)) if current == default else current
+
+
+def _share_compile_workers(share: int, cores_at_import: int) -> int | None:
+    """Apply ``compile_workers`` to inductor's config (before this process compiles anything); the count, or None
+    where inductor is not importable."""
+    try:
+        import torch._inductor.config as inductor
+    except ImportError:  # (a build without inductor: nothing compiles)
+        return None
+    current = inductor.compile_threads
+    if current is None:  # (inductor decides elsewhere)
+        return None
+    inductor.compile_threads = compile_workers(current, cores_at_import, share)
+    return inductor.compile_threads
+
+
 @dataclass(frozen=True)
 class HostPlacement:
     """Where this process's host work runs: its GPU's NUMA node (None: unknown / no GPU), the cores its threads
@@ -43,6 +69,7 @@ class HostPlacement:
     threads: int
     bound: bool
     threads_before: int
+    compile_workers: int | None = None  # torch.compile's worker pool (None: left as inductor set it)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -50,7 +77,9 @@ class HostPlacement:
     def describe(self) -> str:
         where = f"NUMA node {self.node}" if self.node is not None else "no NUMA node known"
         how = "bound to" if self.bound else "free on"
-        return f"{where}; {how} {len(self.cores)} cores ({_span(self.cores)}), host AdamW on {self.threads} threads"
+        workers = f", {self.compile_workers} compile workers" if self.compile_workers is not None else ""
+        return (f"{where}; {how} {len(self.cores)} cores ({_span(self.cores)}), host AdamW on {self.threads} "
+                f"threads{workers}")
 
 
 def _span(cores: tuple[int, ...]) -> str:
@@ -86,7 +115,11 @@ def place_host(affinity: str, requested_threads: int, gpu_nodes: list[int | None
         after = host_threads(requested_threads, len(gpu_nodes), before, len(cores))
     if after != before:
         torch.set_num_threads(after)
-    return HostPlacement(node, tuple(cores), after, bound, before)
+    workers = None
+    if len(gpu_nodes) > 1:  # (one of several processes of this host)
+        share = len(cores) if bound else len(cores) // len(gpu_nodes)
+        workers = _share_compile_workers(share, len(allowed))
+    return HostPlacement(node, tuple(cores), after, bound, before, workers)
 
 
 def place_host_for(config: Any, device: torch.device, ranks: Any) -> HostPlacement:

@@ -222,9 +222,7 @@ class DataParallel:
         rank: summed over the node's ranks, then over the nodes (among the ranks holding the same shard; every
         node receives the same values), divided by ``world``."""
         dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=self._layer_group)
-        if self.nodes > 1:
-            dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.cross_group)
-        out.mul_(1.0 / self.world)
+        self._node_sum_to_mean_(out)
 
     @property
     def _layer_group(self) -> Any:
@@ -240,6 +238,11 @@ class DataParallel:
         summed here in ``out``'s dtype (FP32), in rank order; then over the nodes, divided by ``world``."""
         dist.all_to_all_single(recv, full, group=self._layer_group)
         torch.sum(recv.view(self.local_world, -1), dim=0, dtype=out.dtype, out=out)
+        self._node_sum_to_mean_(out)
+
+    def _node_sum_to_mean_(self, out: torch.Tensor) -> None:
+        """``out``, a shard summed over this node's ranks -> the mean over every rank: summed over the nodes too
+        (among the ranks holding the same shard), divided by ``world``."""
         if self.nodes > 1:
             dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.cross_group)
         out.mul_(1.0 / self.world)

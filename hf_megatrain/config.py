@@ -391,6 +391,9 @@ class MegaTrainConfig:
         for frac in ("device_step_fraction", "resident_device_fraction"):
             if not 0.0 <= getattr(self, frac) <= 1.0:  # (nan fails too)
                 raise ValueError(f"{frac}={getattr(self, frac)} must be in [0, 1]")
+        if not 0 <= self.gradient_reduce_ctas <= 64:  # (NCCL's range for a communicator's CTAs)
+            raise ValueError(f"gradient_reduce_ctas={self.gradient_reduce_ctas} must be in [0, 64]: the most SMs a "
+                             "layer gradient's reduce-scatter may take (0: NCCL's own choice)")
         if self.gradient_exchange not in ("reduce_scatter", "all_to_all"):
             raise ValueError(f"gradient_exchange={self.gradient_exchange!r}; use 'reduce_scatter' (FP32 collective) or "
                              "'all_to_all' (compute-dtype values to each shard's rank, summed there in FP32)")

@@ -42,6 +42,9 @@ def test_numbers_from_strings(tmp_path):
     ("resident_device_fraction", 7, r"resident_device_fraction=7.0 must be in \[0, 1\]"),
     ("device_step_fraction", 1.5, r"device_step_fraction=1.5 must be in \[0, 1\]"),
     ("host_memory_fraction", "nan", "host_memory_fraction=nan must be in"),
+    ("gradient_reduce_ctas", -1, r"gradient_reduce_ctas=-1 must be in \[0, 64\]"),
+    ("gradient_reduce_ctas", 65, r"gradient_reduce_ctas=65 must be in \[0, 64\]"),
+    ("gradient_exchange", "ring", "gradient_exchange='ring'; use 'reduce_scatter'"),
 ])
 def test_bad_values_name_the_key(key, value, match):
     with pytest.raises(ValueError, match=match):

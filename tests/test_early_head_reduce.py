@@ -108,3 +108,25 @@ def test_a_tied_head_is_not_reduced_early():
     model.lm_head.weight = model.model.embed_tokens.weight  # (tied: its gradient is final only at the end)
     engine = MegaTrainEngine(model, MegaTrainConfig(compute_dtype="float32"), device="cpu")
     assert engine.landing.early_names == frozenset()
+
+
+def test_head_mean_starts_after_the_first_layer_gradients_collective():
+    """The ranks' collectives run one after another on one communicator: the head's mean (GBs) issued before the
+    first layer gradient's reduce-scatter would hold that gradient's landing behind it (engine/offload.py ``send``)."""
+    import types
+
+    from hf_megatrain.core.plan import Where
+    from hf_megatrain.core.streams import StreamSet
+    from hf_megatrain.engine.offload import GradientOffload
+
+    calls: list[str] = []
+    units = [types.SimpleNamespace(index=i, numel=4, plan=types.SimpleNamespace(grad=Where.HOST)) for i in (0, 1)]
+    g = GradientOffload(units, types.SimpleNamespace(has_grad=lambda i: False), StreamSet(torch.device("cpu")),
+                        device=torch.device("cpu"), compute_dtype=torch.float32, offload_dtype=torch.float32,
+                        pin=False)
+    g.route = [lambda k, unit, off, first: calls.append("layer collective")] * 2  # (where each gradient goes)
+    g.attach(types.SimpleNamespace(first_layer_gradient=lambda: calls.append("head mean")))
+    g.final_backward = True  # (the step's last backward: its first layer gradient starts the head's mean)
+    g.send(1, 0)
+    g.send(0, 1)
+    assert calls == ["layer collective", "head mean", "layer collective"]

@@ -41,3 +41,22 @@ def test_all_to_all_exchange_matches_the_reduce_scatter(tmp_path):
 def test_exchange_is_a_known_choice():
     with pytest.raises(ValueError, match="gradient_exchange"):
         MegaTrainConfig(gradient_exchange="ring")
+
+
+def test_all_to_all_says_when_it_cannot_apply(caplog):
+    """FP32 compute has nothing narrower to send: the FP32 reduce-scatter runs, and the log says so."""
+    import types
+
+    from hf_megatrain.core.plan import Where
+    from hf_megatrain.core.streams import StreamSet
+    from hf_megatrain.engine.offload import GradientOffload
+
+    unit = types.SimpleNamespace(numel=8, plan=types.SimpleNamespace(grad=Where.HOST))
+    dp = types.SimpleNamespace(local_world=2, shard_size=lambda n: (n + 1) // 2)
+    streams = StreamSet(torch.device("cpu"))
+    for dtype, wire in ((torch.bfloat16, torch.bfloat16), (torch.float32, None)):
+        caplog.clear()
+        g = GradientOffload([unit], None, streams, device=torch.device("cpu"), compute_dtype=dtype,
+                            offload_dtype=torch.float32, pin=False, dp=dp, exchange="all_to_all")
+        assert g.wire == wire
+        assert ("needs 16-bit compute" in caplog.text) == (wire is None)

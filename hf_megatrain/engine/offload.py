@@ -38,6 +38,7 @@ disjoint range, so accumulation needs no coordination beyond each visit's collec
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -52,6 +53,8 @@ if TYPE_CHECKING:
     from ..optim.gradient_path import GradientSink
     from ..parallel.group import DataParallel
 
+
+logger = logging.getLogger(__name__)
 
 _NEVER, _ALWAYS, _FIRST_FINAL = "never", "always", "first final visit"  # when a unit's visit may land narrow
 
@@ -104,6 +107,9 @@ class GradientOffload:
         # offload buffer, whether its current gradient does.
         self.wire = compute_dtype if (dp is not None and exchange == "all_to_all" and compute_dtype.itemsize == 2
                                       and offload_dtype == torch.float32) else None
+        if dp is not None and exchange == "all_to_all" and self.wire is None:
+            logger.warning("hf_megatrain: gradient_exchange='all_to_all' needs 16-bit compute (here %s): the layer "
+                           "gradients are reduce-scattered in FP32 instead", compute_dtype)
         self._wire_k: list[torch.dtype | None] = [None, None]
         # Where landed gradients go besides the step state (the optimizer; ``attach``), and whether the backward in
         # progress is the step's last (written only by engine/landing.py: ``MegaTrainEngine.set_final_backward``,

@@ -116,35 +116,3 @@ def test_the_run_summary_says_where_the_host_threads_run():
 def test_host_affinity_is_validated():
     with pytest.raises(ValueError, match="host_affinity"):
         MegaTrainConfig(host_affinity="numa")
-
-
-class _FakePool:
-    def __init__(self, running: bool = True, quiesces: bool = True) -> None:
-        self.running, self.calls = running, 0
-        if quiesces:
-            self.quiesce = self._quiesce
-
-    def _quiesce(self) -> None:
-        self.calls += 1
-
-
-def test_quiesce_stops_the_workers_of_running_subprocess_pools(monkeypatch):
-    """Inductor's sidecar pools that run are quiesced (their workers stop, the sidecar stays for a later compile);
-    a stopped pool and a pool without the mechanism (fork/spawn executors) are left alone."""
-    from torch._inductor import async_compile
-
-    pools = [_FakePool(), _FakePool(running=False), _FakePool(quiesces=False)]
-    monkeypatch.setattr(async_compile, "_pool_set", pools)
-    assert threads.quiesce_compile_workers() == 1
-    assert [getattr(p, "calls") for p in pools] == [1, 0, 0]
-
-
-def test_compile_workers_stop_once_at_the_second_training_pass():
-    """The first pass compiles the layers; the workers stop when the second starts, once; never where nothing
-    compiles."""
-    calls = []
-    release = threads.CompileWorkerRelease(True, quiesce=lambda: calls.append(1) or 1)
-    assert [release.training_pass() for _ in range(4)] == [None, 1, None, None]
-    assert calls == [1] and release.quiesced == 1
-    eager = threads.CompileWorkerRelease(False, quiesce=lambda: calls.append(1) or 1)
-    assert [eager.training_pass() for _ in range(3)] == [None, None, None] and calls == [1]

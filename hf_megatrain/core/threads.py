@@ -9,16 +9,14 @@ ever raises the count: a larger setting the user chose stays.
 ``torch.compile``'s Triton compile workers are decided the same way: inductor sizes its worker pool at import, from
 every core of the host (``min(32, cores)``), in every process; N data-parallel processes would start N such pools,
 oversubscribing the cores while they compile and holding their memory until inductor quiesces them (a minute idle).
-Each process of several keeps its share of the cores for them too; a count the user set otherwise stays. And once
-the first training step has compiled the layers, the engine quiesces the pool (``quiesce_compile_workers``) instead
-of leaving its workers' memory held for inductor's idle minute.
+Each process of several keeps its share of the cores for them too; a count the user set otherwise stays.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -59,48 +57,6 @@ def _share_compile_workers(share: int, cores_at_import: int) -> int | None:
         return None
     inductor.compile_threads = compile_workers(current, cores_at_import, share)
     return inductor.compile_threads
-
-
-def quiesce_compile_workers() -> int:
-    """Stop the worker processes of inductor's compile pools now, keeping each pool's sidecar: inductor's own
-    quiesce, which it runs by itself after a minute without a compile job, and which a later job undoes (the
-    workers start again). Called once the layers' graphs exist (the first training step compiled them): measured on
-    an H200 host, one process held 33 worker processes, 11.7 GiB of host memory, through the first minute of
-    training, a third of a 3.76B model's whole host footprint. Returns the pools quiesced (0: none, or a torch
-    without the mechanism -- then the workers stay until inductor's timer, as before)."""
-    try:
-        from torch._inductor import async_compile
-    except ImportError:
-        return 0
-    done = 0
-    for pool in list(getattr(async_compile, "_pool_set", ())):
-        quiesce = getattr(pool, "quiesce", None)  # (a SubprocPool; fork/spawn pools have no quiesce)
-        if callable(quiesce) and getattr(pool, "running", True):
-            quiesce()
-            done += 1
-    return done
-
-
-@dataclass
-class CompileWorkerRelease:
-    """When this process's compile workers stop: at its second training pass, where the first pass (forward and
-    backward) compiled the layers' graphs, and only where the layers compile (``compiling``). ``quiesce`` does it
-    (``quiesce_compile_workers``; a fake in tests); the pools quiesced are kept for the log."""
-
-    compiling: bool
-    quiesce: Callable[[], int] = quiesce_compile_workers
-    passes: int = 0
-    quiesced: int | None = None  # pools quiesced (None: not yet)
-
-    def training_pass(self) -> int | None:
-        """Count a training pass starting; at the second, quiesce and return how many pools (else None)."""
-        if self.passes > 1:
-            return None
-        self.passes += 1
-        if self.passes == 2 and self.compiling:
-            self.quiesced = self.quiesce()
-            return self.quiesced
-        return None
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from torch import nn
 from .. import planner
 from ..config import MegaTrainConfig, resolve_config
 from ..core.plan import Where
-from ..core.threads import CompileWorkerRelease, place_host_for
+from ..core.threads import place_host_for
 from ..parallel.group import DataParallel
 from ..parallel.setup import data_parallel_config
 from ..model.loss import TokenStats
@@ -115,7 +115,6 @@ class MegaTrainEngine:
         self.publish_resident()
         self.optimizer: UnitAdamW | None = None
         self._replaying = False
-        self.compile_workers = CompileWorkerRelease(config.compiles(self.device.type))
         self._checked_shapes: set[tuple[int, int]] = set()  # (batch, seq) shapes the GPU check passed
         self._activation_shape: tuple[int, int] | None = None  # (batch, seq) the activation placement is for
         # The HF model's own forward (generate(), a direct call) bypasses ``forward`` below: the decoder module
@@ -280,7 +279,6 @@ class MegaTrainEngine:
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, num_items_in_batch: torch.Tensor | int | None = None,
                 return_logits: bool = False, token_stats: bool = False, **kwargs: Any) -> MegaTrainOutput:
-        self._after_first_training_pass()
         replay = self._record(dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
                                            num_items_in_batch=num_items_in_batch, return_logits=return_logits,
                                            **kwargs))
@@ -333,22 +331,10 @@ class MegaTrainEngine:
 
     __call__ = forward
 
-    def _after_first_training_pass(self) -> None:
-        """At the second training forward the first forward and backward have compiled the layers' graphs:
-        torch.compile's worker processes (host memory, core/threads.py) are quiesced once, not held for inductor's
-        idle minute. A later compile (a new shape class, evaluation) starts them again by itself."""
-        if not (torch.is_grad_enabled() and self.model.training):
-            return
-        n = self.compile_workers.training_pass()
-        if n:
-            logger.info("hf_megatrain: torch.compile's worker processes stopped after the first training pass "
-                        "(%d pool%s; a later compile starts them again)", n, "s" * (n > 1))
-
     def begin_direct_forward(self, input_ids: torch.Tensor | None = None, **kwargs: Any) -> None:
         """What ``forward`` does before the model runs, for a caller about to run the HF model's own forward with
         gradients (TRL's fused LM head: hf/dpo_support.py): land an accumulation step's gradients (FP32) before the
         next backward adds more, check the step fits and place the activations for this batch shape."""
-        self._after_first_training_pass()
         if self.landing.unlanded:
             self.landing.land()
         self._check_step_fits(input_ids, kwargs)

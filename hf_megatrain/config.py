@@ -278,13 +278,14 @@ class MegaTrainConfig:
             second forward before the backward recompute as before. Same math (the backward differentiates the
             forward's own graph).
         host_threads: CPU threads of the host AdamW (torch's intra-op threads of the process). 0 = auto: this
-            process's share of its cores (data-parallel processes of one host split them), raised to that when a
+            process's share of its cores (data-parallel processes of one host split them, each leaving 4 of its share
+            to its other busy threads: core/threads.py ``share_threads``), raised to that when a
             launcher left fewer (``accelerate launch`` and torchrun set OMP_NUM_THREADS=1 unless told otherwise),
             never lowered. > 0: exactly that many. With ``host_affinity='auto'`` binding the process: its cores.
         host_affinity: ``auto`` (default): on a GPU, when the host's processes have GPUs on every NUMA node, each
             runs its threads on its GPU's node (sysfs) and the processes of a node split its cores, so the pages they
             first touch (moments, shard, pinned staging) sit there too; otherwise (one process, one node, every GPU
-            on one node) no process is bound: each runs its share of the cores' count of threads on every core,
+            on one node) no process is bound: each runs its share's count of threads (``host_threads``) on every core,
             keeping every node's memory bandwidth for the host AdamW (bound to a share of one node's cores, a
             rank's other threads preempt its AdamW threads: 4 ms scheduler-tick stalls, measured). No
             oversubscription either way.

@@ -79,7 +79,9 @@ def test_host_threads_rule():
     from hf_megatrain.core.threads import host_threads
 
     assert host_threads(0, processes=1, current=1, cores=16) == 16  # accelerate launch's OMP_NUM_THREADS=1
-    assert host_threads(0, processes=2, current=1, cores=16) == 8  # two data-parallel processes share the cores
+    assert host_threads(0, processes=2, current=1, cores=16) == 4  # two processes share the cores, each leaving some
+    assert host_threads(0, processes=2, current=1, cores=32) == 12  # ... to its other busy threads (PERF lever 87)
+    assert host_threads(0, processes=8, current=1, cores=32) == 2  # (never under half its share)
     assert host_threads(0, processes=1, current=32, cores=16) == 32  # a larger choice of the user stays
     assert host_threads(0, processes=4, current=1, cores=3) == 1
     assert host_threads(6, processes=1, current=16, cores=16) == 6  # explicit

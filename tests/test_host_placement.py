@@ -61,7 +61,7 @@ def test_place_host_binds_every_thread_and_sizes_the_pool():
         p = threads.place_host("auto", 0, [None, None], 1)
         cores = sorted(before_aff)
         assert list(p.cores) == cores and not p.bound and os.sched_getaffinity(0) == before_aff
-        assert p.threads == max(len(cores) // 2, 1) == torch.get_num_threads()
+        assert p.threads == threads.share_threads(len(cores) // 2, 2) == torch.get_num_threads()
         assert "cores" in p.describe()
         # rank 1 of 2 whose GPUs sit on the two nodes of a (made-up) host: bound to its node's cores
         if len(cores) >= 2:
@@ -72,7 +72,7 @@ def test_place_host_binds_every_thread_and_sizes_the_pool():
                 b = threads.place_host("auto", 0, [0, 1], 1)
             finally:
                 threads.numa.nodes = real  # type: ignore[assignment]
-            assert b.bound and list(b.cores) == fake[1] == sorted(os.sched_getaffinity(0)) and b.threads == len(fake[1])
+            assert b.bound and list(b.cores) == fake[1] == sorted(os.sched_getaffinity(0)) and b.threads == threads.share_threads(len(fake[1]), 2)
             os.sched_setaffinity(0, before_aff)
         q = threads.place_host("none", 0, [None, None], 1)  # the launcher's affinity kept
         assert not q.bound and os.sched_getaffinity(0) == before_aff

@@ -3,13 +3,16 @@
 The host AdamW is memory-bound and wants every core the process may run on. Launchers often leave one:
 ``accelerate launch`` sets ``OMP_NUM_THREADS`` to ``--num_cpu_threads_per_process`` (default 1, multi-GPU or not)
 and torchrun sets 1 per process, which would run the whole optimizer on one core (several times slower steps).
-``auto`` gives each process its share of the cores (the data-parallel processes of one host share them) and only
-ever raises the count: a larger setting the user chose stays.
+``auto`` gives each process its share of the cores (the data-parallel processes of one host share them; with
+several, less the cores each one's other busy threads need: ``share_threads``) and only ever raises the count: a
+larger setting the user chose stays.
 
 ``torch.compile``'s Triton compile workers are decided the same way: inductor sizes its worker pool at import, from
 every core of the host (``min(32, cores)``), in every process; N data-parallel processes would start N such pools,
-oversubscribing the cores while they compile and holding their memory until inductor quiesces them (a minute idle).
-Each process of several keeps its share of the cores for them too; a count the user set otherwise stays.
+oversubscribing the cores while they compile. Each process of several keeps its share of the cores for them too; a
+count the user set otherwise stays. (Their memory is not the cost it looks: the workers are forked, their resident
+pages mostly shared with the sidecar's. Quiescing them after the first step left the host's used memory unchanged
+in one and two processes, PERF lever 88.)
 """
 
 from __future__ import annotations
@@ -30,12 +33,28 @@ def usable_cores() -> int:
     return os.cpu_count() or 1
 
 
+# Busy threads of one training process besides the host AdamW's: the main thread launching kernels, the loader and
+# landing threads, the optimizer worker, NCCL's proxy. One process alone runs its AdamW on every core (measured best
+# on one GPU); with several, each one's AdamW leaves its share's cores for these, or a descheduled AdamW thread holds
+# back a memory-bound pass that ends only with its slowest thread (2 processes on a 32-core H200 host, 32k tokens
+# per GPU: 16 threads each 1.124 s, 14 1.126 s, 12 1.095 s a step; integration/PERF.md lever 87).
+OTHER_BUSY_THREADS = 4
+
+
+def share_threads(share: int, processes: int) -> int:
+    """Host AdamW threads for a process whose share of the cores is ``share``: all of it alone, else the share less
+    ``OTHER_BUSY_THREADS`` (at least half of it, at least 1)."""
+    if processes <= 1:
+        return max(share, 1)
+    return max(share - OTHER_BUSY_THREADS, share // 2, 1)
+
+
 def host_threads(requested: int, processes: int, current: int, cores: int) -> int:
-    """Threads to use: ``requested`` when > 0, else (auto) this process's share of ``cores`` among ``processes``
-    (at least 1), never fewer than the ``current`` setting."""
+    """Threads to use: ``requested`` when > 0, else (auto) ``share_threads`` of this process's share of ``cores``
+    among ``processes``, never fewer than the ``current`` setting."""
     if requested > 0:
         return requested
-    return max(current, cores // max(processes, 1), 1)
+    return max(current, share_threads(cores // max(processes, 1), processes))
 
 
 def compile_workers(current: int, cores_at_import: int, share: int) -> int:
@@ -100,7 +119,7 @@ def place_host(affinity: str, requested_threads: int, gpu_nodes: list[int | None
 
     ``gpu_nodes``: the NUMA node of each local process's GPU, in local-rank order (``[node]`` alone). ``"auto"``
     binds the process to its share of the cores (``numa.plan_cores``) when that share is not already every core it
-    may use, and runs as many threads as the share has; the pages its threads touch first then sit on its node.
+    may use, and runs ``share_threads`` of it; the pages its threads touch first then sit on its node.
     Unbound (``"none"``, or a share of every core) the thread count is ``host_threads``' share, never lowered."""
     allowed = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set(range(usable_cores()))
     before = torch.get_num_threads()
@@ -110,7 +129,7 @@ def place_host(affinity: str, requested_threads: int, gpu_nodes: list[int | None
         bound = set(cores) != allowed
     if bound:
         numa.bind_process(cores)
-        after = requested_threads if requested_threads > 0 else len(cores)
+        after = requested_threads if requested_threads > 0 else share_threads(len(cores), len(gpu_nodes))
     else:
         after = host_threads(requested_threads, len(gpu_nodes), before, len(cores))
     if after != before:

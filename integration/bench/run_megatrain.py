@@ -349,19 +349,23 @@ def run_trainer(spec: dict, model: torch.nn.Module, mt_config: dict) -> dict[str
 def _process_memory() -> dict[str, float]:
     """This process's resident memory by kind (GiB, /proc/self/status): anonymous (its own heap, pinned staging,
     the CUDA runtime's host side), file-backed (libraries) and shared (the store's mapped pages, counted once per
-    host by the bench's host figure); and its descendants' (e.g. torch.compile's worker pool): what one more rank
-    adds to a host."""
+    host by the bench's host figure); its proportional share (``Pss*``, /proc/self/smaps_rollup: a page shared by k
+    processes counts 1/k); torch's pinned host allocator; and its descendants' (e.g. torch.compile's worker pool),
+    by ``Pss`` too: those workers are forked, so their summed RssAnon (11.7 GiB for 33 workers, session 27) counts
+    pages they share and overstated them -- quiescing them left the host's used memory unchanged."""
 
     def status(pid: str) -> dict[str, float]:
         out: dict[str, float] = {}
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                for line in f:
-                    key, _, rest = line.partition(":")
-                    if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem", "VmPin", "VmLck"):
-                        out[key] = int(rest.split()[0]) / 2 ** 20  # (kB)
-        except (OSError, ValueError):
-            pass
+        for name, keys in (("status", ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem", "VmPin", "VmLck")),
+                           ("smaps_rollup", ("Pss", "Pss_Anon", "Pss_File", "Pss_Shmem"))):
+            try:
+                with open(f"/proc/{pid}/{name}") as f:
+                    for line in f:
+                        key, _, rest = line.partition(":")
+                        if key in keys:
+                            out[key] = int(rest.split()[0]) / 2 ** 20  # (kB)
+            except (OSError, ValueError, IndexError):
+                pass
         return out
 
     def children(pid: str) -> list[str]:
@@ -375,14 +379,23 @@ def _process_memory() -> dict[str, float]:
         return kids
 
     me = status("self")
+    if torch.cuda.is_available() and hasattr(torch.cuda, "host_memory_stats"):
+        try:
+            stats = torch.cuda.host_memory_stats()
+            me["torch_pinned"] = stats.get("allocated_bytes.current", 0) / 2 ** 30  # (active + cached blocks)
+            me["torch_pinned_active"] = stats.get("active_bytes.current", 0) / 2 ** 30
+        except RuntimeError:
+            pass
     todo, seen = children(str(os.getpid())), 0
-    anon = 0.0
+    anon = pss = 0.0
     while todo:
         pid = todo.pop()
         seen += 1
-        anon += status(pid).get("RssAnon", 0.0)
+        kid = status(pid)
+        anon += kid.get("RssAnon", 0.0)
+        pss += kid.get("Pss", 0.0)
         todo += children(pid)
-    return {**me, "descendants": seen, "descendants_RssAnon": anon}
+    return {**me, "descendants": seen, "descendants_RssAnon": anon, "descendants_Pss": pss}
 
 
 def _by_rank(ex: Any, per_step: list[dict], warm: int, timeline: dict | None) -> dict[str, Any]:

@@ -72,7 +72,8 @@ def test_place_host_binds_every_thread_and_sizes_the_pool():
                 b = threads.place_host("auto", 0, [0, 1], 1)
             finally:
                 threads.numa.nodes = real  # type: ignore[assignment]
-            assert b.bound and list(b.cores) == fake[1] == sorted(os.sched_getaffinity(0)) and b.threads == threads.share_threads(len(fake[1]), 2)
+            assert b.bound and list(b.cores) == fake[1] == sorted(os.sched_getaffinity(0))
+            assert b.threads == threads.share_threads(len(fake[1]), 2)
             os.sched_setaffinity(0, before_aff)
         q = threads.place_host("none", 0, [None, None], 1)  # the launcher's affinity kept
         assert not q.bound and os.sched_getaffinity(0) == before_aff

@@ -31,9 +31,9 @@ flight (``land``: the step's land phase, engine/landing.py).
 
 Data parallel (``dp``, parallel/group.py): a host gradient is first ``reduce_scatter``ed over the node's ranks (on the
 D2H stream, beside the next layer's backward; the buffer padded to ``local_world`` equal shards; with several nodes,
-each shard then all-reduced across the nodes), and only this rank's shard -- the mean over all ranks of that range, with its squared norm --
-goes the host way above, into the node's shared host gradient at the shard's range. Every rank of a node writes a
-disjoint range, so accumulation needs no coordination beyond each visit's collective.
+each shard then all-reduced across the nodes), and only this rank's shard -- the mean over all ranks of that range,
+with its squared norm -- goes the host way above, into the node's shared host gradient at the shard's range. Every
+rank of a node writes a disjoint range, so accumulation needs no coordination beyond each visit's collective.
 """
 
 from __future__ import annotations

@@ -378,7 +378,8 @@ def _process_memory() -> dict[str, float]:
                 pass
         return kids
 
-    me = status("self")
+    me: dict[str, Any] = status("self")
+    me["mappings"] = _mappings()
     if torch.cuda.is_available() and hasattr(torch.cuda, "host_memory_stats"):
         try:
             stats = torch.cuda.host_memory_stats()
@@ -396,6 +397,30 @@ def _process_memory() -> dict[str, float]:
         pss += kid.get("Pss", 0.0)
         todo += children(pid)
     return {**me, "descendants": seen, "descendants_RssAnon": anon, "descendants_Pss": pss}
+
+
+def _mappings(top: int = 8) -> dict[str, dict[str, float]]:
+    """This process's resident memory by mapping (/proc/self/smaps), the ``top`` largest by Rss (GiB): which part of
+    a rank's own memory is its heap (``[heap]`` and unnamed anonymous maps: Python, torch, staging), the GPU driver's
+    (``/dev/nvidia*``: pinned buffers, the CUDA context's host side), libraries, or the shared store."""
+    sums: dict[str, dict[str, float]] = {}
+    name = "?"
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split()
+                if not head:
+                    continue
+                if "-" in head[0] and ":" not in head[0]:  # a mapping's first line: range perms offset dev inode [path]
+                    path = head[5] if len(head) > 5 else "[anon]"
+                    name = ("/dev/shm/*" if path.startswith("/dev/shm/") else
+                            "*.so" if ".so" in path else path)
+                elif head[0] in ("Rss:", "Anonymous:", "Shared_Clean:", "Shared_Dirty:"):
+                    slot = sums.setdefault(name, {})
+                    slot[head[0][:-1]] = slot.get(head[0][:-1], 0.0) + int(head[1]) / 2 ** 20  # (kB)
+    except (OSError, ValueError, IndexError):
+        return {}
+    return dict(sorted(sums.items(), key=lambda kv: -kv[1].get("Rss", 0.0))[:top])
 
 
 def _by_rank(ex: Any, per_step: list[dict], warm: int, timeline: dict | None) -> dict[str, Any]:
@@ -418,6 +443,11 @@ def run(spec: dict) -> dict[str, Any]:
     mt_config = dict(spec.get("megatrain_config") or {})
     compute = str(mt_config.get("compute_dtype", "bfloat16")).lower()
     dtype = torch.float32 if compute in ("float32", "fp32") else torch.bfloat16
+    baseline = None
+    if torch.cuda.is_available():  # this process's memory with torch and its CUDA context only (before the model)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # (the launch's device, as Trainer picks it)
+        torch.zeros(1, device="cuda")
+        baseline = _process_memory()
     t = time.perf_counter()
     model = build_model(spec, dtype)  # bf16 on the host (7.5 GB); the host store makes the FP32 master
     n_params = count_params(model)
@@ -435,7 +465,8 @@ def run(spec: dict) -> dict[str, Any]:
     res.update(n_params=n_params, model_build_s=build_s, micro_batch=int(spec["batch"]), grad_accum=1,
                regime=spec.get("regime", "auto"),
                in_layer_split=int(mt_config.get("micro_batch_size", 0) or 0),
-               model_init="bf16 on host (meta + N(0,0.02)); FP32 master made by the host store")
+               model_init="bf16 on host (meta + N(0,0.02)); FP32 master made by the host store",
+               process_memory_at_start=baseline)
     return res
 
 

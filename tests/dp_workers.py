@@ -44,7 +44,7 @@ def make_engine(dp: DataParallel | None, shm: str, compute_dtype: str = "float32
     if dp is not None:  # (each rank stages its shard of a layer's gradient, not the whole layer)
         from hf_megatrain.core.plan import Where
         shard = max(dp.shard_size(u.numel) for u in engine.executor.grads.units if u.plan.grad is not Where.DEVICE)
-        assert all(t.numel() == shard for t in engine.executor.grads.staging), shard
+        assert engine.executor.grads.staging_numel == shard, shard
     return engine, engine.create_optimizer(lr=LR, weight_decay=WD, max_grad_norm=CLIP)
 
 

@@ -83,6 +83,19 @@ def test_accumulated_or_split_gradients_stay_fp32():
         assert e16.executor.grads.d2h_bytes == e32.executor.grads.d2h_bytes
 
 
+def test_staging_slabs_allocated_only_when_a_gradient_needs_them():
+    """A step's only visit of a host gradient lands straight in the store: the staging slabs (two of the largest
+    layer, pinned on a GPU, so resident once allocated) are never allocated; gradient accumulation allocates them."""
+    model = tiny("llama", num_hidden_layers=2)
+    for dtype in ("bfloat16", "float32"):
+        cfg = MegaTrainConfig(compute_dtype=dtype, host_kernel="native", device_layers=0, device_step_layers=0)
+        _, once = _train(model, cfg, 2, [1.0, 1.0], ga=1)
+        assert once.executor.grads.staging == [None, None], dtype
+        _, acc = _train(model, cfg, 2, [1.0, 1.0], ga=2)
+        assert all(t is not None and t.numel() == acc.executor.grads.staging_numel
+                   for t in acc.executor.grads.staging), dtype
+
+
 def test_fused_kernel_and_fp32_compute_never_narrow():
     """The fused host kernel reads FP32 gradients only; FP32 compute has nothing narrower."""
     model = tiny("llama", num_hidden_layers=2)

@@ -78,8 +78,13 @@ class GradientOffload:
         # Host staging (accumulating visits, narrow or lean gradients). Data parallel: a rank lands only its shard of
         # each host or lean gradient, so its staging holds the largest such shard, not a layer (N ranks would hold N
         # layers); device-landed (resident) gradients never pass through it.
+        # Allocated at first use (``_slab``): a step's only visit of a host gradient lands straight in the store
+        # (every step without gradient accumulation), and a pinned slab is resident whether used or not -- two of
+        # the largest layer in the offload dtype, 11 GB at 123B width (FP32).
         staged = [u.numel if dp is None else dp.shard_size(u.numel) for u in units if u.plan.grad is not Where.DEVICE]
-        self.staging = [alloc_host(max(staged, default=1), offload_dtype, pin) for _ in range(2)]
+        self.staging_numel = max(staged, default=1)
+        self.staging: list[torch.Tensor | None] = [None, None]
+        self._staging_dtype, self._pin = offload_dtype, pin
         self.done: list[Any] = [None, None]  # event: offload buffer k drained
         # In flight per buffer: (unit, what landing does with the staging buffer: "", "copy", "add", at which
         # element of the unit's gradient, how many).
@@ -231,7 +236,7 @@ class GradientOffload:
             self._widen(unit)  # (another visit after a narrow one: only a backward past the step's last does that)
         direct = first and (narrow is not None or off.dtype == unit.grad.dtype)
         n = off.numel()
-        dst = unit.grad_as(narrow)[at:at + n] if direct else self.staging[k][:n]
+        dst = unit.grad_as(narrow)[at:at + n] if direct else self._slab(k)[:n]
         st = self.streams
         with st.on(st.d2h):
             st.wait(st.d2h, ready)
@@ -263,7 +268,7 @@ class GradientOffload:
         slab = self.sink.plane_slab(unit.index, narrow)  # (lean_grad_plane: the gradient stays on the host there)
         n = off.numel()
         if slab is None:
-            slab = self.staging[k][:n] if narrow is None else self.staging[k].view(narrow)[:n]
+            slab = self._slab(k)[:n] if narrow is None else self._slab(k).view(narrow)[:n]
         sq_host = self.sq_host[k][0]
         st = self.streams
         with st.on(st.d2h):
@@ -275,6 +280,13 @@ class GradientOffload:
         self.pending[k] = (unit, "", 0, n)
         self.state.accumulate(unit.index, sq)  # (keeps the device scalar alive until its copy is done)
         self.lean_wait[k] = self.sink.consume(unit.index, slab, sq_host, self.done[k])
+
+    def _slab(self, k: int) -> torch.Tensor:
+        """Staging slab ``k``, allocated (and pinned) the first time a gradient needs it."""
+        slab = self.staging[k]
+        if slab is None:
+            slab = self.staging[k] = alloc_host(self.staging_numel, self._staging_dtype, self._pin)
+        return slab
 
     def _drain(self, k: int) -> None:
         wait = self.lean_wait[k]
@@ -289,9 +301,9 @@ class GradientOffload:
         self.streams.synchronize(self.done[k])
         unit, action, at, n = item
         if action == "add":
-            unit.grad[at:at + n].add_(self.staging[k][:n])
+            unit.grad[at:at + n].add_(self._slab(k)[:n])
         elif action == "copy":
-            unit.grad[at:at + n].copy_(self.staging[k][:n])
+            unit.grad[at:at + n].copy_(self._slab(k)[:n])
         self.pending[k] = None
         sq = self.state.grad_sq[unit.index]
         self.landed(unit.index, None if sq is None else float(self.sq_cells[unit.index]))

@@ -344,7 +344,7 @@ def test_store_bytes_per_streamed_parameter(dtype):
     assert bytes_per_param(torch.bfloat16, lean=True, lean_copy=True) == 14
     assert store.nbytes == 12 * layer_params + bytes_per_param(engine.compute_dtype) * res.numel
     # + two FP32 staging slabs of the largest layer (the executor's), nothing else per parameter
-    slabs = 2 * engine.executor.grads.staging_numel * engine.executor.grads._staging_dtype.itemsize
+    slabs = 2 * engine.executor.grads.staging_numel * engine.executor.grads.staging_dtype.itemsize
     assert slabs == 2 * 4 * max(u.numel for u in engine.layer_units)
     plan = planner.estimate(planner.ModelShape.from_engine(engine), cfg, 12, 2, device_type="cpu",
                             plans=engine.plans)

@@ -84,7 +84,7 @@ class GradientOffload:
         staged = [u.numel if dp is None else dp.shard_size(u.numel) for u in units if u.plan.grad is not Where.DEVICE]
         self.staging_numel = max(staged, default=1)
         self.staging: list[torch.Tensor | None] = [None, None]
-        self._staging_dtype, self._pin = offload_dtype, pin
+        self.staging_dtype, self._pin = offload_dtype, pin
         self.done: list[Any] = [None, None]  # event: offload buffer k drained
         # In flight per buffer: (unit, what landing does with the staging buffer: "", "copy", "add", at which
         # element of the unit's gradient, how many).
@@ -285,7 +285,7 @@ class GradientOffload:
         """Staging slab ``k``, allocated (and pinned) the first time a gradient needs it."""
         slab = self.staging[k]
         if slab is None:
-            slab = self.staging[k] = alloc_host(self.staging_numel, self._staging_dtype, self._pin)
+            slab = self.staging[k] = alloc_host(self.staging_numel, self.staging_dtype, self._pin)
         return slab
 
     def _drain(self, k: int) -> None:

@@ -29,14 +29,24 @@ def batches() -> list:
     return random_batches(STEPS, GA, BATCH, SEQ, vocab=96, seed=7)
 
 
+def meta_tiny(family: str = "llama", **over: object) -> torch.nn.Module:
+    """``tiny(family)``'s model built on the meta device (no weights in RAM), as accelerate's
+    ``init_empty_weights`` builds one."""
+    from accelerate import init_empty_weights
+
+    cfg = tiny(family, **over).config
+    with init_empty_weights(include_buffers=False):
+        return type(tiny(family, **over))(cfg)
+
+
 def make_engine(dp: DataParallel | None, shm: str, compute_dtype: str = "float32", micro_batch_size: int = 0,
-                peft: bool = False, model_over: dict | None = None,
+                peft: bool = False, model_over: dict | None = None, meta: bool = False,
                 **config: object) -> tuple[MegaTrainEngine, torch.optim.Optimizer]:
     """The tiny llama (``peft``: with LoRA adapters; its frozen base streams from the shared store; ``model_over``:
-    its config's overrides); ``config``: more MegaTrainConfig keys."""
+    its config's overrides; ``meta``: built on the meta device); ``config``: more MegaTrainConfig keys."""
     config = MegaTrainConfig(compute_dtype=compute_dtype, shared_memory_dir=shm, micro_batch_size=micro_batch_size,
                              **config)
-    model = tiny("llama", **(model_over or {}))
+    model = (meta_tiny if meta else tiny)("llama", **(model_over or {}))
     if peft:
         from tests.test_peft import lora
         model = lora(model)
@@ -194,12 +204,31 @@ def shared_store_worker(rank: int, world: int, tmp: str) -> None:
 
 
 # -- through MegaTrainTrainer (accelerate, gloo) -----------------------------------------------------------------------
+def meta_follower_worker(rank: int, world: int, tmp: str) -> None:
+    """Rank 1 builds its model on the meta device: the run ends where rank 0's real model alone would (written by
+    rank 0); then rank 0 holding the meta model is refused on both ranks, each with the same message."""
+    with ranks(rank, world, tmp) as dp:
+        engine, opt = make_engine(dp, tmp, meta=rank > 0)
+        run_steps(engine, opt, 0, STEPS, rank, world)
+        if rank == 0:
+            torch.save(weights(engine), os.path.join(tmp, "meta_follower.pt"))
+        del engine, opt
+        try:
+            make_engine(dp, tmp, meta=rank == 0)
+            error = ""
+        except ValueError as e:
+            error = str(e)
+        torch.save(error, os.path.join(tmp, f"meta_leader_rank{rank}.pt"))
+        dp.barrier()
+
+
 def trainer_run(tmp: str, world: int, run: str, resume: str | None = None,
-                pretrained: str | None = None) -> dict[str, torch.Tensor]:
+                pretrained: str | None = None, meta: bool = False) -> dict[str, torch.Tensor]:
     """3 steps of MegaTrainTrainer on a global batch of 4 rows x 2 accumulation steps (4 // world rows per
     process), in-order samples, a checkpoint at step 2 in ``tmp/run``; the final FP32 masters and, as "eval_loss",
     ``evaluate()`` on 8 more rows (4 per evaluation batch, split over the processes). ``pretrained``: the
-    model comes from ``from_pretrained_streamed`` of that folder (its data-parallel ranks found by itself)."""
+    model comes from ``from_pretrained_streamed`` of that folder (its data-parallel ranks found by itself);
+    ``meta``: this process's model built on the meta device."""
     from torch.utils.data import SequentialSampler
 
     from hf_megatrain import MegaTrainTrainer, from_pretrained_streamed
@@ -213,7 +242,8 @@ def trainer_run(tmp: str, world: int, run: str, resume: str | None = None,
     args = mt_args(os.path.join(tmp, run), config=config,
                    per_device_train_batch_size=4 // world, ddp_backend="gloo" if world > 1 else None,
                    save_strategy="steps", save_steps=2, max_grad_norm=0.5, per_device_eval_batch_size=4 // world)
-    model = tiny("llama") if pretrained is None else from_pretrained_streamed(pretrained, config, device="cpu").model
+    model = (meta_tiny("llama") if meta else tiny("llama")) if pretrained is None else \
+        from_pretrained_streamed(pretrained, config, device="cpu").model
     trainer = InOrder(model=model, args=args, train_dataset=dataset())
     assert trainer.model is trainer.engine.model  # (not wrapped)
     trainer.train(resume_from_checkpoint=resume)
@@ -241,6 +271,9 @@ def trainer_worker(rank: int, world: int, tmp: str, port: int) -> None:
                             pretrained=os.path.join(tmp, "init_model"))
         if rank == 0:
             torch.save(final, os.path.join(tmp, "trainer_resumed_1to2.pt"))
+        final = trainer_run(tmp, world, "trainer_meta_follower", meta=rank > 0)
+        if rank == 0:
+            torch.save(final, os.path.join(tmp, "trainer_meta_follower.pt"))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -154,7 +154,8 @@ def test_trainer_two_processes_match_one_and_resume(tmp_path):
     """MegaTrainTrainer under 2 gloo processes (accelerate's multi-CPU state; the model is not DDP-wrapped):
     final weights equal one process on the same global batches, resume 1 -> 2 (the model from
     ``from_pretrained_streamed``, which finds the launch's ranks) and 2 -> 1 included; so does ``evaluate()``'s
-    loss (the eval batches split over the processes, their losses gathered by Trainer)."""
+    loss (the eval batches split over the processes, their losses gathered by Trainer); and with rank 1's model
+    built on the meta device (only rank 0 holds the weights in RAM)."""
     import socket
 
     tmp = str(tmp_path)
@@ -166,6 +167,7 @@ def test_trainer_two_processes_match_one_and_resume(tmp_path):
     mp.spawn(W.trainer_worker, args=(2, tmp, port), nprocs=2, join=True)
     _assert_close(torch.load(os.path.join(tmp, "trainer_final_2proc.pt")), ref, "Trainer: 2 processes vs 1")
     _assert_close(torch.load(os.path.join(tmp, "trainer_resumed_1to2.pt")), ref, "Trainer: resumed 1 -> 2")
+    _assert_close(torch.load(os.path.join(tmp, "trainer_meta_follower.pt")), ref, "Trainer: rank 1's model on meta")
     # save_model on both processes: one standard checkpoint, written once, that plain transformers loads
     import transformers
     loaded = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(tmp, "trainer_2proc", "final"))
@@ -173,6 +175,27 @@ def test_trainer_two_processes_match_one_and_resume(tmp_path):
         assert rel(p.detach(), ref[name]) < 1e-5, name
     resumed = W.trainer_run(tmp, 1, "trainer_2to1", resume=os.path.join(tmp, "trainer_2proc", "checkpoint-2"))
     _assert_close(resumed, ref, "Trainer: resumed 2 -> 1")
+
+
+@pytest.mark.slow  # (spawns processes)
+def test_followers_may_hold_a_meta_model(tmp_path):
+    """Only rank 0 needs the weights in RAM: rank 1's model on the meta device (accelerate's init_empty_weights)
+    trains to where one process ends (the store and the replicated state are rank 0's). Rank 0's model on meta is
+    refused on both ranks -- no rank left waiting in a collective -- saying what to do."""
+    tmp = str(tmp_path)
+    engine, opt = W.make_engine(None, tmp)
+    W.run_steps(engine, opt, 0, W.STEPS)
+    _spawn(W.meta_follower_worker, tmp)
+    _assert_close(torch.load(os.path.join(tmp, "meta_follower.pt")), W.weights(engine), "rank 1 on meta vs 1 process")
+    errors = [torch.load(os.path.join(tmp, f"meta_leader_rank{r}.pt")) for r in (0, 1)]
+    assert errors[0] and errors[0] == errors[1], errors
+    assert "rank 0" in errors[0] and "meta device" in errors[0] and "from_pretrained_streamed" in errors[0]
+
+
+def test_meta_model_alone_refused():
+    """One process with a model on the meta device: a clear error, not a tensor-type failure deep in conversion."""
+    with pytest.raises(ValueError, match="meta device.*from_pretrained_streamed"):
+        W.make_engine(None, "/dev/shm", meta=True)
 
 
 def test_moved_model_refused_rather_than_trained_stale():

@@ -32,7 +32,8 @@ from ..core.step_state import StepState
 from ..core.store import UnitStore
 from ..model import attention
 from ..model.families import ModelHead
-from ..model.layers import LayerStack
+from ..model.layers import LayerStack, find_layer_stack
+from ..model.skeleton import materialize_resident
 from ..parallel.group import DataParallel
 from ..parallel.peer_cells import PeerCells
 from . import unpad
@@ -70,6 +71,7 @@ def build_engine(model: nn.Module, config: MegaTrainConfig, device: torch.device
     """Every phase, in order. ``config`` resolved (data parallel: ``data_parallel_config``'s); ``decay_names``: the
     parameters weight decay applies to (None: Trainer's rule); ``dp``: None alone; ``show_progress``: the
     conversion's bar of bytes."""
+    _meta_weights(model, config, dp)
     convert_in = partial(_convert, model, config, device, decay_names, show_progress=show_progress,
                          data_parallel=dp is not None)
     if dp is None:
@@ -81,6 +83,32 @@ def build_engine(model: nn.Module, config: MegaTrainConfig, device: torch.device
     landing = _landing(model, conv, state, executor)
     return EngineParts(conv.stack, conv.plans, conv.store, conv.resident_params, conv.frozen_resident,
                        conv.persistent_buffers, conv.attention, modes, state, executor, head, unpadding, landing)
+
+
+def _meta_weights(model: nn.Module, config: MegaTrainConfig, dp: DataParallel | None) -> None:
+    """A model on the meta device (``accelerate.init_empty_weights``, ``device_map="meta"``): with several processes
+    every one but rank 0 may pass one, so that only one of them holds the weights in RAM -- the store and the
+    replicated state take rank 0's whatever the others held (engine/shared_convert.py); its resident parameters get
+    empty storage here for that. Rank 0, or one process alone, is refused where a resident parameter is meta:
+    nothing would fill it -- on every rank, before any collective of the build could leave the others waiting.
+    (Meta decoder layers alone are ``from_pretrained_streamed``'s skeleton, which fills the store after this.)"""
+    problem = None
+    if dp is not None and dp.rank != 0:
+        materialize_resident(model, config.layers_path)
+    else:
+        layer_ids = {id(p) for p in find_layer_stack(model, config.layers_path).layers.parameters()}
+        resident = [n for n, p in model.named_parameters() if p.is_meta and id(p) not in layer_ids]
+        if resident:
+            where = "the first process (rank 0) of this launch holds" if dp is not None else "this model holds"
+            problem = (f"hf_megatrain: {where} {len(resident)} parameters outside the decoder layers on the meta "
+                       f"device (e.g. {resident[0]!r}): nothing would fill them. Load real weights "
+                       "(from_pretrained), or use hf_megatrain.from_pretrained_streamed(path, config), which fills "
+                       "the store from the checkpoint. With several processes only rank 0 needs real weights: the "
+                       "others may build theirs on the meta device.")
+    if dp is not None:
+        problem = next((p for p in dp.all_gather_object(problem) if p), None)
+    if problem:
+        raise ValueError(problem)
 
 
 def _convert(model: nn.Module, config: MegaTrainConfig, device: torch.device, decay_names: set[str] | None,

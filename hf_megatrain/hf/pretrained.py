@@ -23,27 +23,10 @@ from .. import checkpoint as ckpt
 from ..config import MegaTrainConfig, resolve_config
 from ..engine.model_view import extra_sink
 from ..engine.runtime import MegaTrainEngine
-from ..model.layers import find_layer_stack
-from ..model.shared_blocks import shared_ids
-from ..model.skeleton import causal_lm_skeleton
+from ..model.skeleton import causal_lm_skeleton, materialize_resident
 from ..parallel import DataParallel
 
 logger = logging.getLogger(__name__)
-
-
-def _materialize_resident(model: nn.Module, layers_path: str | None) -> None:
-    """Give the meta parameters outside the decoder stack, and those its layers share (resident:
-    model/shared_blocks.py), real (empty) host storage, keeping ties."""
-    layers = find_layer_stack(model, layers_path).layers
-    layer_ids = {id(p) for p in layers.parameters()} - shared_ids(layers)
-    new: dict[int, nn.Parameter] = {}
-    for mod in model.modules():
-        for name, p in list(mod._parameters.items()):
-            if p is None or not p.is_meta or id(p) in layer_ids:
-                continue
-            if id(p) not in new:
-                new[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=torch.float32), requires_grad=p.requires_grad)
-            mod._parameters[name] = new[id(p)]
 
 
 def conversion_mapping(model: nn.Module) -> list:
@@ -112,7 +95,7 @@ def from_pretrained_streamed(model_id_or_path: str, config: MegaTrainConfig | di
     model.tie_weights()  # accelerate's meta init skips the tying the constructor would do
     if os.path.isfile(os.path.join(path, "generation_config.json")):
         model.generation_config = transformers.GenerationConfig.from_pretrained(path)
-    _materialize_resident(model, config.layers_path)
+    materialize_resident(model, config.layers_path)
     mapping = conversion_mapping(model)  # from the HF skeleton, before its layers become proxies
     if dp == "auto":
         dp = launched_data_parallel()

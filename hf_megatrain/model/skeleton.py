@@ -12,7 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
+
+from .layers import find_layer_stack
+from .shared_blocks import shared_ids
 
 
 def causal_lm_skeleton(cfg: Any, **kwargs: Any) -> nn.Module:
@@ -38,3 +42,19 @@ def causal_lm_skeleton(cfg: Any, **kwargs: Any) -> nn.Module:
             except ValueError:
                 pass
         raise
+
+
+def materialize_resident(model: nn.Module, layers_path: str | None) -> None:
+    """Give the meta parameters outside the decoder stack, and those its layers share (resident:
+    model/shared_blocks.py), real (empty) host storage, keeping ties; the decoder layers' stay meta (the store
+    holds their weights: filled from a checkpoint, or from another process's)."""
+    layers = find_layer_stack(model, layers_path).layers
+    layer_ids = {id(p) for p in layers.parameters()} - shared_ids(layers)
+    new: dict[int, nn.Parameter] = {}
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is None or not p.is_meta or id(p) in layer_ids:
+                continue
+            if id(p) not in new:
+                new[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=torch.float32), requires_grad=p.requires_grad)
+            mod._parameters[name] = new[id(p)]

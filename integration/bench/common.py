@@ -86,16 +86,27 @@ def _init_value(name: str, shape: torch.Size, dtype: torch.dtype, gen_device: to
     return t.to(device)
 
 
-def build_model(spec: dict, dtype: torch.dtype, device: str | torch.device = "cpu") -> torch.nn.Module:
+def build_model(spec: dict, dtype: torch.dtype, device: str | torch.device = "cpu",
+                meta: bool = False) -> torch.nn.Module:
     """The benchmark model in ``dtype`` (buffers such as rotary tables stay fp32), random init; parameters are
     materialised on ``device`` (the host by default; the plain-GPU peer builds straight on the GPU), the same values
-    wherever they land (drawn on the GPU when there is one)."""
+    wherever they land (drawn on the GPU when there is one). ``meta``: left on the meta device (hf_megatrain's
+    processes other than rank 0: the store takes rank 0's weights)."""
     from accelerate import init_empty_weights
     from transformers import Qwen2ForCausalLM
 
     cfg = model_config(spec)
     with init_empty_weights(include_buffers=False):  # parameters on meta, buffers real
         model = Qwen2ForCausalLM(cfg)
+    if meta:  # (in ``dtype``, as rank 0's: the ranks' plans follow the model's dtype)
+        for module in model.modules():
+            for pname, p in list(module._parameters.items()):
+                if p is not None:
+                    module._parameters[pname] = torch.nn.Parameter(p.to(dtype), requires_grad=p.requires_grad)
+        model.tie_weights()
+        model.config.use_cache = False
+        model.train()
+        return model
     gen_device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     gen = torch.Generator(device=gen_device).manual_seed(int(spec.get("seed", 0)))
     device = torch.device(device)

@@ -449,7 +449,9 @@ def run(spec: dict) -> dict[str, Any]:
         torch.zeros(1, device="cuda")
         baseline = _process_memory()
     t = time.perf_counter()
-    model = build_model(spec, dtype)  # bf16 on the host (7.5 GB); the host store makes the FP32 master
+    # bf16 on the host (7.5 GB); the host store makes the FP32 master. Several processes: rank 0's alone, the
+    # others' on the meta device (the store takes rank 0's weights): one copy in RAM, as from_pretrained_streamed.
+    model = build_model(spec, dtype, meta=int(os.environ.get("RANK", "0")) > 0)
     n_params = count_params(model)
     build_s = time.perf_counter() - t
     mode = spec.get("mode", "engine")
@@ -465,7 +467,8 @@ def run(spec: dict) -> dict[str, Any]:
     res.update(n_params=n_params, model_build_s=build_s, micro_batch=int(spec["batch"]), grad_accum=1,
                regime=spec.get("regime", "auto"),
                in_layer_split=int(mt_config.get("micro_batch_size", 0) or 0),
-               model_init="bf16 on host (meta + N(0,0.02)); FP32 master made by the host store",
+               model_init="bf16 on host (meta + N(0,0.02)), rank 0 only (the others: meta); FP32 master made by "
+                          "the host store",
                process_memory_at_start=baseline)
     return res
 

@@ -302,8 +302,8 @@ HOSTS, PER_HOST = 2, 2  # 4 processes: ranks 0-1 on "host" 0, ranks 2-3 on "host
 
 def simulated_hosts_worker(rank: int, world: int, tmp: str) -> None:
     """2 simulated hosts x 2 ranks, each host its own ``shared_memory_dir`` (one store per node): 3 steps from
-    scratch, a checkpoint (rank 0 writes) after step 2. Host 1's model starts from other weights: the stores must
-    start from rank 0's."""
+    scratch, a checkpoint (rank 0 writes) after step 2. Host 1's model starts from other weights, its first rank's
+    on the meta device: the stores must start from rank 0's."""
     node = rank // PER_HOST
     shm = os.path.join(tmp, f"host{node}")
     torch.set_num_threads(1)
@@ -312,8 +312,8 @@ def simulated_hosts_worker(rank: int, world: int, tmp: str) -> None:
     try:
         dp = DataParallel.from_process_group(host=f"simulated-host-{node}")
         assert (dp.nodes, dp.node, dp.local_world, dp.local_rank) == (HOSTS, node, PER_HOST, rank % PER_HOST)
-        model = tiny("llama")
-        if node == 1:  # (another host's copy of the model: DDP's initial broadcast makes rank 0's the start)
+        model = meta_tiny("llama") if rank == PER_HOST else tiny("llama")
+        if node == 1 and rank != PER_HOST:  # (another host's copy: DDP's initial broadcast makes rank 0's the start)
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(0.5)

@@ -206,7 +206,8 @@ def shared_store_worker(rank: int, world: int, tmp: str) -> None:
 # -- through MegaTrainTrainer (accelerate, gloo) -----------------------------------------------------------------------
 def meta_follower_worker(rank: int, world: int, tmp: str) -> None:
     """Rank 1 builds its model on the meta device: the run ends where rank 0's real model alone would (written by
-    rank 0); then rank 0 holding the meta model is refused on both ranks, each with the same message."""
+    rank 0); then rank 0 holding the meta model is refused on both ranks (rank 0 saying what to do, rank 1 naming
+    rank 0)."""
     with ranks(rank, world, tmp) as dp:
         engine, opt = make_engine(dp, tmp, meta=rank > 0)
         run_steps(engine, opt, 0, STEPS, rank, world)
@@ -216,7 +217,7 @@ def meta_follower_worker(rank: int, world: int, tmp: str) -> None:
         try:
             make_engine(dp, tmp, meta=rank == 0)
             error = ""
-        except ValueError as e:
+        except (ValueError, RuntimeError) as e:
             error = str(e)
         torch.save(error, os.path.join(tmp, f"meta_leader_rank{rank}.pt"))
         dp.barrier()

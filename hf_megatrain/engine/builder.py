@@ -71,9 +71,9 @@ def build_engine(model: nn.Module, config: MegaTrainConfig, device: torch.device
     """Every phase, in order. ``config`` resolved (data parallel: ``data_parallel_config``'s); ``decay_names``: the
     parameters weight decay applies to (None: Trainer's rule); ``dp``: None alone; ``show_progress``: the
     conversion's bar of bytes."""
-    _meta_weights(model, config, dp)
+    # (data parallel: ranks > 0 start from rank 0's weights whatever their model holds; engine/shared_convert.py)
     convert_in = partial(_convert, model, config, device, decay_names, show_progress=show_progress,
-                         data_parallel=dp is not None)
+                         data_parallel=dp is not None, weights_from_rank0=dp is not None and dp.rank != 0)
     if dp is None:
         conv = convert_in(alloc_host, None)
     else:  # (each rank in turn, into its node's shared store)
@@ -85,38 +85,35 @@ def build_engine(model: nn.Module, config: MegaTrainConfig, device: torch.device
                        conv.persistent_buffers, conv.attention, modes, state, executor, head, unpadding, landing)
 
 
-def _meta_weights(model: nn.Module, config: MegaTrainConfig, dp: DataParallel | None) -> None:
+def _meta_weights(model: nn.Module, config: MegaTrainConfig, weights_from_rank0: bool, data_parallel: bool) -> None:
     """A model on the meta device (``accelerate.init_empty_weights``, ``device_map="meta"``): with several processes
-    every one but rank 0 may pass one, so that only one of them holds the weights in RAM -- the store and the
-    replicated state take rank 0's whatever the others held (engine/shared_convert.py); its resident parameters get
-    empty storage here for that. Rank 0, or one process alone, is refused where a resident parameter is meta:
-    nothing would fill it -- on every rank, before any collective of the build could leave the others waiting.
-    (Meta decoder layers alone are ``from_pretrained_streamed``'s skeleton, which fills the store after this.)"""
-    problem = None
-    if dp is not None and dp.rank != 0:
+    every one but rank 0 may pass one (``weights_from_rank0``), so that only one of them holds the weights in RAM --
+    the store and the replicated state take rank 0's whatever the others held (engine/shared_convert.py); its
+    resident parameters get empty storage here for that. Rank 0, or one process alone, is refused where a resident
+    parameter is meta: nothing would fill it. (Meta decoder layers alone are ``from_pretrained_streamed``'s
+    skeleton, which fills the store after this.)"""
+    if weights_from_rank0:
         materialize_resident(model, config.layers_path)
-    else:
-        layer_ids = {id(p) for p in find_layer_stack(model, config.layers_path).layers.parameters()}
-        resident = [n for n, p in model.named_parameters() if p.is_meta and id(p) not in layer_ids]
-        if resident:
-            where = "the first process (rank 0) of this launch holds" if dp is not None else "this model holds"
-            problem = (f"hf_megatrain: {where} {len(resident)} parameters outside the decoder layers on the meta "
-                       f"device (e.g. {resident[0]!r}): nothing would fill them. Load real weights "
-                       "(from_pretrained), or use hf_megatrain.from_pretrained_streamed(path, config), which fills "
-                       "the store from the checkpoint. With several processes only rank 0 needs real weights: the "
-                       "others may build theirs on the meta device.")
-    if dp is not None:
-        problem = next((p for p in dp.all_gather_object(problem) if p), None)
-    if problem:
-        raise ValueError(problem)
+        return
+    layer_ids = {id(p) for p in find_layer_stack(model, config.layers_path).layers.parameters()}
+    resident = [n for n, p in model.named_parameters() if p.is_meta and id(p) not in layer_ids]
+    if resident:
+        where = "the first process (rank 0) of this launch holds" if data_parallel else "this model holds"
+        raise ValueError(
+            f"hf_megatrain: {where} {len(resident)} parameters outside the decoder layers on the meta device (e.g. "
+            f"{resident[0]!r}): nothing would fill them. Load real weights (from_pretrained), or use "
+            "hf_megatrain.from_pretrained_streamed(path, config), which fills the store from the checkpoint. With "
+            "several processes only rank 0 needs real weights: the others may build theirs on the meta device.")
 
 
 def _convert(model: nn.Module, config: MegaTrainConfig, device: torch.device, decay_names: set[str] | None,
              host_alloc: HostAlloc, host_available: int | None, *, show_progress: bool = True,
-             data_parallel: bool = False) -> Converted:
+             data_parallel: bool = False, weights_from_rank0: bool = False) -> Converted:
     """plan -> store -> templates: the model into a filled store (data parallel: what each rank runs in turn).
-    ``host_alloc`` makes the store's host buffers; ``host_available``: the RAM the fit check counts on (None: now)."""
+    ``host_alloc`` makes the store's host buffers; ``host_available``: the RAM the fit check counts on (None: now);
+    ``weights_from_rank0``: this rank's store and replicated state are rank 0's (its model may be on meta)."""
     plan = _plan(model, config, device, decay_names, host_available, data_parallel)
+    _meta_weights(model, config, weights_from_rank0, data_parallel)  # (after the fit check: a meta model may ask)
     store = _store(plan, config, device, host_alloc)
     return _templates(model, plan, store, config, device, show_progress)
 

@@ -32,8 +32,8 @@ from ..core.step_state import StepState
 from ..core.store import UnitStore
 from ..model import attention
 from ..model.families import ModelHead
-from ..model.layers import LayerStack, find_layer_stack
-from ..model.skeleton import materialize_resident
+from ..model.layers import LayerStack
+from ..model.skeleton import materialize_resident, resident_meta_names
 from ..parallel.group import DataParallel
 from ..parallel.peer_cells import PeerCells
 from . import unpad
@@ -95,8 +95,7 @@ def _meta_weights(model: nn.Module, config: MegaTrainConfig, weights_from_rank0:
     if weights_from_rank0:
         materialize_resident(model, config.layers_path)
         return
-    layer_ids = {id(p) for p in find_layer_stack(model, config.layers_path).layers.parameters()}
-    resident = [n for n, p in model.named_parameters() if p.is_meta and id(p) not in layer_ids]
+    resident = resident_meta_names(model, config.layers_path)
     if resident:
         where = "the first process (rank 0) of this launch holds" if data_parallel else "this model holds"
         raise ValueError(

@@ -44,17 +44,26 @@ def causal_lm_skeleton(cfg: Any, **kwargs: Any) -> nn.Module:
         raise
 
 
-def materialize_resident(model: nn.Module, layers_path: str | None) -> None:
-    """Give the meta parameters outside the decoder stack, and those its layers share (resident:
-    model/shared_blocks.py), real (empty) host storage, keeping ties; the decoder layers' stay meta (the store
-    holds their weights: filled from a checkpoint, or from another process's)."""
+def _resident_meta(model: nn.Module, layers_path: str | None) -> list[tuple[str, nn.Module, str, nn.Parameter]]:
+    """(qualified name, module, attribute, parameter) of each meta parameter outside the decoder stack or shared by
+    its layers (resident: model/shared_blocks.py); a tied parameter once per module that holds it."""
     layers = find_layer_stack(model, layers_path).layers
     layer_ids = {id(p) for p in layers.parameters()} - shared_ids(layers)
+    return [(f"{mname}.{name}" if mname else name, mod, name, p) for mname, mod in model.named_modules()
+            for name, p in mod._parameters.items() if p is not None and p.is_meta and id(p) not in layer_ids]
+
+
+def resident_meta_names(model: nn.Module, layers_path: str | None) -> list[str]:
+    """The resident parameters (outside the decoder stack, or shared by its layers) still on the meta device."""
+    return [name for name, *_ in _resident_meta(model, layers_path)]
+
+
+def materialize_resident(model: nn.Module, layers_path: str | None) -> None:
+    """Give the resident meta parameters (``resident_meta_names``) real (empty) host storage, keeping ties; the
+    decoder layers' stay meta (the store holds their weights: filled from a checkpoint, or from another
+    process's)."""
     new: dict[int, nn.Parameter] = {}
-    for mod in model.modules():
-        for name, p in list(mod._parameters.items()):
-            if p is None or not p.is_meta or id(p) in layer_ids:
-                continue
-            if id(p) not in new:
-                new[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=torch.float32), requires_grad=p.requires_grad)
-            mod._parameters[name] = new[id(p)]
+    for _, mod, name, p in _resident_meta(model, layers_path):
+        if id(p) not in new:
+            new[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=torch.float32), requires_grad=p.requires_grad)
+        mod._parameters[name] = new[id(p)]

@@ -279,7 +279,8 @@ class MegaTrainConfig:
             forward's own graph).
         host_threads: CPU threads of the host AdamW (torch's intra-op threads of the process). 0 = auto: this
             process's share of its cores (data-parallel processes of one host split them, each leaving 4 of its share
-            to its other busy threads: core/threads.py ``share_threads``), raised to that when a
+            to its other busy threads: core/threads.py ``share_threads``; the weights half of a split update,
+            which the next forward waits for while those threads idle, takes the whole share), raised to that when a
             launcher left fewer (``accelerate launch`` and torchrun set OMP_NUM_THREADS=1 unless told otherwise),
             never lowered. > 0: exactly that many. With ``host_affinity='auto'`` binding the process: its cores.
         host_affinity: ``auto`` (default): on a GPU, when the host's processes have GPUs on every NUMA node, each

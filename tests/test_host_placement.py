@@ -82,6 +82,25 @@ def test_place_host_binds_every_thread_and_sizes_the_pool():
         torch.set_num_threads(before_threads)
 
 
+def test_the_weights_half_of_a_split_update_takes_the_whole_share():
+    # two processes on a 32-core host: 12 AdamW threads each, the weights half (the next forward waits for it) 16
+    assert threads.share_threads(16, 2) == 12 and threads.weights_half_threads(16, 2, 12, 0) == 16
+    assert threads.weights_half_threads(32, 1, 32, 0) == 32  # (one process: every core already)
+    assert threads.weights_half_threads(16, 2, 12, 10) == 12  # (a count the user set applies to both halves)
+    assert threads.weights_half_threads(16, 2, 20, 0) == 20  # (a larger launcher setting, never lowered)
+    before_aff, before_threads = os.sched_getaffinity(0), torch.get_num_threads()
+    try:
+        cores = len(before_aff)
+        p = threads.place_host("none", 0, [None, None], 1)
+        assert p.weights_threads == max(p.threads, cores // 2)
+        assert threads.place_host("none", 3, [None, None], 1).weights_threads == 3
+        alone = threads.place_host("none", 0, [None], 0)
+        assert alone.weights_threads == alone.threads and "weights half" not in alone.describe()
+    finally:
+        os.sched_setaffinity(0, before_aff)
+        torch.set_num_threads(before_threads)
+
+
 def test_compile_workers_take_the_process_share_of_the_cores():
     assert threads.compile_workers(32, 64, 16) == 16  # (inductor's default on a 64-core host; 4 processes)
     assert threads.compile_workers(32, 64, 48) == 32  # (never more than inductor's own)
@@ -112,6 +131,8 @@ def test_the_run_summary_says_where_the_host_threads_run():
     s = run_summary(engine)
     assert s["host_placement"]["threads"] == torch.get_num_threads()
     assert "host threads:" in format_summary(s) and not s["host_placement"]["bound"]  # (a CPU device: never bound)
+    # the optimizer runs a split update's weights half on the placement's count (one process: the same count)
+    assert engine.create_optimizer().weights_threads == s["host_placement"]["weights_threads"] == torch.get_num_threads()
 
 
 def test_host_affinity_is_validated():

@@ -26,7 +26,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("grad_scale", [None, 3.7])
-def test_halves_write_the_bits_of_one_whole_update(grad_dtype, grad_scale):
+@pytest.mark.parametrize("weights_threads", [None, 3])  # (the weights half may run on more threads: same bits)
+def test_halves_write_the_bits_of_one_whole_update(grad_dtype, grad_scale, weights_threads):
     n = 70_001  # (several of the kernel's blocks, a ragged end)
     torch.manual_seed(0)
     state = [torch.randn(n), torch.randn(n).to(grad_dtype), torch.randn(n) * 0.1, torch.rand(n) * 0.01]
@@ -36,7 +37,8 @@ def test_halves_write_the_bits_of_one_whole_update(grad_dtype, grad_scale):
     whole, split = [t.clone() for t in state], [t.clone() for t in state]
     copy_whole, copy_split = torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
     kernels.adamw_(*whole, groups, 7, grad_scale, copy_whole, HostKernel.NATIVE)
-    kernels.adamw_(*split, groups, 7, grad_scale, copy_split, HostKernel.NATIVE, UpdatePart.WEIGHTS)
+    kernels.adamw_(*split, groups, 7, grad_scale, copy_split, HostKernel.NATIVE, UpdatePart.WEIGHTS,
+                   threads=weights_threads)
     assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(split, state))  # the state untouched
     assert torch.equal(_bits(copy_split), _bits(copy_whole))
     kernels.adamw_(*split, groups, 7, grad_scale, None, HostKernel.NATIVE, UpdatePart.STATE)

@@ -94,11 +94,13 @@ def host_bytes_per_param(impl: HostKernel, clip: bool, copy_bytes: int, grad_byt
 
 def adamw_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
            groups: Groups, step: int, grad_scale: float | None = None, compute: torch.Tensor | None = None,
-           impl: HostKernel = HostKernel.FUSED, part: UpdatePart = UpdatePart.WHOLE) -> None:
+           impl: HostKernel = HostKernel.FUSED, part: UpdatePart = UpdatePart.WHOLE,
+           threads: int | None = None) -> None:
     """One AdamW update of every span (step count ``step``, already incremented), then ``compute`` (the unit's
     compute copy, if any) refreshed over the same spans. ``grad_scale``: the gradients are divided by it
     (clipping). ``COMPILED`` and ``NATIVE`` apply to host buffers; on a GPU the fused kernel runs. ``part``: one
-    half of a split update (host buffers, ``NATIVE``; ``WEIGHTS`` needs ``compute``, ``STATE`` writes none)."""
+    half of a split update (host buffers, ``NATIVE``; ``WEIGHTS`` needs ``compute``, ``STATE`` writes none).
+    ``threads``: the native kernel's thread count for this update (None: torch's intra-op count)."""
     if part is not UpdatePart.WHOLE:
         if impl is not HostKernel.NATIVE or master.device.type != "cpu" or (part is UpdatePart.WEIGHTS) != (
                 compute is not None):
@@ -108,7 +110,7 @@ def adamw_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_
         for lo, hi, h, c, small in _spans_with_constants(groups, step, grad_scale):
             native_adamw.adamw_span_(master[lo:hi], grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi],
                                      None if compute is None else compute[lo:hi], c, small,
-                                     write_state=part is UpdatePart.STATE)
+                                     write_state=part is UpdatePart.STATE, threads=threads)
         return
     if impl is HostKernel.COMPILED and master.device.type == "cpu":
         _compiled_adamw_(master, grad, exp_avg, exp_avg_sq, groups, step, grad_scale, compute)
@@ -116,7 +118,7 @@ def adamw_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_
     if impl is HostKernel.NATIVE and master.device.type == "cpu":
         for lo, hi, h, c, small in _spans_with_constants(groups, step, grad_scale):
             native_adamw.adamw_span_(master[lo:hi], grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi],
-                                     None if compute is None else compute[lo:hi], c, small)
+                                     None if compute is None else compute[lo:hi], c, small, threads=threads)
         return
     device = master.device
     step_t = torch.full((1,), float(step), dtype=torch.float32, device=device)

@@ -149,10 +149,11 @@ def library() -> Any:
 
 
 def adamw_span_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None,
-                c: torch.Tensor, lerp_small: bool, write_state: bool = True) -> None:
+                c: torch.Tensor, lerp_small: bool, write_state: bool = True, threads: int | None = None) -> None:
     """One span, in place: contiguous CPU tensors of one length; ``c`` the 8 float32 constants of
     ``kernels._constants``. ``write_state=False``: only ``out`` (required) gets the new weights; master and
-    moments are left as they were (the first half of a split update, kernels.UpdatePart)."""
+    moments are left as they were (the first half of a split update, kernels.UpdatePart). ``threads``: OpenMP
+    threads of this call (None: torch's intra-op count); any count writes the same bits (one element, one thread)."""
     n = p.numel()
     if n == 0:
         return
@@ -165,4 +166,4 @@ def adamw_span_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tens
                         f"grad {g.dtype}, copy {None if out is None else out.dtype}")
     library().adamw_span(p.data_ptr(), g.data_ptr(), int(g.dtype == torch.bfloat16), m.data_ptr(), v.data_ptr(),
                          None if out is None else out.data_ptr(), n, c.data_ptr(), int(lerp_small),
-                         torch.get_num_threads(), int(write_state))
+                         max(int(threads or torch.get_num_threads()), 1), int(write_state))

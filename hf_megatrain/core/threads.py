@@ -49,6 +49,21 @@ def share_threads(share: int, processes: int) -> int:
     return max(share - OTHER_BUSY_THREADS, share // 2, 1)
 
 
+def weights_half_threads(share: int, processes: int, threads: int, requested: int) -> int:
+    """Threads for the weights half of a split update (optim/split_update.py) in a process running ``threads``
+    elsewhere: the whole ``share`` of the cores where it is one of several processes and the count is auto.
+
+    The next forward waits for that half, layer by layer: meanwhile the process's other busy threads are idle (the
+    main thread waits for the layer, its copies are DMA), so the cores ``share_threads`` leaves them are free, and
+    the half is memory-bound on a host the processes share. Measured on a 32-core 2 x H200 host with no GPU work
+    (integration/probes/host_adamw_rate.py): the weights half of 2 processes at once, 12 threads each 139 GB/s,
+    16 each 162 GB/s. The state half runs beside the backward, whose threads are busy: it keeps ``threads``. A
+    count the user set (``requested``) applies to both halves."""
+    if requested > 0 or processes <= 1:
+        return threads
+    return max(threads, share)
+
+
 def host_threads(requested: int, processes: int, current: int, cores: int) -> int:
     """Threads to use: ``requested`` when > 0, else (auto) ``share_threads`` of this process's share of ``cores``
     among ``processes``, never fewer than the ``current`` setting."""
@@ -89,6 +104,7 @@ class HostPlacement:
     bound: bool
     threads_before: int
     compile_workers: int | None = None  # torch.compile's worker pool (None: left as inductor set it)
+    weights_threads: int | None = None  # a split update's weights half (``weights_half_threads``; None: ``threads``)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -97,8 +113,10 @@ class HostPlacement:
         where = f"NUMA node {self.node}" if self.node is not None else "no NUMA node known"
         how = "bound to" if self.bound else "free on"
         workers = f", {self.compile_workers} compile workers" if self.compile_workers is not None else ""
+        half = (f" ({self.weights_threads} for a split update's weights half)"
+                if self.weights_threads not in (None, self.threads) else "")
         return (f"{where}; {how} {len(self.cores)} cores ({_span(self.cores)}), host AdamW on {self.threads} "
-                f"threads{workers}")
+                f"threads{half}{workers}")
 
 
 def _span(cores: tuple[int, ...]) -> str:
@@ -135,10 +153,11 @@ def place_host(affinity: str, requested_threads: int, gpu_nodes: list[int | None
     if after != before:
         torch.set_num_threads(after)
     workers = None
+    share = len(cores) if bound else max(len(cores) // len(gpu_nodes), 1)
     if len(gpu_nodes) > 1:  # (one of several processes of this host)
-        share = len(cores) if bound else len(cores) // len(gpu_nodes)
         workers = _share_compile_workers(share, len(allowed))
-    return HostPlacement(node, tuple(cores), after, bound, before, workers)
+    weights = weights_half_threads(share, len(gpu_nodes), after, requested_threads)
+    return HostPlacement(node, tuple(cores), after, bound, before, workers, weights)
 
 
 def place_host_for(config: Any, device: torch.device, ranks: Any) -> HostPlacement:

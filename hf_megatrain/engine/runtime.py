@@ -420,6 +420,7 @@ class MegaTrainEngine:
         self.optimizer = cls(self.store, self.state, self.landing, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                              max_grad_norm=max_grad_norm, unit_order=order, skip_nonfinite=self.config.skip_nonfinite,
                              overlap=self.config.overlap_optimizer, grad_reach=self.executor.reach,
-                             modes=self.modes, ranks=ranks_of(self.dp), exact_take_back=self.config.exact_take_back)
+                             modes=self.modes, ranks=ranks_of(self.dp), exact_take_back=self.config.exact_take_back,
+                             weights_threads=self.host_placement.weights_threads)
         self.executor.grads.attach(self.optimizer)  # the one sink of landed gradients (speculation, lean)
         return self.optimizer

@@ -74,7 +74,7 @@ class UnitAdamW(SpeculativeStep, AdamWStateIO, torch.optim.Optimizer):
                  max_grad_norm: float | None = None,
                  unit_order: list[int] | None = None, skip_nonfinite: bool = True, overlap: bool = False,
                  modes: StepModes = StepModes(), grad_reach: GradReach | None = None, ranks: Ranks | None = None,
-                 exact_take_back: bool = False) -> None:
+                 exact_take_back: bool = False, weights_threads: int | None = None) -> None:
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"invalid AdamW hyper-parameters lr={lr} betas={betas} eps={eps} "
                              f"weight_decay={weight_decay}")
@@ -100,6 +100,9 @@ class UnitAdamW(SpeculativeStep, AdamWStateIO, torch.optim.Optimizer):
         super().__init__([g for g in groups if g["params"]], defaults)
         self.max_grad_norm = max_grad_norm
         self.skip_nonfinite = skip_nonfinite
+        # Host threads of a split update's weights half, which the next forward waits for (core/threads.py
+        # ``weights_half_threads``; None: the process's intra-op count, as every other host update).
+        self.weights_threads = weights_threads
         self.unit_order = unit_order or list(range(len(store.units)))
         self.overlap = overlap
         streamed = [u for u in store.units if u.plan.stepper is Stepper.DEVICE_STREAMED]
@@ -346,7 +349,8 @@ class UnitAdamW(SpeculativeStep, AdamWStateIO, torch.optim.Optimizer):
             if part is kernels.UpdatePart.WEIGHTS:
                 self.splits.remember(unit.index, by_step)
         for step, groups in by_step:
-            kernels.adamw_(*flats, groups, step, grad_scale, compute, self.host_kernel, part)
+            kernels.adamw_(*flats, groups, step, grad_scale, compute, self.host_kernel, part,
+                           self.weights_threads if part is kernels.UpdatePart.WEIGHTS else None)
         if flats[0].device.type == "cpu":  # (GPU updates are asynchronous launches: not timed here)
             self.host_update_seconds += time.perf_counter() - t0
             self.host_update_params += 0 if part is kernels.UpdatePart.STATE else hi - lo

@@ -207,6 +207,7 @@ def test_tiny_trainer_end_to_end(tmp_path):
     assert r["mode"] == "trainer" and len(r["step_times_s"]) == 2 and r["tokens_per_s"] > 0
     # --timeline: the host spans of each step, the weight slots' wait per unit among them
     assert all("wait" in s["spans_ms"] and "forward" in s["spans_ms"] for s in r["timeline"]["steps"])
+    assert all("batch" in s["spans_ms"] and "train_step" in s["spans_ms"] for s in r["timeline"]["steps"][1:])
     assert r["host_adamw"]["gparam_per_s"] > 0 and r["forward_wait_share"] is not None
     assert r["forward_gpu_wait_share"] is None  # (the GPU's idle across the waits: no GPU, nothing measured)
 

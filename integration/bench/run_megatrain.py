@@ -246,6 +246,14 @@ def _timeline(model: torch.nn.Module) -> HostTimeline:
     tl.wrap(StreamingExecutor, "finish", "executor.finish")
     tl.wrap(DeviceStepper, "run", "device_stepper")
     tl.wrap(common, "sync", "clock_sync")
+    # The Trainer's work between one step's end and the next forward (~20 ms on most steps of session 29's 2-GPU
+    # runs, 1-3 ms on others, with one process or two): which of its phases holds it.
+    from hf_megatrain.hf.trainer import MegaTrainTrainer
+
+    for name, label in (("get_batch_samples", "batch"), ("_prepare_inputs", "prepare"),
+                        ("_maybe_log_save_evaluate", "log_save"), ("training_step", "train_step")):
+        if hasattr(MegaTrainTrainer, name):
+            tl.wrap(MegaTrainTrainer, name, label)
     # where threads block outside the slots' waits: device syncs, the resident unit's publication, activation
     # offload buffers (calls of 1 ms or more). Not torch.Tensor methods: compiled layers would trace the wrapper
     # (graph breaks, and recompiles on its clock values).

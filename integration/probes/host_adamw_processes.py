@@ -1,14 +1,16 @@
 """The host's ceiling for the host AdamW passes, with no GPU work beside them: one process, and several at once
 (as data-parallel ranks run them), each on its own buffers, over thread counts.
 
-    python integration/probes/host_adamw_rate.py $OUT/host_adamw_rate.json [--params 2e8] [--plan 1x32,2x12]
+    python integration/probes/host_adamw_processes.py $OUT/host_adamw_processes.json [--params 2e8] [--plan 1x32,2x12]
 
 Each entry of ``--plan`` is PROCESSESxTHREADS. Every process runs the native kernel (core/native_adamw.py) over
 ``--params`` parameters of its own, for each pass the training step uses -- the split update's WEIGHTS (bf16 and
 FP32 gradient) and STATE halves, and a WHOLE update -- after a barrier, so the processes' passes overlap. The rate
 is the host DRAM bytes the pass moves by the kernel's own count (kernels.host_bytes_per_param) over the slowest
 process's median time: what the host delivers to a memory-bound pass, against which a training step's timeline
-(``upd`` spans) can be read. Written for issue 45 (2 GPUs at 16k tokens per GPU on a 32-core host).
+(``upd`` spans) can be read. Written for issue 45 (2 GPUs at 16k tokens per GPU on a 32-core host);
+integration/host_adamw_rate.py measures one process's kernel variants, beside DMA. (Session 29 ran it as
+``probes/host_adamw_rate.py``: its result file keeps that name.)
 """
 
 from __future__ import annotations

@@ -135,6 +135,37 @@ def test_split_training_is_bitwise_the_whole_one():
         assert torch.equal(_bits(a.compute), _bits(b.compute))
 
 
+def test_the_weights_half_runs_on_its_own_thread_count(monkeypatch):
+    """The optimizer's ``weights_threads`` (core/threads.py ``weights_half_threads``) reaches the kernel for every
+    weights half, and only there; the state halves and whole updates keep the process's intra-op count."""
+    from hf_megatrain.core import native_adamw
+
+    seen: list[tuple[bool, int | None]] = []
+    real = native_adamw.adamw_span_
+
+    def spy(*args, write_state=True, threads=None):
+        seen.append((write_state, threads))
+        return real(*args, write_state=write_state, threads=threads)
+
+    monkeypatch.setattr(native_adamw, "adamw_span_", spy)
+    model = tiny("llama", num_hidden_layers=2)
+    cfg = MegaTrainConfig(compute_dtype="bfloat16", host_kernel="native", split_host_update="on",
+                          device_layers=0, device_step_layers=0)
+    engine = MegaTrainEngine(copy.deepcopy(model), cfg)
+    opt = engine.create_optimizer(lr=1e-3, max_grad_norm=0.05)
+    opt.weights_threads = 3
+    for micro in random_batches(3, 1, 2, 16, model.config.vocab_size, seed=3):
+        ids, lab = micro[0]
+        engine(input_ids=ids, labels=lab).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    opt.state_tensors()  # (every update done)
+    assert {t for w, t in seen if not w} == {3}  # weights halves (split steps ran)
+    assert {t for w, t in seen if w} == {None}
+    with pytest.raises(ValueError, match="threads=0"):
+        real(*[torch.zeros(4)] * 4, None, torch.ones(8), True, threads=0)
+
+
 def test_overlapped_split_training_matches_torch_adamw():
     """Overlapped (the second passes run while the next forward and backward do), against plain HF + torch AdamW
     with the same clipping; the run splits every norm-first step."""

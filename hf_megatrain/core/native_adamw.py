@@ -154,6 +154,8 @@ def adamw_span_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tens
     ``kernels._constants``. ``write_state=False``: only ``out`` (required) gets the new weights; master and
     moments are left as they were (the first half of a split update, kernels.UpdatePart). ``threads``: OpenMP
     threads of this call (None: torch's intra-op count); any count writes the same bits (one element, one thread)."""
+    if threads is not None and threads < 1:
+        raise ValueError(f"native AdamW: threads={threads}; give a count >= 1, or None for torch's intra-op count")
     n = p.numel()
     if n == 0:
         return
@@ -166,4 +168,4 @@ def adamw_span_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tens
                         f"grad {g.dtype}, copy {None if out is None else out.dtype}")
     library().adamw_span(p.data_ptr(), g.data_ptr(), int(g.dtype == torch.bfloat16), m.data_ptr(), v.data_ptr(),
                          None if out is None else out.data_ptr(), n, c.data_ptr(), int(lerp_small),
-                         max(int(threads or torch.get_num_threads()), 1), int(write_state))
+                         torch.get_num_threads() if threads is None else int(threads), int(write_state))

@@ -25,7 +25,7 @@ import time
 from typing import Any
 
 HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, HERE)
+sys.path[:0] = [os.path.join(HERE, "integration"), HERE]
 
 PASSES = (("weights_bf16_grad", "WEIGHTS", 2), ("weights_fp32_grad", "WEIGHTS", 4),
           ("state_bf16_grad", "STATE", 2), ("state_fp32_grad", "STATE", 4), ("whole_fp32_grad", "WHOLE", 4),
@@ -83,20 +83,22 @@ def run(procs: int, threads: int, n: int, reps: int) -> dict[str, Any]:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    from bench import record
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out")
     ap.add_argument("--params", type=float, default=2e8, help="parameters per process (default 2e8)")
     ap.add_argument("--plan", default="1x32,1x24,1x16,1x12,2x12,2x16", help="PROCESSESxTHREADS, comma-separated")
     ap.add_argument("--reps", type=int, default=3)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     rows = []
     for item in a.plan.split(","):
         procs, threads = (int(x) for x in item.split("x"))
         rows.append(run(procs, threads, int(a.params), a.reps))
         print(json.dumps(rows[-1]), flush=True)
-    with open(a.out, "w") as f:
-        json.dump({"cores": os.cpu_count(), "runs": rows}, f, indent=1)
+    record.write(a.out, {**record.header("integration/probes/host_adamw_processes.py", argv),
+                         "cores": os.cpu_count(), "runs": rows})
 
 
 if __name__ == "__main__":
